@@ -1,0 +1,1 @@
+"""checkpoints_tools package."""
