@@ -1,0 +1,101 @@
+"""Run the model over micro-batches with megatron-core's schedules (1F1B under PP) and score tokens.
+
+This is the one path every forward of the trainer takes: old log-probs, reference log-probs and the policy update.
+On the last pipeline stage each micro-batch's vocab-parallel logits become per-token log-probs and entropies; an
+optional `loss_fn` turns those into a loss that megatron back-propagates through all stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+
+from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, sequence_logprobs
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of right-padded (or packed) token rows.
+
+    Attributes:
+        input_ids: [b, s] token ids.
+        position_ids: [b, s]; restart at 0 for each packed sequence. Default: 0..s-1 per row.
+        extras: anything the loss function needs (masks, advantages, old log-probs, ...), passed through untouched.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    def positions(self) -> torch.Tensor:
+        if self.position_ids is not None:
+            return self.position_ids
+        b, s = self.input_ids.shape
+        return torch.arange(s, device=self.input_ids.device).expand(b, s)
+
+
+# loss_fn(micro_batch, logprobs [b,s], entropy [b,s]) -> (scalar loss, dict of detached metrics)
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, vocab_size: int,
+                     loss_fn: LossFn | None = None, forward_only: bool | None = None, keep_logits: bool = False,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[dict]:
+    """Forward (and backward, if `loss_fn` is given and not forward_only) over all micro-batches.
+
+    Returns, on the last pipeline stage, one dict per micro-batch with "logprobs" and "entropy" ([b, s], fp32,
+    detached; position t scores token t), "logits" (this rank's vocab slice) when keep_logits, and the loss_fn's
+    metrics. Other stages return an empty list.
+
+    Loss scaling: megatron divides each micro-batch loss by the number of micro-batches, and its DDP divides reduced
+    gradients by the data-parallel size. mpo's losses are already normalised by global mini-batch denominators, so
+    the runner multiplies by both to cancel them: the gradient is exactly the sum over micro-batches and
+    data-parallel ranks of d(loss)/d(params).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        return []
+    forward_only = loss_fn is None if forward_only is None else forward_only
+    num_microbatches = len(microbatches)
+    from mpo.models.ddp import is_ddp
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    undo_scaling = num_microbatches
+    if is_ddp(model):
+        undo_scaling *= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    batch_size, seq_length = microbatches[0].input_ids.shape
+
+    def loss_func(mb: MicroBatch, logits: torch.Tensor):
+        logprobs, entropy = sequence_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
+                                              position_ids=mb.position_ids, chunk_tokens=chunk_tokens)
+        out = {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
+        if keep_logits:
+            out["logits"] = logits.detach()
+        if loss_fn is None:
+            loss = (logprobs.sum() + entropy.sum()) * 0.0
+        else:
+            loss, metrics = loss_fn(mb, logprobs, entropy)
+            out.update(metrics)
+            out["loss"] = loss.detach()
+        return loss * undo_scaling, out
+
+    def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: torch.nn.Module):
+        mb = next(data_iterator)
+        logits = model_chunk(mb.input_ids, mb.positions(), None)
+        return logits, partial(loss_func, mb)
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+    )
+    return list(outputs) if parallel_state.is_pipeline_last_stage() else []

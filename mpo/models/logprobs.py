@@ -1,0 +1,128 @@
+"""Token log-probs and entropy from vocab-parallel logits, without gathering the vocabulary on any rank.
+
+Each TP rank holds logits for its slice of the (padded) vocabulary. Per chunk of tokens we all-reduce a max, then one
+packed [sum exp, target logit, sum exp*x] triple, so communication is O(tokens), never O(tokens x vocab). The backward
+recomputes the softmax chunk by chunk from the saved per-token log-sum-exp and entropy, so what autograd keeps is the
+logits themselves plus two floats per token: peak extra memory is one fp32 chunk, not a full fp32 copy of the logits.
+Padded vocabulary entries (ids >= vocab_size) are excluded from the softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 at least (bf16 logits are upcast); fp64 stays fp64 (reference computations)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, size: int) -> None:
+    if size > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group, chunk_tokens: int):
+        rank, size = _tp_rank_size(group)
+        local_vocab = logits.shape[-1]
+        vocab_start = rank * local_vocab
+        valid = max(0, min(local_vocab, vocab_size - vocab_start))  # this rank's unpadded columns
+        flat = logits.reshape(-1, local_vocab)
+        flat_labels = labels.reshape(-1)
+        n = flat.shape[0]
+        logp = torch.empty(n, dtype=_compute_dtype(logits), device=logits.device)
+        entropy = torch.empty_like(logp)
+        lse_all = torch.empty_like(logp)
+        for start in range(0, n, chunk_tokens):
+            x = flat[start : start + chunk_tokens, :valid].to(logp.dtype)
+            target = flat_labels[start : start + chunk_tokens] - vocab_start
+            on_rank = (target >= 0) & (target < valid)
+            gmax = x.max(dim=-1).values if valid > 0 else x.new_full((x.shape[0],), -torch.inf)
+            _all_reduce(gmax, dist.ReduceOp.MAX, group, size)
+            shifted = x - gmax[:, None]
+            exp = shifted.exp()
+            target_logit = shifted.gather(1, target.clamp(0, max(valid - 1, 0))[:, None]).squeeze(1) if valid else \
+                shifted.new_zeros(x.shape[0])
+            stats = torch.stack([exp.sum(-1), torch.where(on_rank, target_logit, 0.0), (exp * shifted).sum(-1)])
+            _all_reduce(stats, dist.ReduceOp.SUM, group, size)
+            sum_exp, target_shifted, sum_exp_x = stats
+            log_z = sum_exp.log()
+            chunk = slice(start, start + x.shape[0])
+            logp[chunk] = target_shifted - log_z
+            # H = log Z - E_p[x] (in shifted coordinates)
+            entropy[chunk] = log_z - sum_exp_x / sum_exp
+            lse_all[chunk] = log_z + gmax
+        ctx.save_for_backward(logits, labels, lse_all, entropy)
+        ctx.meta = (vocab_size, group, chunk_tokens, valid, vocab_start)
+        return logp.view(labels.shape), entropy.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
+        logits, labels, lse_all, entropy = ctx.saved_tensors
+        vocab_size, group, chunk_tokens, valid, vocab_start = ctx.meta
+        local_vocab = logits.shape[-1]
+        flat = logits.reshape(-1, local_vocab)
+        flat_labels = labels.reshape(-1)
+        g_logp = grad_logp.reshape(-1).to(lse_all.dtype) if grad_logp is not None else torch.zeros_like(lse_all)
+        g_ent = grad_entropy.reshape(-1).to(lse_all.dtype) if grad_entropy is not None else torch.zeros_like(lse_all)
+        grad = torch.zeros_like(flat)
+        for start in range(0, flat.shape[0], chunk_tokens):
+            chunk = slice(start, start + chunk_tokens)
+            x = flat[chunk, :valid].to(lse_all.dtype)
+            lse = lse_all[chunk][:, None]
+            p = (x - lse).exp()
+            # d logp / dx_j = 1[j = label] - p_j ;  d H / dx_j = -p_j (x_j - E_p[x]),  E_p[x] = lse - H
+            mean_x = lse - entropy[chunk][:, None]
+            g = -p * (g_logp[chunk][:, None] + g_ent[chunk][:, None] * (x - mean_x))
+            target = flat_labels[chunk] - vocab_start
+            on_rank = (target >= 0) & (target < valid)
+            rows = on_rank.nonzero().squeeze(1)
+            g[rows, target[rows]] += g_logp[chunk][rows]
+            grad[chunk, :valid] = g.to(grad.dtype)
+        return grad.view_as(logits), None, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+                            tp_group: dist.ProcessGroup | None = None,
+                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(labels) and the entropy of each position's distribution, in fp32 (fp64 for fp64 logits).
+
+    Args:
+        logits: [..., V_local] this rank's vocab slice (rank r holds ids [r*V_local, (r+1)*V_local)).
+        labels: [...] global token ids to score.
+        vocab_size: the real vocabulary; padded ids at or above it are excluded from the softmax.
+        tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
+        chunk_tokens: tokens processed at once; bounds the fp32 working memory.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on leading dims")
+    return _VocabParallelLogProbEntropy.apply(logits, labels, vocab_size, tp_group, chunk_tokens)
+
+
+def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int,
+                      tp_group: dist.ProcessGroup | None = None, position_ids: torch.Tensor | None = None,
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies of `input_ids` [b, s] under causal-LM logits [b, s, V_local].
+
+    out[:, t] scores token t with the logits at position t-1; out[:, 0] is 0. With packed rows, pass position_ids
+    (they restart at 0 for each packed sequence): a sequence's first token has no prediction and also gets 0.
+    """
+    logp, entropy = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size,
+                                            tp_group=tp_group, chunk_tokens=chunk_tokens)
+    zero = logp.new_zeros(logp.shape[0], 1)
+    logp, entropy = torch.cat([zero, logp], 1), torch.cat([zero, entropy], 1)
+    if position_ids is not None:
+        starts = position_ids == 0
+        logp, entropy = logp.masked_fill(starts, 0.0), entropy.masked_fill(starts, 0.0)
+    return logp, entropy
