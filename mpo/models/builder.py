@@ -147,10 +147,14 @@ def build_model(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceP
     if device.is_gpu:
         gpt.cuda(device.device)
     result: torch.nn.Module = gpt
+    head = gpt.output_layer.weight if gpt.post_process and gpt.output_layer.weight is not None else None
+    fp32_head_weight = head.detach().clone() if precision.fp32_lm_head and head is not None else None
     if precision.dtype == "bf16" and wrap_float16:
         result = Float16Module(config, gpt)
     if precision.fp32_lm_head:
         apply_fp32_lm_head(result)
+        if fp32_head_weight is not None:  # undo Float16Module's rounding of the head's initial weights
+            gpt.output_layer.weight.data.copy_(fp32_head_weight)
     return result
 
 

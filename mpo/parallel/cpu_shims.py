@@ -167,10 +167,7 @@ _CUDA_FACTORY_MODULES = (
 
 def _build_cuda_factories() -> list[_Patch]:
     proxy = _CpuDeviceTorch()
-    patches = [_Patch(_module(name), "torch", proxy) for name in _CUDA_FACTORY_MODULES]
-    # Tensor.cuda() (optimizer state loading, param hashes) becomes a no-op: there is no other device to move to.
-    patches.append(_Patch(torch.Tensor, "cuda", lambda self, *a, **k: self))
-    return patches
+    return [_Patch(_module(name), "torch", proxy) for name in _CUDA_FACTORY_MODULES]
 
 
 # --- alltoall ----------------------------------------------------------------------------------------------------
