@@ -16,6 +16,7 @@ from mpo.algorithms import (
     make_loss_config,
     router_shift_gamma,
     router_shift_sum,
+    router_topk_overlap,
 )
 
 
@@ -108,3 +109,11 @@ def test_router_shift_pipeline_split_matches_single_stage():
     keep = [0, 2, 3]
     torch.testing.assert_close(masked.gamma_raw, torch.exp(-(new - old)[..., keep, :].abs().mean(dim=(-2, -1))),
                                rtol=0, atol=1e-15)
+
+
+def test_router_topk_overlap():
+    logits = torch.tensor([[[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]]])  # [T=1, L=2, E=4]
+    old_idx = torch.topk(logits, 2, dim=-1).indices
+    assert router_topk_overlap(old_idx, logits).tolist() == [[1.0, 1.0]]
+    shifted = torch.tensor([[[3.0, 0.0, 2.5, 1.0], [3.0, 2.0, 1.0, 0.0]]])
+    assert router_topk_overlap(old_idx, shifted).tolist() == [[0.5, 0.0]]

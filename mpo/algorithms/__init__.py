@@ -35,6 +35,7 @@ from .router_shift import (
     router_logp_at_old_topk,
     router_shift_gamma,
     router_shift_sum,
+    router_topk_overlap,
 )
 from . import sequence_losses as _sequence_losses  # noqa: F401  (registers gspo, gmpo, rspo, ...)
 from . import token_losses as _token_losses  # noqa: F401  (registers grpo, dapo, sapo, cispo, ...)
@@ -52,5 +53,5 @@ __all__ = [
     "RouterShift", "SAPOConfig", "all_reduce_metrics", "compute_advantages", "compute_global_denominators",
     "compute_policy_loss", "gamma_from_router_logits", "gamma_from_sums", "get_loss", "kl_penalty", "kl_per_token",
     "loss_names", "make_loss_config", "merge_metrics", "register_loss", "router_logp_at_old_topk",
-    "router_shift_gamma", "router_shift_sum", "token_weights",
+    "router_shift_gamma", "router_shift_sum", "router_topk_overlap", "token_weights",
 ]

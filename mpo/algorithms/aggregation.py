@@ -73,10 +73,11 @@ def compute_global_denominators(
 ) -> GlobalDenominators:
     """Count the denominators of one optimizer step.
 
-    Call it on the full local mini-batch (one tensor, or the list of its micro-batches, which may differ in padded
-    length). With ``process_group`` (or an initialised default group when ``process_group`` is ``dist.group.WORLD``)
-    the counts are all-reduced (SUM) over it, so pass the data-parallel group. ``group_ids`` must be global prompt ids
-    in ``[0, num_groups)``; ``num_groups`` defaults to ``max id + 1`` (all-reduced with MAX across ranks).
+    Call it once per optimizer step on this rank's whole mini-batch: one tensor, or the list of its micro-batches
+    (they may differ in padded length). Pass the data-parallel group (``dist.group.WORLD`` for the default group) as
+    ``process_group`` to all-reduce (SUM) the counts over the DP ranks; ``None`` means no all-reduce. ``group_ids`` must
+    be global prompt ids in ``[0, num_groups)``; ``num_groups`` defaults to ``max id + 1`` (MAX across ranks).
+    Pass ``advantages`` to get the A>0 / A<=0 token counts that sign-split metrics (SAPO) need.
     """
     masks = _as_list(mask)
     gids = _as_list(group_ids)

@@ -19,7 +19,7 @@ from .aggregation import GlobalDenominators, compute_global_denominators, token_
 from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import LossConfig
 from .kl import kl_penalty
-from .metrics import masked_max, masked_min, masked_partial_mean
+from .metrics import masked_max, masked_min
 from .router_shift import RouterShift, router_shift_gamma
 
 LossFn = Callable[[LossContext, Any], tuple[Tensor, dict[str, Tensor]]]

@@ -102,3 +102,13 @@ def gamma_from_router_logits(
     """gamma ``[B, T]`` directly from raw router logits ``[B, T, L, E]`` (old top-K, softmax over all experts)."""
     _, old_sel, new_sel = router_logp_at_old_topk(router_logits_old, router_logits_new, topk)
     return router_shift_gamma(new_sel, old_sel, gamma_min)
+
+
+def router_topk_overlap(topk_indices_old: Tensor, router_logits_new: Tensor) -> Tensor:
+    """Fraction of the old top-K experts still in the current router's top-K, per token and layer ``[..., L]``.
+
+    A diagnostic the spec asks RSPO runs to log per layer (average it over valid tokens yourself).
+    """
+    k = topk_indices_old.shape[-1]
+    new_idx = torch.topk(router_logits_new.detach(), k, dim=-1).indices
+    return (topk_indices_old[..., :, None] == new_idx[..., None, :]).any(-1).to(torch.float64).mean(-1)
