@@ -12,7 +12,7 @@ from torch import Tensor
 from .aggregation import SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_MEAN
 from .batch import LossContext
 from .configs import CISPOConfig, PPOClipConfig, PPOClipRouterShiftConfig, SAPOConfig
-from .metrics import stats
+from .metrics import masked_partial_mean, stats
 from .registry import register_loss
 
 
@@ -71,11 +71,9 @@ def sapo_loss(ctx: LossContext, cfg: SAPOConfig) -> tuple[Tensor, dict[str, Tens
         raise ValueError("sapo metrics need advantage-sign token counts: pass advantages to compute_global_denominators")
     metrics = {
         **stats("sapo_grad_weight", grad_weight, valid, denoms.num_tokens),
-        "sapo_grad_weight_mean_pos": (torch.where(valid & pos, grad_weight, 0).sum() / denoms.num_pos_adv_tokens
-                                      if denoms.num_pos_adv_tokens else grad_weight.new_zeros(())),
+        "sapo_grad_weight_mean_pos": masked_partial_mean(grad_weight, valid & pos, denoms.num_pos_adv_tokens),
         # "neg" = the tokens that use tau_neg, i.e. A <= 0 (as the golden reference counts them)
-        "sapo_grad_weight_mean_neg": (torch.where(valid & ~pos, grad_weight, 0).sum() / denoms.num_nonpos_adv_tokens
-                                      if denoms.num_nonpos_adv_tokens else grad_weight.new_zeros(())),
+        "sapo_grad_weight_mean_neg": masked_partial_mean(grad_weight, valid & ~pos, denoms.num_nonpos_adv_tokens),
         "sapo_gate_sigmoid_mean": ctx.token_mean(gate),
         "sapo_attenuated_frac": ctx.token_frac(grad_weight < 0.5),
     }
