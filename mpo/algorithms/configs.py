@@ -1,0 +1,168 @@
+"""Hyper-parameters of the policy losses: one dataclass per loss family, validated on construction.
+
+Defaults are the spec's choices (``shared/spec/losses.md`` sections 4 and 8). The registry attaches per-name
+defaults on top (e.g. ``dapo`` = :class:`PPOClipConfig` with ``eps_high=0.28`` and ``token-mean``), and any field can be
+overridden from the trainer config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .aggregation import AGG_MODES, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_MEAN
+from .kl import resolve_kl_estimator
+from .router_shift import check_gamma_min
+
+GAMMA_MODES: tuple[str, ...] = ("pre_clip", "post_clip_literal")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class LossConfig:
+    """Fields shared by every loss.
+
+    Attributes:
+        agg: aggregation mode, one of ``AGG_MODES``.
+        norm_const: the constant C of ``seq-mean-token-sum-norm`` (max response length); required for that mode only.
+        kl_coef: beta of the KL penalty against the reference policy; 0 disables it (needs ``logp_ref`` otherwise).
+        kl_estimator: ``k1``/``k2``/``k3`` (or verl's ``kl``/``mse``/``low_var_kl``).
+    """
+
+    agg: str = SEQ_MEAN_TOKEN_MEAN
+    norm_const: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+    def __post_init__(self) -> None:
+        _require(self.agg in AGG_MODES, f"unknown aggregation mode agg={self.agg!r}; valid modes: {', '.join(AGG_MODES)}")
+        if self.agg == SEQ_MEAN_TOKEN_SUM_NORM:
+            _require(self.norm_const is not None and self.norm_const > 0,
+                     f"norm_const must be > 0 (the max response length) for agg={self.agg!r}, got {self.norm_const}")
+        _require(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        resolve_kl_estimator(self.kl_estimator)
+
+
+@dataclass
+class PPOClipConfig(LossConfig):
+    """GRPO / DAPO / Dr.GRPO token-level PPO clip.
+
+    Attributes:
+        eps_low / eps_high: the ratio is clipped to ``[1 - eps_low, 1 + eps_high]`` (both >= 0).
+        dual_clip_c: dual-clip constant for A<0 (verl uses 3.0); ``None`` (default, as in the papers) disables it.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.eps_low >= 0, f"eps_low must be >= 0, got {self.eps_low}")
+        _require(self.eps_high >= 0, f"eps_high must be >= 0, got {self.eps_high}")
+        _require(self.dual_clip_c is None or self.dual_clip_c > 1.0,
+                 f"dual_clip_c must be None or > 1, got {self.dual_clip_c}")
+
+
+@dataclass
+class GSPOConfig(LossConfig):
+    """GSPO and GSPO-token: the sequence ratio is clipped to ``[1 - eps_low, 1 + eps_high]`` (GSPO paper v2 values)."""
+
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.eps_low >= 0, f"eps_low must be >= 0, got {self.eps_low}")
+        _require(self.eps_high >= 0, f"eps_high must be >= 0, got {self.eps_high}")
+
+
+@dataclass
+class SAPOConfig(LossConfig):
+    """SAPO soft gate ``(4/tau) sigmoid(tau (r - 1))``; ``tau_pos`` for A>0, ``tau_neg`` otherwise (both > 0)."""
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.tau_pos > 0, f"tau_pos must be > 0, got {self.tau_pos}")
+        _require(self.tau_neg > 0, f"tau_neg must be > 0, got {self.tau_neg}")
+
+
+@dataclass
+class CISPOConfig(LossConfig):
+    """CISPO: stop-gradient IS weight ``clip(r, is_low, is_high)`` with ABSOLUTE bounds.
+
+    verl's ``clip_ratio_low/high`` correspond to ``is_low = 1 - clip_ratio_low``, ``is_high = 1 + clip_ratio_high``.
+    ``is_low=None`` means no lower bound.
+    """
+
+    agg: str = TOKEN_MEAN
+    is_low: float | None = None
+    is_high: float = 5.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.is_high > 0, f"is_high must be > 0, got {self.is_high}")
+        _require(self.is_low is None or self.is_low < self.is_high,
+                 f"is_low must be None or < is_high={self.is_high}, got {self.is_low}")
+
+
+@dataclass
+class GMPOConfig(LossConfig):
+    """GMPO: token log-ratio clipped to ``[-delta_low, delta_high]`` (one-sided by sign of A) before the geometric mean."""
+
+    delta_low: float = 0.4
+    delta_high: float = 0.4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.delta_low >= 0, f"delta_low must be >= 0, got {self.delta_low}")
+        _require(self.delta_high >= 0, f"delta_high must be >= 0, got {self.delta_high}")
+
+
+@dataclass
+class RSPOConfig(GMPOConfig):
+    """RSPO = GMPO with the router-shift weight gamma.
+
+    Attributes:
+        gamma_min: floor of gamma, in [0, 1]; 0 disables the floor. Keep it >= exp(-delta_low) in ``pre_clip`` mode,
+            otherwise A<0 tokens with a large router shift are clipped even at ratio 1.
+        gamma_mode: ``pre_clip`` (default: ratio * gamma before the clip) or ``post_clip_literal`` (the survey
+            formula read literally, kept for comparison; it up-weights A<0 sequences).
+    """
+
+    gamma_min: float = 0.7
+    gamma_mode: str = "pre_clip"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_gamma_min(self.gamma_min)
+        _require(self.gamma_mode in GAMMA_MODES,
+                 f"gamma_mode must be one of {', '.join(GAMMA_MODES)}, got {self.gamma_mode!r}")
+
+
+@dataclass
+class PPOClipRouterShiftConfig(PPOClipConfig):
+    """``grpo+rs`` / ``dapo+rs``: PPO clip on ``r * sg(gamma)``; ``gamma_min`` as in :class:`RSPOConfig`."""
+
+    gamma_min: float = 0.7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_gamma_min(self.gamma_min)
+
+
+@dataclass
+class GSPORouterShiftConfig(GSPOConfig):
+    """``gspo+rs`` / ``gspo_token+rs``: sequence ratio ``exp(mean(d + log gamma))``; ``gamma_min`` as in RSPO."""
+
+    gamma_min: float = 0.7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_gamma_min(self.gamma_min)

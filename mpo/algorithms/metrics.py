@@ -1,0 +1,83 @@
+"""Metric reductions that combine exactly across micro-batches and data-parallel ranks.
+
+Every metric a loss returns is one of three kinds, told apart by its name:
+
+* ``*_min`` / ``*_max``: the local min / max over valid tokens (or non-empty rows). An empty micro-batch returns the
+  identity (+inf / -inf), so combining with ``min`` / ``max`` across micro-batches and ranks is exact.
+* everything else is a *partial mean*: the local sum divided by the *global* count from
+  :class:`~mpo.algorithms.aggregation.GlobalDenominators`. Summing partial means over micro-batches and ranks gives
+  the mean over the whole mini-batch.
+
+:func:`merge_metrics` combines micro-batches; :func:`all_reduce_metrics` combines ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def masked_partial_mean(x: Tensor, valid: Tensor, global_count: float | None) -> Tensor:
+    """sum(x over valid) / global_count (0 when the global count is 0)."""
+    total = torch.where(valid, x, torch.zeros_like(x)).sum()
+    if not global_count:
+        return torch.zeros_like(total)
+    return total / global_count
+
+
+def masked_min(x: Tensor, valid: Tensor) -> Tensor:
+    return torch.where(valid, x, torch.full_like(x, float("inf"))).amin() if x.numel() else x.new_tensor(float("inf"))
+
+
+def masked_max(x: Tensor, valid: Tensor) -> Tensor:
+    return torch.where(valid, x, torch.full_like(x, float("-inf"))).amax() if x.numel() else x.new_tensor(float("-inf"))
+
+
+def stats(prefix: str, x: Tensor, valid: Tensor, global_count: float | None) -> dict[str, Tensor]:
+    """``{prefix}_mean``, ``{prefix}_min`` and ``{prefix}_max`` of x over valid entries."""
+    return {
+        f"{prefix}_mean": masked_partial_mean(x, valid, global_count),
+        f"{prefix}_min": masked_min(x, valid),
+        f"{prefix}_max": masked_max(x, valid),
+    }
+
+
+def _reduce_kind(name: str) -> str:
+    if name.endswith("_min"):
+        return "min"
+    if name.endswith("_max"):
+        return "max"
+    return "sum"
+
+
+def merge_metrics(per_micro_batch: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Combine the metric dicts of the micro-batches of one optimizer step (sum partial means, min of mins, ...)."""
+    merged: dict[str, Tensor] = {}
+    for metrics in per_micro_batch:
+        for name, value in metrics.items():
+            value = value.detach()
+            if name not in merged:
+                merged[name] = value.clone()
+                continue
+            kind = _reduce_kind(name)
+            if kind == "min":
+                merged[name] = torch.minimum(merged[name], value)
+            elif kind == "max":
+                merged[name] = torch.maximum(merged[name], value)
+            else:
+                merged[name] = merged[name] + value
+    return merged
+
+
+def all_reduce_metrics(metrics: Mapping[str, Tensor], process_group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
+    """All-reduce merged metrics across ranks: SUM for partial means, MIN / MAX for ``*_min`` / ``*_max``."""
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    out: dict[str, Tensor] = {}
+    for name in sorted(metrics):  # same order on every rank
+        value = metrics[name].detach().clone()
+        dist.all_reduce(value, op=ops[_reduce_kind(name)], group=process_group)
+        out[name] = value
+    return out
