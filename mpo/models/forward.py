@@ -43,7 +43,7 @@ LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, 
 
 def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, vocab_size: int,
                      loss_fn: LossFn | None = None, forward_only: bool | None = None, keep_logits: bool = False,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[dict]:
+                     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> list[dict]:
     """Forward (and backward, if `loss_fn` is given and not forward_only) over all micro-batches.
 
     Returns, on the last pipeline stage, one dict per micro-batch with "logprobs" and "entropy" ([b, s], fp32,

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_TOKENS = 1024
+# Working-set budget per chunk, in logits elements (64 MiB of fp32): chunk_tokens = budget // local vocab size.
+CHUNK_ELEMENTS = 1 << 24
+DEFAULT_CHUNK_TOKENS: int | None = None  # None: derive from CHUNK_ELEMENTS
 
 
 def _tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -41,20 +43,22 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, local_vocab)
         flat_labels = labels.reshape(-1)
         n = flat.shape[0]
+        chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
         logp = torch.empty(n, dtype=_compute_dtype(logits), device=logits.device)
         entropy = torch.empty_like(logp)
         lse_all = torch.empty_like(logp)
         for start in range(0, n, chunk_tokens):
-            x = flat[start : start + chunk_tokens, :valid].to(logp.dtype)
+            x = flat[start : start + chunk_tokens, :valid].to(logp.dtype, copy=True)  # modified in place below
             target = flat_labels[start : start + chunk_tokens] - vocab_start
             on_rank = (target >= 0) & (target < valid)
             gmax = x.max(dim=-1).values if valid > 0 else x.new_full((x.shape[0],), -torch.inf)
             _all_reduce(gmax, dist.ReduceOp.MAX, group, size)
-            shifted = x - gmax[:, None]
+            shifted = x.sub_(gmax[:, None])
             exp = shifted.exp()
             target_logit = shifted.gather(1, target.clamp(0, max(valid - 1, 0))[:, None]).squeeze(1) if valid else \
                 shifted.new_zeros(x.shape[0])
-            stats = torch.stack([exp.sum(-1), torch.where(on_rank, target_logit, 0.0), (exp * shifted).sum(-1)])
+            stats = torch.stack([exp.sum(-1), torch.where(on_rank, target_logit, 0.0),
+                                 torch.linalg.vecdot(exp, shifted)])
             _all_reduce(stats, dist.ReduceOp.SUM, group, size)
             sum_exp, target_shifted, sum_exp_x = stats
             log_z = sum_exp.log()
@@ -77,14 +81,15 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         g_logp = grad_logp.reshape(-1).to(lse_all.dtype) if grad_logp is not None else torch.zeros_like(lse_all)
         g_ent = grad_entropy.reshape(-1).to(lse_all.dtype) if grad_entropy is not None else torch.zeros_like(lse_all)
         grad = torch.zeros_like(flat)
+        chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
         for start in range(0, flat.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            x = flat[chunk, :valid].to(lse_all.dtype)
-            lse = lse_all[chunk][:, None]
-            p = (x - lse).exp()
-            # d logp / dx_j = 1[j = label] - p_j ;  d H / dx_j = -p_j (x_j - E_p[x]),  E_p[x] = lse - H
-            mean_x = lse - entropy[chunk][:, None]
-            g = -p * (g_logp[chunk][:, None] + g_ent[chunk][:, None] * (x - mean_x))
+            lse, ent = lse_all[chunk][:, None], entropy[chunk][:, None]
+            # d logp / dx_j = 1[j = label] - p_j ;  d H / dx_j = -p_j (x_j - E_p[x]),  E_p[x] = lse - H.
+            # In place on one fp32 copy: centered = x - E_p[x]; p = exp(x - lse) = exp(centered - H).
+            centered = flat[chunk, :valid].to(lse_all.dtype, copy=True).sub_(lse - ent)
+            p = (centered - ent).exp_()
+            g = centered.mul_(g_ent[chunk][:, None]).add_(g_logp[chunk][:, None]).mul_(p).neg_()
             target = flat_labels[chunk] - vocab_start
             on_rank = (target >= 0) & (target < valid)
             rows = on_rank.nonzero().squeeze(1)
@@ -95,7 +100,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
                             tp_group: dist.ProcessGroup | None = None,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                            chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(labels) and the entropy of each position's distribution, in fp32 (fp64 for fp64 logits).
 
     Args:
@@ -103,7 +108,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
         labels: [...] global token ids to score.
         vocab_size: the real vocabulary; padded ids at or above it are excluded from the softmax.
         tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
-        chunk_tokens: tokens processed at once; bounds the fp32 working memory.
+        chunk_tokens: tokens processed at once; bounds the fp32 working memory (None: CHUNK_ELEMENTS // V_local).
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on leading dims")
@@ -112,7 +117,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
 
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int,
                       tp_group: dist.ProcessGroup | None = None, position_ids: torch.Tensor | None = None,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies of `input_ids` [b, s] under causal-LM logits [b, s, V_local].
 
     out[:, t] scores token t with the logits at position t-1; out[:, 0] is 0. With packed rows, pass position_ids
