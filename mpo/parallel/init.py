@@ -53,12 +53,9 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
         torch.cuda.set_device(device.device)
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(master_port or 29500))
-        if master_addr:
-            os.environ["MASTER_ADDR"] = master_addr
-        if master_port:
-            os.environ["MASTER_PORT"] = str(master_port)
+        # Explicit arguments win over torchrun's environment; a lone process defaults to localhost.
+        os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(master_port or os.environ.get("MASTER_PORT", 29500))
         dist.init_process_group(backend=device.backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
