@@ -1,0 +1,144 @@
+"""An HTTP client for one engine speaking SGLang's API (real SGLang or mpo's own engine).
+
+Every failure becomes an EngineError that names the engine URL, the endpoint and, for HTTP errors, the engine's own
+message, so a user sees which of many engines failed and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from mpo.rollout.protocol import GenerateRequest, GenerateResult
+
+
+class EngineError(RuntimeError):
+    """A call to one engine failed. `retryable` is True for transport failures and 5xx, False for 4xx."""
+
+    def __init__(self, url: str, endpoint: str, message: str, *, status: int | None = None,
+                 retryable: bool = True) -> None:
+        where = f"engine {url}: {endpoint}"
+        super().__init__(f"{where} returned HTTP {status}: {message}" if status else f"{where} failed: {message}")
+        self.url, self.endpoint, self.status, self.retryable = url, endpoint, status, retryable
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body.get("detail") or body)[:500]
+    return str(body)[:500]
+
+
+class EngineClient:
+    """Calls one engine. Sync methods for control calls; `generate` is async for concurrent rollouts."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 300.0,
+                 num_layers: int | None = None, topk: int | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.num_layers, self.topk = num_layers, topk
+        self._async: httpx.AsyncClient | None = None
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+    def _check(self, endpoint: str, response: httpx.Response) -> Any:
+        if response.status_code >= 400:
+            raise EngineError(self.url, endpoint, _error_message(response), status=response.status_code,
+                              retryable=response.status_code >= 500)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def call(self, endpoint: str, body: dict[str, Any] | None = None, *, method: str = "POST",
+             timeout_s: float | None = None) -> Any:
+        try:
+            response = httpx.request(method, f"{self.url}{endpoint}", json=body if method == "POST" else None,
+                                     headers=self.headers, timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineError(self.url, endpoint, f"{type(exc).__name__}: {exc or 'unreachable'}") from exc
+        result = self._check(endpoint, response)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(self.url, endpoint, str(result.get("message")), status=response.status_code,
+                              retryable=False)
+        return result
+
+    async def acall(self, endpoint: str, body: dict[str, Any], *, timeout_s: float | None = None) -> Any:
+        if self._async is None:
+            self._async = httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s)
+        try:
+            response = await self._async.post(f"{self.url}{endpoint}", json=body, timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineError(self.url, endpoint, f"{type(exc).__name__}: {exc or 'unreachable'}") from exc
+        return self._check(endpoint, response)
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
+
+    # -- generation --------------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResult:
+        body = await self.acall("/generate", request.to_json(), timeout_s=timeout_s)
+        try:
+            return GenerateResult.from_json(request, body, num_layers=self.num_layers, topk=self.topk)
+        except ValueError as exc:
+            raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
+
+    # -- health and control ------------------------------------------------------------------------------------
+    def healthy(self, timeout_s: float = 30.0) -> bool:
+        try:
+            self.call("/health_generate", method="GET", timeout_s=timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    def server_info(self) -> dict[str, Any]:
+        return self.call("/server_info", method="GET")
+
+    def abort_all(self) -> None:
+        self.call("/abort_request", {"abort_all": True})
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        self.call("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self.call("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self.call("/flush_cache", {})
+
+    # -- weight updates (inside begin/end since sglang 0.5.21) -------------------------------------------------
+    def begin_weight_update(self) -> None:
+        self.call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self.call("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, serialized_per_tp_rank: list[str], *, load_format: str | None,
+                                   weight_version: str | None = None) -> None:
+        self.call("/update_weights_from_tensor", {"serialized_named_tensors": serialized_per_tp_rank,
+                                                  "load_format": load_format, "flush_cache": True,
+                                                  "weight_version": weight_version})
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> None:
+        self.call("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
+                                                 "rank_offset": rank_offset, "world_size": world_size,
+                                                 "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, load_format: str | None = None,
+                                        weight_version: str | None = None) -> None:
+        self.call("/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                                       "group_name": group_name, "load_format": load_format,
+                                                       "weight_version": weight_version, "flush_cache": True})
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
+        self.call("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})

@@ -1,0 +1,94 @@
+"""Start, stop and restart an engine process on this machine (mpo's engine on CPU; SGLang uses the same shape)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mpo.rollout.client import EngineClient
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalEngineProcess:
+    """One engine server process: its own process group (so stop() takes its children too) and a log file."""
+
+    def __init__(self, command: list[str], *, port: int, log_path: Path, api_key: str | None = None,
+                 startup_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+        self.command, self.port, self.log_path = command, port, Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.client = EngineClient(f"http://127.0.0.1:{port}", api_key=api_key)
+        self.process: subprocess.Popen | None = None
+
+    @classmethod
+    def mpo_engine(cls, *, log_path: Path, port: int | None = None, api_key: str | None = None,
+                   extra_args: list[str] = ()) -> "LocalEngineProcess":
+        port = port or free_port()
+        command = [sys.executable, "-m", "mpo.rollout.mpo_engine", "--port", str(port), *extra_args]
+        if api_key:
+            command += ["--api-key", api_key]
+        return cls(command, port=port, log_path=log_path, api_key=api_key,
+                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    def start(self) -> "LocalEngineProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine on port {self.port} exited with {self.process.returncode} during "
+                                   f"start-up; log: {self.log_path}\n{self.log_tail()}")
+            if self.client.healthy(timeout_s=5.0):
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"engine on port {self.port} not healthy after {self.startup_timeout_s} s; "
+                           f"log: {self.log_path}\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def kill(self) -> None:
+        """Hard crash (tests use it to simulate an engine dying mid-rollout)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "LocalEngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,60 @@
+"""`python -m mpo.rollout.mpo_engine`: serve the mpo model behind SGLang's HTTP API (CPU rollouts, tests, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+import torch
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mpo.rollout.mpo_engine", description=__doc__)
+    parser.add_argument("--preset", default="tiny", help="model preset (mpo.models.config.PRESETS)")
+    parser.add_argument("--mcore-dir", default=None, help="torch_dist checkpoint to load (default: seeded init)")
+    parser.add_argument("--seed", type=int, default=1234, help="init seed when no checkpoint is given")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--dist-port", type=int, default=None, help="port of this engine's own 1-rank gloo group")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s mpo-engine %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    from mpo.rollout.mpo_engine.model_runner import EngineModel
+    from mpo.rollout.mpo_engine.server import EngineApp, serve
+    from mpo.rollout.mpo_engine.generator import MpoGenerator
+
+    runner = EngineModel.create(preset=args.preset, mcore_dir=args.mcore_dir, seed=args.seed, dtype=args.dtype,
+                                fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port)
+    generator = MpoGenerator(runner.logits, runner.score, vocab_size=runner.vocab_size, max_batch=args.max_batch)
+    app = EngineApp(generator, info={
+        "engine": "mpo", "model_path": args.mcore_dir or f"preset:{args.preset}",
+        "enable_return_routed_experts": args.enable_return_routed_experts,
+        "num_layers": runner.model_cfg.num_layers, "topk": runner.model_cfg.router_topk,
+        "vocab_size": runner.vocab_size, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
+    })
+    runner.add_weight_routes(app)
+    server = serve(app, args.host, args.port, args.api_key)
+    logging.info("mpo engine serving on http://%s:%d", args.host, args.port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    generator.stop()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""mpo's own generation engine: the mpo model (megatron-core GPTModel, TP1 in this process) behind SGLang's API.
+
+Continuous batching without a KV cache: each decode step re-runs the (tiny) model over the right-padded active rows
+and samples the next token from each row's last position. When a request finishes, its prompt+completion is scored
+by the same forward path the trainer uses (mpo.models.forward.run_microbatches), so the log-probs it returns equal
+the trainer's log-probs of those tokens at the same weights. Meant for CPU runs and tests; GPU clusters use SGLang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mpo.rollout.protocol import SamplingParams
+
+# Per finished request: (prompt+completion ids) -> (logprobs of every token [n], routed experts [n-1, L, K] or None)
+Scorer = Callable[[list[list[int]], bool], list[tuple[list[float], Any]]]
+
+
+@dataclass
+class _Active:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    want_routes: bool
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    response: dict[str, Any] | None = None
+    started: float = field(default_factory=time.time)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else temperature + nucleus (top_p) sampling from fp32 logits [V]."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class MpoGenerator:
+    """Schedules generate requests on one model; thread-safe `submit` returns SGLang-shaped response dicts."""
+
+    def __init__(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], scorer: Scorer, *, vocab_size: int,
+                 max_batch: int = 16, weight_version: str = "default") -> None:
+        self.logits_fn = logits_fn  # [b, s] ids -> [b, s, V] fp32 logits of the real vocabulary
+        self.scorer = scorer
+        self.vocab_size = vocab_size
+        self.max_batch = max_batch
+        self.weight_version = weight_version
+        self.model_lock = threading.RLock()  # held for every model use: decode steps, scoring, weight updates
+        self._pending: list[_Active] = []
+        self._active: list[_Active] = []
+        self._cv = threading.Condition()
+        self._paused = False
+        self._stopped = False
+        self._ids = itertools.count()
+        self._seed_stream = torch.Generator().manual_seed(0)
+        self._thread = threading.Thread(target=self._loop, name="mpo-engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def submit(self, input_ids: list[int], sampling: SamplingParams, *, routed_experts: bool = False,
+               rid: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        generator = None
+        if sampling.sampling_seed is not None:
+            generator = torch.Generator().manual_seed(int(sampling.sampling_seed))
+        request = _Active(rid or f"mpo-{next(self._ids)}", list(input_ids), sampling, routed_experts, generator)
+        with self._cv:
+            self._pending.append(request)
+            self._cv.notify_all()
+        if not request.done.wait(timeout_s):
+            raise TimeoutError(f"request {request.rid} did not finish in {timeout_s} s")
+        assert request.response is not None
+        return request.response
+
+    def abort_all(self) -> int:
+        with self._cv:
+            victims = self._pending + self._active
+            self._pending, self._active = [], []
+        for request in victims:
+            request.finish_reason = {"type": "abort", "message": "aborted by /abort_request"}
+            self._finish(request, score=False)
+        return len(victims)
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self.abort_all()
+
+    # -- scheduling --------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and (self._paused or not (self._pending or self._active)):
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                room = self.max_batch - len(self._active)
+                self._active.extend(self._pending[:room])
+                del self._pending[:room]
+                batch = list(self._active)
+            try:
+                self._decode_step(batch)
+            except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the server
+                for request in batch:
+                    request.finish_reason = {"type": "abort", "message": f"engine error: {exc}"}
+                    self._finish(request, score=False)
+                with self._cv:
+                    self._active = [r for r in self._active if r not in batch]
+                continue
+            finished = [r for r in batch if r.finish_reason is not None]
+            if finished:
+                with self._cv:
+                    self._active = [r for r in self._active if r.finish_reason is None]
+                self._score_and_finish(finished)
+
+    def _decode_step(self, batch: list[_Active]) -> None:
+        rows = [r.prompt + r.output for r in batch]
+        lengths = [len(row) for row in rows]
+        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+        with self.model_lock, torch.no_grad():
+            logits = self.logits_fn(ids)
+        for i, request in enumerate(batch):
+            if request.finish_reason is not None:
+                continue  # aborted meanwhile
+            token = sample_next(logits[i, lengths[i] - 1], request.sampling, request.generator)
+            request.output.append(token)
+            if token in request.sampling.stop_token_ids:
+                request.finish_reason = {"type": "stop", "matched": token}
+            elif len(request.output) >= request.sampling.max_new_tokens:
+                request.finish_reason = {"type": "length", "length": len(request.output)}
+
+    def _score_and_finish(self, finished: list[_Active]) -> None:
+        want_routes = any(r.want_routes for r in finished)
+        with self.model_lock, torch.no_grad():
+            scores = self.scorer([r.prompt + r.output for r in finished], want_routes)
+        for request, (logprobs, routes) in zip(finished, scores):
+            self._finish(request, score=True, logprobs=logprobs, routes=routes)
+
+    def _finish(self, request: _Active, *, score: bool, logprobs: list[float] | None = None,
+                routes: Any = None) -> None:
+        from mpo.rollout.protocol import encode_routed_experts
+
+        n_prompt = len(request.prompt)
+        meta: dict[str, Any] = {
+            "id": request.rid,
+            "finish_reason": request.finish_reason,
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(request.output),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.time() - request.started,
+        }
+        completion_logprobs = logprobs[n_prompt:] if (score and logprobs is not None) else [0.0] * len(request.output)
+        meta["output_token_logprobs"] = [[float(lp), int(tok), None]
+                                         for lp, tok in zip(completion_logprobs, request.output)]
+        meta["output_token_logprobs_length"] = len(request.output)
+        if request.want_routes and routes is not None:
+            meta["routed_experts"] = encode_routed_experts(routes)
+        request.response = {"text": "", "output_ids": list(request.output), "meta_info": meta}
+        request.done.set()

@@ -1,0 +1,85 @@
+"""The engine's model: the same mpo GPTModel the trainer builds, at TP1 in the engine's own process."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpo.models.config import MoEModelConfig
+
+
+def model_checksum(full_state: dict[str, torch.Tensor]) -> str:
+    """sha256 over layout-free megatron tensors (mpo.models.full_state), by sorted key. Equal on trainer and engine
+    exactly when every weight is bit-identical."""
+    digest = hashlib.sha256()
+    for key in sorted(full_state):
+        tensor = full_state[key].detach().contiguous().cpu()
+        digest.update(key.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclass
+class EngineModel:
+    model: torch.nn.Module
+    model_cfg: MoEModelConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_cfg.vocab_size
+
+    @classmethod
+    def create(cls, *, preset: str, mcore_dir: str | None, seed: int, dtype: str, fp32_lm_head: bool,
+               dist_port: int | None) -> "EngineModel":
+        from megatron.core import dist_checkpointing
+
+        from mpo.models.builder import PrecisionConfig, build_model, unwrap
+        from mpo.models.config import preset as get_preset
+        from mpo.parallel import ParallelConfig, initialize_parallel
+
+        if dist_port is None:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                dist_port = sock.getsockname()[1]
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the engine is its own 1-rank world
+            os.environ.pop(var, None)
+        ctx = initialize_parallel(ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1",
+                                  master_port=dist_port)
+        cfg = get_preset(preset)
+        model = build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype=dtype, fp32_lm_head=fp32_lm_head),
+                            seed=seed)
+        if mcore_dir:
+            gpt = unwrap(model)
+            gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), mcore_dir))
+        model.eval()
+        return cls(model, cfg)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        return self.model(ids, positions, None)[..., : self.vocab_size].float()
+
+    def score(self, sequences: list[list[int]], want_routes: bool) -> list[tuple[list[float], Any]]:
+        """Log-probs of every token of each sequence (position 0 gets 0), by the trainer's own forward path."""
+        from mpo.models.forward import MicroBatch, run_microbatches
+
+        longest = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            ids[i, : len(seq)] = torch.tensor(seq)
+        out = run_microbatches(self.model, [MicroBatch(ids)], vocab_size=self.vocab_size)[0]
+        return [(out["logprobs"][i, : len(seq)].tolist(), None) for i, seq in enumerate(sequences)]
+
+    def checksum(self) -> str:
+        from mpo.models.builder import unwrap
+        from mpo.models.full_state import gather_full_state
+
+        return model_checksum(gather_full_state(unwrap(self.model)))
+
+    def add_weight_routes(self, app: Any) -> None:
+        app.add("GET", "/weights_checksum", lambda body: {"checksum": self.checksum()})

@@ -1,0 +1,132 @@
+"""Many engines at once (data parallel): async requests, bounded concurrency, retries with backoff, and restart of
+an engine that dies or hangs, without losing or duplicating a sample.
+
+Exactly-once: every request has a slot; a slot is filled by the first successful response and never again. A request
+whose engine failed (connection error, 5xx, timeout) goes back to the queue and is retried on a healthy engine; an
+engine that failed is health-checked and, if it is down, restarted through its EngineHandle before it takes work
+again. 4xx answers are the request's fault and are raised at once, naming the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from mpo.rollout.client import EngineClient, EngineError
+from mpo.rollout.protocol import GenerateRequest, GenerateResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineHandle:
+    """An engine the pool may use, and how to bring it back if it dies (None: it cannot be restarted by us)."""
+
+    client: EngineClient
+    restart: Callable[[], None] | None = None
+    restarts: int = 0
+    failures: int = 0
+    _lock: asyncio.Lock | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Rollout pool behaviour.
+
+    Attributes:
+        max_concurrency_per_engine: requests in flight per engine.
+        request_timeout_s: a request slower than this counts as a hung engine.
+        max_attempts: tries per request before the rollout fails.
+        backoff_s: first retry delay; doubles per attempt.
+        max_restarts_per_engine: restarts before an engine is given up on.
+    """
+
+    max_concurrency_per_engine: int = 8
+    request_timeout_s: float = 300.0
+    max_attempts: int = 4
+    backoff_s: float = 0.5
+    max_restarts_per_engine: int = 3
+
+
+class RolloutPool:
+    """Spreads generate requests over engines; results come back in request order, each exactly once."""
+
+    def __init__(self, engines: Sequence[EngineHandle], config: PoolConfig = PoolConfig()) -> None:
+        if not engines:
+            raise ValueError("rollout pool needs at least one engine")
+        self.engines = list(engines)
+        self.config = config
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        return asyncio.run(self.agenerate(requests))
+
+    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        results: list[GenerateResult | None] = [None] * len(requests)
+        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        for index in range(len(requests)):
+            queue.put_nowait((index, 0))
+        for engine in self.engines:
+            engine._lock = asyncio.Lock()
+        failure: list[BaseException] = []
+
+        async def worker(engine: EngineHandle) -> None:
+            while not failure:
+                try:
+                    index, attempt = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                try:
+                    result = await engine.client.generate(requests[index], timeout_s=self.config.request_timeout_s)
+                    if results[index] is None:  # first answer wins; a late duplicate is dropped
+                        results[index] = result
+                except EngineError as exc:
+                    if not exc.retryable:
+                        failure.append(exc)
+                        return
+                    if attempt + 1 >= self.config.max_attempts:
+                        failure.append(EngineError(exc.url, exc.endpoint, f"gave up after {attempt + 1} attempts: "
+                                                   f"{exc}"))
+                        return
+                    log.warning("rollout request %d failed (%s); retrying", index, exc)
+                    queue.put_nowait((index, attempt + 1))
+                    await asyncio.sleep(self.config.backoff_s * 2**attempt)
+                    if not await self._recover(engine):
+                        return  # this engine is gone; the others take its work
+                finally:
+                    queue.task_done()
+
+        workers = [asyncio.create_task(worker(engine)) for engine in self.engines
+                   for _ in range(self.config.max_concurrency_per_engine)]
+        try:
+            while not failure and any(r is None for r in results) and not all(w.done() for w in workers):
+                await asyncio.sleep(0.01)
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            for engine in self.engines:
+                await engine.client.aclose()
+        if failure:
+            raise failure[0]
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing "
+                               f"(engines: {', '.join(e.client.url for e in self.engines)})")
+        return results  # type: ignore[return-value]
+
+    async def _recover(self, engine: EngineHandle) -> bool:
+        """After a failure: if the engine does not answer health checks, restart it (once for all its workers)."""
+        assert engine._lock is not None
+        async with engine._lock:
+            engine.failures += 1
+            if await asyncio.to_thread(engine.client.healthy, 10.0):
+                return True
+            if engine.restart is None or engine.restarts >= self.config.max_restarts_per_engine:
+                log.error("engine %s is down and cannot be restarted", engine.client.url)
+                return False
+            log.warning("engine %s is down; restarting it", engine.client.url)
+            engine.restarts += 1
+            await asyncio.to_thread(engine.restart)
+            return await asyncio.to_thread(engine.client.healthy, 60.0)
