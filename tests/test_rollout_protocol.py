@@ -1,0 +1,47 @@
+"""SGLang wire format: routed experts are base64 little-endian int32 [prompt+completion-1, layers, top_k]."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from mpo.rollout.protocol import (GenerateRequest, GenerateResult, SamplingParams, decode_routed_experts,
+                                  encode_routed_experts)
+
+
+def test_routed_experts_round_trip_and_sglang_bytes():
+    experts = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2)
+    encoded = encode_routed_experts(experts)
+    # Independent check of the byte layout: little-endian int32, row-major.
+    assert base64.b64decode(encoded)[:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
+    assert np.array_equal(decode_routed_experts(encoded, rows=5, num_layers=2, topk=2), experts)
+
+
+def test_routed_experts_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="expected rows=4 x layers=2 x top_k=2"):
+        decode_routed_experts(encode_routed_experts(np.zeros((5, 2, 2))), rows=4, num_layers=2, topk=2)
+
+
+def test_generate_result_parses_sglang_response():
+    request = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=2), return_routed_experts=True)
+    body = {"text": "", "output_ids": [7, 8], "meta_info": {
+        "finish_reason": {"type": "length", "length": 2}, "weight_version": "v3",
+        "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]],
+        "routed_experts": encode_routed_experts(np.ones((4, 3, 2), dtype=np.int32))}}
+    result = GenerateResult.from_json(request, body, num_layers=3, topk=2)
+    assert result.output_logprobs == [-0.5, -1.5] and result.weight_version == "v3"
+    assert result.routed_experts.shape == (4, 3, 2) and not result.aborted
+
+
+def test_missing_routes_say_how_to_enable_them():
+    request = GenerateRequest((1, 2), return_routed_experts=True)
+    with pytest.raises(ValueError, match="enable-return-routed-experts"):
+        GenerateResult.from_json(request, {"output_ids": [3], "meta_info": {"output_token_logprobs": [[0, 3, None]]}})
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("max_new_tokens", 0)])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"sampling.{field}"):
+        SamplingParams(**{field: value})
