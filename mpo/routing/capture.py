@@ -230,7 +230,7 @@ class RoutingHooks:
         return self.tp_rank * s_local if self.sequence_parallel else 0
 
     def detach(self) -> None:
-        """Remove the hooks (routers route natually again)."""
+        """Remove the hooks (routers route naturally again)."""
         for tap in self.taps:
             tap.router.router_replay = None
             del tap.router.routing  # drop the instance attribute; the class method is visible again
