@@ -1,0 +1,76 @@
+"""Per-micro-batch routing records: what the router chose, in the trainer's [b, s] batch-major token layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def index_dtype(num_experts: int) -> torch.dtype:
+    """Smallest integer dtype that holds expert ids 0..num_experts-1 and the -1 "no record" fill.
+
+    uint8 cannot hold -1, so it is used only for captures (never -1); replay inputs keep int16/int32.
+    """
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32767:
+        return torch.int16
+    return torch.int32
+
+
+@dataclass
+class MicroBatchRouting:
+    """Routing of one micro-batch over a set of MoE layers (all of them, or one pipeline stage's).
+
+    Attributes:
+        layers: global 1-based layer numbers (megatron's ``TransformerLayer.layer_number``), ascending; axis 2 of
+            every tensor follows this order.
+        indices: ``[b, s, L, K]`` expert ids chosen for the token at input position s (capture: small unsigned dtype;
+            replay input: any integer dtype, -1 = no record, route naturally).
+        logp: ``[b, s, L, K]`` fp32 router log-softmax over all experts, gathered at ``indices`` (captures only).
+        logp_at: ``[b, s, L, K]`` fp32 router log-softmax at an index set given to the capture (e.g. the old top-K),
+            or None.
+    """
+
+    layers: tuple[int, ...]
+    indices: Tensor
+    logp: Tensor | None = None
+    logp_at: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 4 or self.indices.shape[2] != len(self.layers):
+            raise ValueError(f"indices {tuple(self.indices.shape)} must be [b, s, L={len(self.layers)}, K]")
+
+    @property
+    def topk(self) -> int:
+        return self.indices.shape[-1]
+
+    def layer_slot(self, layer_number: int) -> int:
+        try:
+            return self.layers.index(layer_number)
+        except ValueError:
+            raise KeyError(f"no routing record for layer {layer_number}; have layers {self.layers}") from None
+
+    def select(self, layers: tuple[int, ...] | list[int]) -> "MicroBatchRouting":
+        """The same record restricted to (and ordered by) `layers`, e.g. one pipeline stage's layers."""
+        slots = [self.layer_slot(layer) for layer in layers]
+        pick = (lambda x: None if x is None else x[:, :, slots])  # noqa: E731
+        return MicroBatchRouting(tuple(layers), self.indices[:, :, slots], pick(self.logp), pick(self.logp_at))
+
+    def to(self, device: torch.device | str) -> "MicroBatchRouting":
+        move = (lambda x: None if x is None else x.to(device))  # noqa: E731
+        return MicroBatchRouting(self.layers, self.indices.to(device), move(self.logp), move(self.logp_at))
+
+    @staticmethod
+    def merge(parts: list["MicroBatchRouting"]) -> "MicroBatchRouting":
+        """Concatenate records of disjoint layer sets (e.g. gathered from pipeline stages) in global layer order."""
+        layers = [layer for p in parts for layer in p.layers]
+        order = sorted(range(len(layers)), key=layers.__getitem__)
+
+        def cat(name: str) -> Tensor | None:
+            xs = [getattr(p, name) for p in parts]
+            return None if any(x is None for x in xs) else torch.cat(xs, dim=2)[:, :, order]
+
+        return MicroBatchRouting(tuple(sorted(layers)), cat("indices"), cat("logp"), cat("logp_at"))
