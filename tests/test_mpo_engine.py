@@ -18,23 +18,27 @@ from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
 
 
-def _requests(n: int, max_new_tokens: int = 6) -> list[GenerateRequest]:
+def _requests(n: int, max_new_tokens: int = 6, routes: bool = False) -> list[GenerateRequest]:
     return [GenerateRequest(tuple(range(1 + i % 5, 6 + i % 5)), SamplingParams(max_new_tokens=max_new_tokens,
-                                                                                sampling_seed=100 + i))
+                                                                                sampling_seed=100 + i),
+                            return_routed_experts=routes)
             for i in range(n)]
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     logs = tmp_path_factory.mktemp("engines")
-    started = [LocalEngineProcess.mpo_engine(log_path=logs / f"engine{i}.log", api_key="k").start() for i in range(2)]
+    started = [LocalEngineProcess.mpo_engine(log_path=logs / f"engine{i}.log", api_key="k",
+                                             extra_args=["--enable-return-routed-experts"]).start()
+               for i in range(2)]
     yield started
     for engine in started:
         engine.stop()
 
 
-def test_logprobs_and_checksum_equal_the_trainer(engines, tmp_path):
-    results = RolloutPool([EngineHandle(engines[0].client)]).generate(_requests(4))
+def test_logprobs_routes_and_checksum_equal_the_trainer(engines, tmp_path):
+    engines[0].client.num_layers, engines[0].client.topk = 4, 2  # the tiny preset
+    results = RolloutPool([EngineHandle(engines[0].client)]).generate(_requests(4, routes=True))
     sequences = [r.prompt_ids + r.output_ids for r in results]
     out = tmp_path / "trainer.pt"
     spawn_ranks(1, engine_worker.score, str(out), sequences)
@@ -44,6 +48,12 @@ def test_logprobs_and_checksum_equal_the_trainer(engines, tmp_path):
         engine_lp = torch.tensor(result.output_logprobs)
         worst = max(worst, (engine_lp - trainer_logprobs[len(result.prompt_ids):]).abs().max().item())
     assert worst <= 1e-5, f"engine vs trainer log-prob diff {worst:.3g}"
+    for result, trainer_routes in zip(results, trainer["routes"]):
+        n = len(result.prompt_ids) + len(result.output_ids)
+        assert result.routed_experts.shape == (n - 1, 4, 2)
+        # Same expert sets per token and layer (order within top-k is not part of the contract).
+        engine_sets = torch.from_numpy(result.routed_experts).sort(-1).values
+        assert torch.equal(engine_sets, trainer_routes[: n - 1].sort(-1).values)
     assert engines[0].client.call("/weights_checksum", method="GET")["checksum"] == trainer["checksum"]
 
 

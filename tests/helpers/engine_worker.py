@@ -17,10 +17,16 @@ def score(out_file: str, sequences: list[list[int]], preset: str = "tiny", seed:
 
     ctx = initialize_parallel(ParallelConfig())
     cfg = get_preset(preset)
+    from mpo.routing import attach_routing_hooks
+
     model = build_model(cfg, ctx.parallel, ctx.device, seed=seed)
-    logprobs = []
+    hooks = attach_routing_hooks(model)
+    logprobs, routes = [], []
     for seq in sequences:  # one sequence per micro-batch: the trainer's shapes, not the engine's batch
-        out = run_microbatches(model, [MicroBatch(torch.tensor([seq]))], vocab_size=cfg.vocab_size)
+        with hooks.session() as capture:
+            out = run_microbatches(model, [MicroBatch(torch.tensor([seq]))], vocab_size=cfg.vocab_size)
         logprobs.append(out[0]["logprobs"][0])
-    torch.save({"logprobs": logprobs, "checksum": model_checksum(gather_full_state(model))}, Path(out_file))
+        routes.append(capture.records[0].indices[0].to(torch.int32))  # [n, L, K]
+    torch.save({"logprobs": logprobs, "routes": routes, "checksum": model_checksum(gather_full_state(model))},
+               Path(out_file))
     torch.distributed.destroy_process_group()

@@ -29,6 +29,7 @@ def model_checksum(full_state: dict[str, torch.Tensor]) -> str:
 class EngineModel:
     model: torch.nn.Module
     model_cfg: MoEModelConfig
+    routing: Any = None  # mpo.routing.RoutingHooks: routes of every scored token, as SGLang's routed experts
 
     @property
     def vocab_size(self) -> int:
@@ -58,7 +59,9 @@ class EngineModel:
             gpt = unwrap(model)
             gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), mcore_dir))
         model.eval()
-        return cls(model, cfg)
+        from mpo.routing import attach_routing_hooks
+
+        return cls(model, cfg, attach_routing_hooks(model))
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1]).expand_as(ids)
@@ -72,8 +75,13 @@ class EngineModel:
         ids = torch.zeros(len(sequences), longest, dtype=torch.long)
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = torch.tensor(seq)
-        out = run_microbatches(self.model, [MicroBatch(ids)], vocab_size=self.vocab_size)[0]
-        return [(out["logprobs"][i, : len(seq)].tolist(), None) for i, seq in enumerate(sequences)]
+        with self.routing.session() as capture:
+            out = run_microbatches(self.model, [MicroBatch(ids)], vocab_size=self.vocab_size)[0]
+        # SGLang's routed_experts: row p = routing of the token at input position p, for p < n-1, all layers.
+        routes = capture.records[0].indices.to(torch.int32) if want_routes else None
+        return [(out["logprobs"][i, : len(seq)].tolist(),
+                 routes[i, : len(seq) - 1].numpy() if routes is not None else None)
+                for i, seq in enumerate(sequences)]
 
     def checksum(self) -> str:
         from mpo.models.builder import unwrap
