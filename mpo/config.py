@@ -1,0 +1,345 @@
+"""One configuration drives a run: dataclasses loaded from YAML, overridable as `section.field=value` on the command
+line, validated before any process starts. Unknown fields and bad values fail with one line naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mpo.parallel.config import LayoutError, ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted field name in the message."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model to train.
+
+    Attributes:
+        preset: an mpo preset (mpo.models.config.PRESETS) used when no checkpoint is given.
+        hf_dir: a Hugging Face checkpoint; its config.json defines the architecture (convert it with checkpoints_tools
+            first and point mcore_dir at the result).
+        mcore_dir: a torch_dist checkpoint to start from (default: seeded random init).
+        dtype: "fp32" or "bf16" for the transformer body.
+        fp32_lm_head: keep the LM head and everything after it in fp32 (engines get the matching flag).
+        recompute: full activation recompute of every layer.
+    """
+
+    preset: str = "tiny"
+    hf_dir: str | None = None
+    mcore_dir: str | None = None
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    fp32_lm_head: bool = True
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Rollout engines and sampling.
+
+    Attributes:
+        engine: "mpo" (mpo's own engine, CPU default) or "sglang" (real SGLang servers).
+        urls: engines to use; empty means the launcher starts `num_engines` local engines.
+        num_engines: engines to start when urls is empty.
+        samples_per_prompt: G, responses per prompt (the advantage group).
+        max_new_tokens: response budget.
+        temperature: sampling temperature (1.0 keeps engine log-probs comparable to the trainer's).
+        top_p: nucleus mass.
+        api_key: sent as a bearer token to every engine.
+        request_timeout_s: a request slower than this counts as a hung engine.
+        sync: weight-sync path after each step: "tensor" (HTTP payload, colocated) or "distributed" (a process
+            group between trainer rank 0 and the engines: NCCL on GPU, gloo on CPU).
+        bucket_mb: weight-sync bucket size.
+        router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
+    """
+
+    engine: Literal["mpo", "sglang"] = "mpo"
+    urls: tuple[str, ...] = ()
+    num_engines: int = 1
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    api_key: str | None = None
+    request_timeout_s: float = 300.0
+    sync: Literal["tensor", "distributed"] = "tensor"
+    bucket_mb: int = 64
+    router_in_front: bool = False
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    """The RL algorithm.
+
+    Attributes:
+        loss: a registered policy loss (mpo.algorithms.loss_names()): gspo, sapo, rspo, grpo, dapo, ...
+        loss_args: overrides of that loss's hyper-parameters (e.g. {eps_high: 0.28}).
+        advantage: grpo | drgrpo | rloo | batchstd.
+        kl_coef: weight of the KL penalty against the initial (reference) policy; 0 disables it.
+        kl_estimator: k1 | k2 | k3.
+        replay: routing replay: "none", "r2" (old-forward routes replayed in updates) or "r3" (engine routes
+            replayed in the old forward and the updates).
+        filter_zero_variance: drop prompt groups whose rewards are all equal (DAPO dynamic sampling).
+    """
+
+    loss: str = "gspo"
+    loss_args: dict = field(default_factory=dict)
+    advantage: str = "grpo"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    replay: Literal["none", "r2", "r3"] = "none"
+    filter_zero_variance: bool = True
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Prompts.
+
+    Attributes:
+        task: "toy:reverse" / "toy:add" (built-in verifiable digit tasks) or a path to a jsonl of
+            {"prompt": ..., "answer": ...} (needs model.hf_dir for the tokenizer).
+        prompts_per_step: prompts sampled per RL step (each gets samples_per_prompt responses).
+        digits: toy task size (digits per operand).
+    """
+
+    task: str = "toy:reverse"
+    prompts_per_step: int = 8
+    digits: int = 3
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """Optimisation schedule.
+
+    Attributes:
+        steps: RL steps.
+        updates_per_step: optimizer steps (mini-batches) per RL step.
+        micro_batch_size: rows per forward/backward.
+        lr: Adam learning rate.
+        clip_grad: gradient-norm clip.
+        sft_steps: supervised warm-start steps before RL (toy tasks).
+        sft_lr: warm-start learning rate.
+        max_nonfinite_steps: stop (with a checkpoint) after this many non-finite steps in a row.
+    """
+
+    steps: int = 20
+    updates_per_step: int = 1
+    micro_batch_size: int = 16
+    lr: float = 1e-3
+    clip_grad: float = 1.0
+    sft_steps: int = 0
+    sft_lr: float = 3e-3
+    max_nonfinite_steps: int = 3
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """Outputs.
+
+    Attributes:
+        out_dir: run directory: metrics.jsonl, TensorBoard events, checkpoints, logs.
+        tensorboard: also write TensorBoard events (if the tensorboard package is installed).
+        checkpoint_every: steps between checkpoints (0: only at the end).
+        progress: show a progress bar on rank 0.
+    """
+
+    out_dir: str = "runs/mpo"
+    tensorboard: bool = True
+    checkpoint_every: int = 5
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs. See each section's docstring."""
+
+    model: ModelSection = ModelSection()
+    parallel: ParallelConfig = ParallelConfig()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    data: DataSection = DataSection()
+    schedule: ScheduleSection = ScheduleSection()
+    logging: LoggingSection = LoggingSection()
+    seed: int = 1234
+    world_size: int = 1
+
+
+# -- loading ---------------------------------------------------------------------------------------------------------
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if is_dataclass(annotation):
+        return _build(annotation, value, name)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{name}={value!r}; valid values: {', '.join(map(repr, args))}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name}={value!r} has the wrong type (expected {annotation})")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return tuple(_coerce(v, args[0], name) for v in value)
+    if annotation is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: expected true or false")
+        return value
+    if annotation in (int, float):
+        try:
+            if isinstance(value, bool) or (annotation is int and isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return annotation(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}={value!r}: expected {annotation.__name__}") from None
+    if annotation is str:
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{name}={value!r}: expected a string")
+        return str(value)
+    if annotation is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}={value!r}: expected a mapping")
+        return dict(value)
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown field {where}{unknown[0]}; valid fields{' of ' + prefix if prefix else ''}: "
+                          f"{', '.join(sorted(known))}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ConfigError, LayoutError):
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from None
+
+
+def _parse_scalar(text: str) -> Any:
+    return yaml.safe_load(text) if text else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.field=value` strings (values parsed as YAML scalars/lists) to a raw config dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.field=value")
+        path, raw = item.split("=", 1)
+        node = data
+        parts = path.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Read YAML (optional), apply overrides, build and validate the config."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: invalid YAML: {exc}") from None
+    data = apply_overrides(data, list(overrides))
+    config = _build(TrainConfig, data, "")
+    validate(config)
+    return config
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def validate(config: TrainConfig) -> None:
+    """Cross-field checks, all before any process starts."""
+    from mpo.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, loss_names, make_loss_config
+    from mpo.models.config import PRESETS
+
+    a, r, m, s, d = config.algorithm, config.rollout, config.model, config.schedule, config.data
+    if a.loss not in loss_names():
+        raise ConfigError(f"algorithm.loss={a.loss!r}; valid values: {', '.join(loss_names())}")
+    try:
+        make_loss_config(a.loss, **a.loss_args)
+    except ValueError as exc:
+        raise ConfigError(f"algorithm.loss_args: {exc}") from None
+    if a.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"algorithm.advantage={a.advantage!r}; valid values: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    if a.kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}; valid values: {', '.join(KL_ESTIMATORS)}")
+    if a.replay == "r3" and r.router_in_front:
+        raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
+                          "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
+    if m.hf_dir is None and m.preset not in PRESETS:
+        raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
+    for name, value in (("rollout.samples_per_prompt", r.samples_per_prompt), ("rollout.num_engines", r.num_engines),
+                        ("rollout.max_new_tokens", r.max_new_tokens), ("data.prompts_per_step", d.prompts_per_step),
+                        ("schedule.micro_batch_size", s.micro_batch_size),
+                        ("schedule.updates_per_step", s.updates_per_step), ("world_size", config.world_size)):
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
+    if r.samples_per_prompt < 2 and a.advantage != "drgrpo":
+        raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
+    if s.steps < 0 or s.sft_steps < 0:
+        raise ConfigError("schedule.steps and schedule.sft_steps must be >= 0")
+    if not (d.task.startswith("toy:") or d.task.endswith(".jsonl")):
+        raise ConfigError(f"data.task={d.task!r}; valid values: toy:reverse, toy:add, or a path to a .jsonl file")
+    if d.task.startswith("toy:") and d.task not in ("toy:reverse", "toy:add"):
+        raise ConfigError(f"data.task={d.task!r}; valid toy tasks: toy:reverse, toy:add")
+    if d.task.endswith(".jsonl") and m.hf_dir is None:
+        raise ConfigError("data.task is a jsonl of text prompts: set model.hf_dir (its tokenizer encodes them)")
+    model_cfg = model_config(config)
+    try:
+        config.parallel.validate(config.world_size, num_layers=model_cfg.num_layers,
+                                 num_attention_heads=model_cfg.num_attention_heads,
+                                 num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel: {exc}") from None
+
+
+def model_config(config: TrainConfig):
+    """The MoEModelConfig the run trains (from the HF config.json when model.hf_dir is set)."""
+    import json
+
+    from mpo.models.config import from_hf_config, preset
+
+    if config.model.hf_dir:
+        path = Path(config.model.hf_dir) / "config.json"
+        try:
+            return from_hf_config(json.loads(path.read_text()))
+        except OSError:
+            raise ConfigError(f"model.hf_dir: {path} not found") from None
+        except ValueError as exc:
+            raise ConfigError(f"model.hf_dir: {exc}") from None
+    return preset(config.model.preset)

@@ -1,0 +1,1 @@
+"""The RL loop: rollouts -> rewards -> advantages -> old log-probs (+ routing) -> updates -> weight sync -> metrics."""

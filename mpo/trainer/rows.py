@@ -1,0 +1,72 @@
+"""Rollout samples as training rows, split over data-parallel ranks and packed into micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpo.models.forward import MicroBatch
+
+
+@dataclass
+class Sample:
+    """One generated response with everything training needs (built on rank 0, broadcast to all ranks).
+
+    Attributes:
+        ids: prompt + completion token ids.
+        prompt_len: number of prompt tokens; the loss covers positions prompt_len .. len(ids)-1.
+        group: global prompt-group id within the step (0..prompts-1).
+        reward: scalar reward.
+        advantage: scalar advantage (broadcast to every completion token).
+        rollout_logprobs: the engine's log-probs of the completion tokens.
+        routes: the engine's routed experts [len(ids)-1, layers, top_k] (R3), or None.
+    """
+
+    ids: list[int]
+    prompt_len: int
+    group: int
+    reward: float
+    advantage: float = 0.0
+    rollout_logprobs: list[float] | None = None
+    routes: np.ndarray | None = None
+
+
+def _pad_sample(length: int) -> Sample:
+    """A row with no loss tokens, so every data-parallel rank runs the same number of micro-batches (expert
+    parallelism exchanges tokens inside every forward: all ranks of an EP group must run the same forwards)."""
+    return Sample(ids=[0] * length, prompt_len=length, group=0, reward=0.0)
+
+
+def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[MicroBatch]:
+    """This DP rank's share of `samples` (round-robin), as micro-batches with loss tensors in `extras`.
+
+    extras: mask [b,s] (1 at completion tokens), advantages [b,s], group_ids [b], rollout_logprobs [b,s] (0 where
+    unknown), n_real (rows that are not padding).
+    """
+    per_rank = -(-len(samples) // dp_size)
+    count = -(-per_rank // micro_batch_size)
+    mine = samples[dp_rank::dp_size]
+    out = []
+    for m in range(count):
+        real = mine[m * micro_batch_size : (m + 1) * micro_batch_size]
+        rows = real or [_pad_sample(2)]
+        seq = max(len(s.ids) for s in rows)
+        b = len(rows)
+        ids = torch.zeros(b, seq, dtype=torch.long)
+        mask = torch.zeros(b, seq)
+        adv = torch.zeros(b, seq)
+        rollout_lp = torch.zeros(b, seq)
+        for i, s in enumerate(rows):
+            n = len(s.ids)
+            ids[i, :n] = torch.tensor(s.ids)
+            mask[i, s.prompt_len : n] = 1.0
+            adv[i, s.prompt_len : n] = s.advantage
+            if s.rollout_logprobs is not None:
+                rollout_lp[i, s.prompt_len : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        out.append(MicroBatch(ids, extras={
+            "mask": mask, "advantages": adv, "rollout_logprobs": rollout_lp, "n_real": len(real),
+            "group_ids": torch.tensor([s.group for s in rows]), "samples": rows,
+        }))
+    return out

@@ -1,0 +1,358 @@
+"""The RL trainer: one instance per rank (torchrun), rank 0 also drives the rollout engines.
+
+One step: rank 0 samples prompts, gets G responses per prompt from the engines (log-probs and routed experts included),
+scores them, computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
+forward records the routing (replaying the engines' routes under R3); each mini-batch update runs the configured loss
+with global denominators (replaying the old routes under R2); the new weights are pushed to the engines; metrics and,
+every few steps, a checkpoint are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpo.algorithms import (
+    PolicyBatch,
+    all_reduce_metrics,
+    compute_advantages,
+    compute_global_denominators,
+    compute_policy_loss,
+    get_loss,
+    make_loss_config,
+    merge_metrics,
+)
+from mpo.config import TrainConfig, model_config, to_dict
+from mpo.data.toy import task_from_name, toy_reward
+from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.rollout.protocol import GenerateRequest, SamplingParams
+from mpo.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from mpo.trainer.rows import Sample, rank_microbatches
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+def _broadcast_object(obj: Any, src: int = 0) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _sampling_seed(seed: int, step: int, index: int) -> int:
+    """Per-sample seed: a pure function of (run seed, step, sample), so resumed runs resample identically."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, engines: list | None = None) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from mpo.models.builder import PrecisionConfig, build_model, unwrap
+        from mpo.models.ddp import wrap_ddp
+        from mpo.parallel import initialize_parallel
+        from mpo.routing import attach_routing_hooks
+
+        self.config = config
+        self.model_cfg = model_config(config)
+        self.ctx = initialize_parallel(config.parallel, num_layers=self.model_cfg.num_layers,
+                                       num_experts=self.model_cfg.num_experts,
+                                       num_attention_heads=self.model_cfg.num_attention_heads, seed=config.seed)
+        self.rank = self.ctx.rank
+        self.ps = parallel_state
+        precision = PrecisionConfig(dtype=config.model.dtype, fp32_lm_head=config.model.fp32_lm_head)
+        model = build_model(self.model_cfg, config.parallel, self.ctx.device, precision, seed=config.seed,
+                            recompute=config.model.recompute)
+        if config.model.mcore_dir:
+            from megatron.core import dist_checkpointing
+
+            gpt = unwrap(model)
+            gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), config.model.mcore_dir))
+        self.model = wrap_ddp(model)
+        self.gpt = unwrap(model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
+                            bf16=config.model.dtype == "bf16", weight_decay=0.0), [self.model])
+        self.routing = attach_routing_hooks(self.model)
+        self.loss_spec = get_loss(config.algorithm.loss)
+        self.loss_cfg = make_loss_config(config.algorithm.loss, **config.algorithm.loss_args,
+                                         **({"kl_coef": config.algorithm.kl_coef,
+                                             "kl_estimator": config.algorithm.kl_estimator}
+                                            if config.algorithm.kl_coef > 0 else {}))
+        self.reference = self._reference_state() if config.algorithm.kl_coef > 0 else None
+        self.task = task_from_name(config.data.task, config.data.digits)
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.engines = engines or []  # rank 0 only: (EngineClient, restart callable or None) pairs
+        self.step = 0
+        self.nonfinite_in_row = 0
+        self.nonfinite_total = 0
+        self.checkpoints = CheckpointManager(config.logging.out_dir)
+
+    # -- set-up helpers ------------------------------------------------------------------------------------------
+    def _reference_state(self) -> dict[str, torch.Tensor]:
+        """The initial weights, kept on the host for the KL reference forward."""
+        return {k: v.detach().clone() for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.ps.is_pipeline_last_stage()
+
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        from mpo.models.full_state import gather_full_state
+
+        return gather_full_state(self.gpt)
+
+    # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
+    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+
+        cfg = self.config
+        prompts = self.task.prompts(cfg.seed, step, cfg.data.prompts_per_step)
+        want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
+        requests = []
+        for p_index, prompt in enumerate(prompts):
+            for g in range(cfg.rollout.samples_per_prompt):
+                index = p_index * cfg.rollout.samples_per_prompt + g
+                sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                          max_new_tokens=min(cfg.rollout.max_new_tokens, self.task.max_answer_tokens),
+                                          stop_token_ids=(2,), sampling_seed=_sampling_seed(cfg.seed, step, index))
+                requests.append(GenerateRequest(prompt.ids, sampling, return_routed_experts=want_routes))
+        started = time.perf_counter()
+        pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in self.engines],
+                           PoolConfig(request_timeout_s=cfg.rollout.request_timeout_s))
+        results = pool.generate(requests)
+        rollout_s = time.perf_counter() - started
+        rewards = [toy_reward(r.output_ids, prompts[i // cfg.rollout.samples_per_prompt].answer)
+                   for i, r in enumerate(results)]
+        groups = torch.arange(len(results)) // cfg.rollout.samples_per_prompt
+        adv = compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups, estimator=cfg.algorithm.advantage)
+        keep = torch.ones(len(results), dtype=torch.bool)
+        if cfg.algorithm.filter_zero_variance:
+            keep = ~adv.zero_variance[groups]
+        samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
+                          reward=rewards[i], advantage=float(adv.advantages[i]),
+                          rollout_logprobs=r.output_logprobs, routes=r.routed_experts)
+                   for i, r in enumerate(results) if keep[i]]
+        lengths = [len(r.output_ids) for r in results]
+        metrics = {
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_exact_frac": sum(r == 1.0 for r in rewards) / len(rewards),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "kept_samples_frac": len(samples) / len(results),
+            "rollout_time_s": rollout_s,
+            "rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
+            "engine_restarts": float(sum(h.restarts for h in pool.engines)),
+        }
+        return samples, metrics
+
+    # -- training ------------------------------------------------------------------------------------------------
+    def _dp(self) -> tuple[int, int]:
+        return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
+
+    def _engine_routes(self, mb: MicroBatch):
+        from mpo.routing import RolloutRoutes, place_rollout_routes
+
+        rows = [[RolloutRoutes(torch.from_numpy(s.routes), len(s.ids))] if s.routes is not None else []
+                for s in mb.extras["samples"]]
+        if not any(rows):
+            return None
+        seq = mb.input_ids.shape[1]
+        for i, row in enumerate(rows):
+            if not row:  # padding row: no engine record; -1 routes it naturally
+                n = len(mb.extras["samples"][i].ids)
+                shape = (n - 1, self.model_cfg.num_layers, self.model_cfg.router_topk)
+                rows[i] = [RolloutRoutes(torch.full(shape, -1, dtype=torch.int32), n)]
+        return place_rollout_routes(rows, seq)
+
+    def _local_layers(self, routes):
+        return None if routes is None else routes.select(self.routing.layers)
+
+    def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
+        from mpo.routing import agreement_metrics
+
+        vocab = self.model_cfg.vocab_size
+        engine_routes = [self._engine_routes(mb) for mb in microbatches]
+        replay = None
+        if self.config.algorithm.replay == "r3":
+            if any(r is None for r in engine_routes):
+                raise RuntimeError("algorithm.replay=r3 but the engines returned no routed experts")
+            replay = [self._local_layers(r) for r in engine_routes]
+        with self.routing.session(replay=replay) as old:
+            outs = run_microbatches(self.model, microbatches, vocab_size=vocab, forward_only=True)
+        metrics: dict[str, float] = {}
+        if self.reference is not None:
+            outs_ref = self._reference_logprobs(microbatches)
+        for i, mb in enumerate(microbatches):
+            if outs:
+                mb.extras["logp_old"] = outs[i]["logprobs"]
+                if self.reference is not None:
+                    mb.extras["logp_ref"] = outs_ref[i]
+        valid = [mb.extras["mask"].bool() for mb in microbatches]
+        if all(r is not None for r in engine_routes):
+            metrics.update(agreement_metrics([self._local_layers(r) for r in engine_routes], old.records, valid,
+                                             prefix="routing/rollout_vs_old", num_layers=self.model_cfg.num_layers,
+                                             pp_group=self.pp_group))
+        if outs:  # train-vs-rollout log-prob mismatch, over the loss tokens
+            diff = torch.zeros(2, dtype=torch.float64)
+            for mb in microbatches:
+                m = mb.extras["mask"]
+                diff[0] += ((mb.extras["logp_old"] - mb.extras["rollout_logprobs"]).abs() * m).sum()
+                diff[1] += m.sum()
+            dist.all_reduce(diff, group=self.dp_group)
+            metrics["train_rollout_logprob_absdiff"] = (diff[0] / diff[1].clamp(min=1)).item()
+        return old.records, metrics
+
+    def _reference_logprobs(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
+        current = {k: v.detach().clone() for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+        self.gpt.load_state_dict(self.reference, strict=False)
+        try:
+            outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
+        finally:
+            self.gpt.load_state_dict(current, strict=False)
+        return [o["logprobs"] for o in outs]
+
+    def _router_shifts(self, microbatches: list[MicroBatch], old_records: list) -> None:
+        """RSPO / +rs: gamma per token from the current router at the old experts (a forward-only probe pass, so the
+        pipeline all-reduce happens outside megatron's schedule)."""
+        from mpo.routing import router_shift
+
+        with self.routing.session(gather_at=old_records) as probe:
+            run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
+        for mb, old, cur in zip(microbatches, old_records, probe.records):
+            mb.extras["router_shift"] = router_shift(old, cur, self.loss_cfg.gamma_min, pp_group=self.pp_group)
+
+    def _loss_fn(self, denominators):
+        name, cfg = self.config.algorithm.loss, self.loss_cfg
+
+        def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
+            x = mb.extras
+            batch = PolicyBatch(logp_new=logprobs, logp_old=x["logp_old"], advantages=x["advantages"],
+                                mask=x["mask"], group_ids=x["group_ids"], logp_ref=x.get("logp_ref"),
+                                router_shift=x.get("router_shift"), entropy=entropy)
+            out = compute_policy_loss(name, batch, cfg, denominators)
+            return out.loss, {k: v.detach() for k, v in out.metrics.items()}
+
+        return loss_fn
+
+    def _grads_finite(self, loss_ok: bool) -> bool:
+        flag = torch.tensor([0.0 if loss_ok else 1.0])
+        for param in self.model.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and not torch.isfinite(grad).all():
+                flag[0] = 1.0
+                break
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    def _update(self, microbatches: list[MicroBatch], old_records: list, num_groups: int,
+                engine_routes: list | None) -> dict[str, float]:
+        from mpo.routing import agreement_metrics
+
+        algo = self.config.algorithm
+        denominators = compute_global_denominators(
+            [mb.extras["mask"][: max(mb.extras["n_real"], 0)] for mb in microbatches],
+            [mb.extras["group_ids"][: mb.extras["n_real"]] for mb in microbatches],
+            [mb.extras["advantages"][: mb.extras["n_real"]] for mb in microbatches],
+            num_groups=num_groups, process_group=self.dp_group)
+        if self.loss_spec.router_shift:
+            self._router_shifts(microbatches, old_records)
+        replay = old_records if algo.replay == "r2" else engine_routes if algo.replay == "r3" else None
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        with self.routing.session(replay=replay, gather_at=old_records, backward=True) as current:
+            outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size,
+                                    loss_fn=self._loss_fn(denominators))
+        metrics: dict[str, float] = {}
+        loss_ok = True
+        if outs:
+            metric_names = [k for k in outs[0] if k not in ("logprobs", "entropy", "logits")]
+            merged = merge_metrics([{k: o[k] for k in metric_names} for o in outs])
+            merged = all_reduce_metrics(merged, self.dp_group)
+            metrics = {k: float(v) for k, v in merged.items()}
+            loss_ok = math.isfinite(metrics.get("loss", 0.0))
+        valid = [mb.extras["mask"].bool() for mb in microbatches]
+        metrics.update(agreement_metrics(old_records, current.records, valid, prefix="routing/old_vs_update",
+                                         num_layers=self.model_cfg.num_layers, pp_group=self.pp_group))
+        if self._grads_finite(loss_ok):
+            success, grad_norm, _ = self.optimizer.step()
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            metrics["nonfinite_skipped"] = 0.0
+            self.nonfinite_in_row = 0
+        else:
+            metrics["nonfinite_skipped"] = 1.0
+            self.nonfinite_in_row += 1
+            self.nonfinite_total += 1
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
+        cfg = self.config
+        started = time.perf_counter()
+        samples, rollout_metrics = self.collect(step) if self.rank == 0 else (None, {})
+        samples = _broadcast_object(samples)
+        metrics: dict[str, float] = dict(rollout_metrics)
+        metrics["nonfinite_total"] = float(self.nonfinite_total)
+        if not samples:
+            metrics["skipped_no_signal"] = 1.0
+            return metrics
+        dp_rank, dp_size = self._dp()
+        updates = min(cfg.schedule.updates_per_step, len(samples))
+        minis = [samples[u::updates] for u in range(updates)]
+        per_update = [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size,
+                                        micro_batch_size=cfg.schedule.micro_batch_size) for m in minis]
+        flat = [mb for mbs in per_update for mb in mbs]
+        old_records, old_metrics = self._old_forward(flat)
+        metrics.update(old_metrics)
+        update_metrics = []
+        offset = 0
+        for mbs in per_update:
+            records = old_records[offset : offset + len(mbs)]
+            engine_routes = ([self._local_layers(self._engine_routes(mb)) for mb in mbs]
+                             if cfg.algorithm.replay == "r3" else None)
+            update_metrics.append(self._update(mbs, records, cfg.data.prompts_per_step, engine_routes))
+            offset += len(mbs)
+            if self.nonfinite_in_row >= cfg.schedule.max_nonfinite_steps:
+                break
+        for key in update_metrics[-1]:
+            values = [m[key] for m in update_metrics if key in m]
+            metrics[key] = sum(values) / len(values)
+        metrics["nonfinite_total"] = float(self.nonfinite_total)
+        tokens = sum(len(s.ids) for s in samples)
+        metrics["train_time_s"] = time.perf_counter() - started - metrics.get("rollout_time_s", 0.0)
+        metrics["train_tokens_per_s"] = tokens / max(metrics["train_time_s"], 1e-9)
+        # Metrics live on the last pipeline stage; rank 0 reports them.
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, metrics if self.is_last_stage else None)
+        merged = next(m for m in gathered if m is not None)
+        merged.update(rollout_metrics)
+        return merged
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        state = {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()}
+        self.checkpoints.save(step, state, {"step": step, "nonfinite_total": self.nonfinite_total,
+                                            "config": to_dict(self.config)})
+
+    def resume(self) -> int:
+        """Load the newest checkpoint if there is one; returns the step to continue from."""
+        path = self.checkpoints.latest()
+        if path is None:
+            return 0
+        state, trainer_state = self.checkpoints.load(path)
+        self.gpt.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
+        log.info("resumed from %s (step %d)", path, trainer_state["step"])
+        return int(trainer_state["step"])
