@@ -121,6 +121,10 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, spec: Spec = "both",
             print(f"checkpoints_tools: skipping {len(skipped)} tensor(s) not used by megatron-core (e.g. "
                   f"{skipped[0]}); {mapping.info.skip_reason}", file=sys.stderr)
         units = list(mapping.units())
+        # Check every tensor's presence and shape from the headers first: fail before writing anything.
+        for unit in units:
+            for name, shape in zip(unit.hf_names, unit.rule.hf_shapes):
+                source.check_shape(name, shape)
         chunks = []
         for unit in units:
             unit_dtype = dtype or _stored_dtype(source, unit.hf_names[0])

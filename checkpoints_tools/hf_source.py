@@ -36,11 +36,13 @@ class HFCheckpoint:
         directory: the HF directory.
         config: the parsed config.json.
         weight_map: tensor name -> shard file name (from the index, or every tensor of model.safetensors).
+        fp8_block: FP8 scale tile (rows, cols), from config.json's quantization_config.weight_block_size.
     """
 
     directory: Path
     config: dict[str, Any]
     weight_map: dict[str, str]
+    fp8_block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
     _stack: ExitStack = field(default_factory=ExitStack, repr=False)
 
@@ -66,7 +68,8 @@ class HFCheckpoint:
                 weight_map = {name: SINGLE_NAME for name in handle.keys()}
         else:
             raise ConversionError(f"no {INDEX_NAME} or {SINGLE_NAME}", file=str(directory))
-        return cls(directory, config, weight_map)
+        block = (config.get("quantization_config") or {}).get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK)
+        return cls(directory, config, weight_map, (int(block[0]), int(block[1])))
 
     def close(self) -> None:
         self._stack.close()
@@ -131,7 +134,7 @@ class HFCheckpoint:
                 raise ConversionError("slicing a fused FP8 tensor is not supported",
                                       file=str(self.directory / file_name), tensor=name)
             scale = self._read_stored(scale_name)
-            tensor = dequantize_fp8_blocks(tensor, scale)
+            tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block)
         return tensor
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -177,6 +180,37 @@ class HFCheckpoint:
         # transformers 5 fuses [gate; up] along the output rows, gate first.
         return tensor[: rows // 2].clone() if proj == "gate_proj" else tensor[rows // 2 :].clone()
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """Shape of `name` from the safetensors header (no data read); per-expert names resolve into fused tensors."""
+        stored = name if name in self.weight_map else self._fused_name(name)
+        handle = self._handle(self.weight_map[stored])
+        if stored not in handle.keys():
+            raise ConversionError("the index names a tensor the shard does not contain", file=self.file_of(stored),
+                                  tensor=stored)
+        shape = tuple(handle.get_slice(stored).get_shape())
+        if stored == name:
+            return shape
+        if name.endswith("down_proj.weight"):
+            return shape[1:]
+        return (shape[1] // 2, *shape[2:])
+
+    def _fused_name(self, name: str) -> str:
+        match = _PER_EXPERT.match(name)
+        fused = None
+        if match is not None:
+            fused = f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
+        if fused is None or fused not in self.weight_map:
+            raise ConversionError("tensor not in the checkpoint index", file=str(self.directory / INDEX_NAME),
+                                  tensor=name)
+        return fused
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        got = self.shape_of(name)
+        if got != tuple(shape):
+            raise ConversionError(f"shape mismatch: checkpoint has {got}, config implies {tuple(shape)}",
+                                  file=self.file_of(name if name in self.weight_map else self._fused_name(name)),
+                                  tensor=name)
+
     def consumed_names(self, per_expert_names: set[str]) -> set[str]:
         """Stored names covered by a set of requested names (fused tensors count when any slice was read)."""
         covered = set()
@@ -190,9 +224,12 @@ class HFCheckpoint:
         return covered
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK,
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
+                          block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
                           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """DeepSeek-style FP8 weight with one inverse scale per block x block tile -> `dtype`."""
+    """DeepSeek-style FP8 weight with one inverse scale per (rows x cols) tile -> `dtype`."""
     rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    if scale_inv.shape != (-(-rows // block[0]), -(-cols // block[1])):
+        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not tile {tuple(weight.shape)} by {block}")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * scale).to(dtype)

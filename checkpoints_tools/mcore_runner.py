@@ -22,7 +22,23 @@ def load_checkpoint(model: torch.nn.Module, mcore_dir: str | Path) -> None:
     model.load_state_dict(state)
 
 
-def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: str) -> None:
+def _resave(model: torch.nn.Module, out: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    from mpo.models.full_state import gather_full_state
+
+    (out / "megatron_saved").mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(out / "megatron_saved"))
+    full = gather_full_state(model)
+    if full is not None:
+        torch.save(full, out / "full_state.pt")
+
+
+def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: str,
+             resave_dir: str | None = None) -> None:
+    """See the module docstring. With `resave_dir`, megatron also saves the loaded model there with its own
+    dist_checkpointing.save (`megatron_saved/`) and writes gather_full_state's tensors (`full_state.pt`), so tests
+    can compare this converter's output with megatron's own format."""
     from megatron.core import parallel_state
 
     from checkpoints_tools.convert import HF_CONFIG_NAME
@@ -39,6 +55,8 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
     model = build_model(model_cfg, parallel, ctx.device, PrecisionConfig(dtype="fp32"))
     load_checkpoint(model, mcore_dir)
     model.eval()
+    if resave_dir is not None:
+        _resave(model, Path(resave_dir))
 
     routing: dict[int, torch.Tensor] = {}
 

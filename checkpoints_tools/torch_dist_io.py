@@ -106,8 +106,22 @@ def write_torch_dist(directory: Path, chunks: Iterable[ChunkSpec], objects: dict
                 on_chunk(chunk)
             return data
 
+    import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=LazyPlanner(), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({}, storage_writer=writer, planner=LazyPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        # DCP wraps errors raised while producing data; surface ours (one line, names file and tensor).
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, ConversionError):
+                raise inner from None
+        raise
     (directory / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 

@@ -118,8 +118,8 @@ def _rank_entry(rank: int, world: int, port: int, args: tuple) -> None:
 
 
 def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, ep: int = 1, pp: int = 1,
-              etp: int | None = None) -> dict:
-    """Megatron outputs for the prompts at a layout (world size tp*pp*max(1, ep*etp/tp...) computed below)."""
+              etp: int | None = None, resave_dir: str | Path | None = None) -> dict:
+    """Megatron outputs for the prompts at a layout, on the smallest world size that fits it."""
     import torch.multiprocessing as mp
 
     layout = dict(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, expert_tensor_parallel=etp)
@@ -129,7 +129,7 @@ def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, e
         raise ConversionError(f"layout tp={tp} ep={ep} pp={pp} etp={etp} has no common world size")
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "mcore.pt")
-        mp.start_processes(_rank_entry, args=(world, _free_port(), (str(mcore_dir), prompts, layout, out_file)),
+        mp.start_processes(_rank_entry, args=(world, _free_port(), (str(mcore_dir), prompts, layout, out_file, str(resave_dir) if resave_dir else None)),
                            nprocs=world, join=True, start_method="spawn")
         return torch.load(out_file, weights_only=True)
 

@@ -6,6 +6,7 @@ original safetensors files, and megatron-core's own dist_checkpointing.save / ga
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -15,8 +16,6 @@ from checkpoints_tools import hf_to_mcore, mapping_for, mcore_to_hf, model_confi
 from checkpoints_tools.cli import main as cli_main
 from checkpoints_tools.torch_dist_io import TorchDistReader
 from checkpoints_tools.verify import compare, default_prompts, hf_reference, run_mcore
-from helpers import convert_worker
-from helpers.spawn import spawn_ranks
 from helpers.tiny_hf import read_safetensors_dir, save_fused, tiny_qwen3_moe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,9 +39,16 @@ def test_cli_verify_tp1_passes(ckpts, capsys):
     assert "PASS" in out and "layer   1 top-k routing agreement 1.0000" in out
 
 
+@pytest.fixture(scope="module")
+def tp2_run(ckpts):
+    """One TP2 run serves two tests: parity, and megatron's own re-save of what it loaded."""
+    resave = ckpts["base"] / "resave_tp2"
+    return run_mcore(ckpts["mc"], ckpts["prompts"], tp=2, resave_dir=resave), resave
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(ep=2), dict(pp=2)], ids=["tp2", "ep2", "pp2"])
-def test_layout_matches_hf(ckpts, layout):
-    got = run_mcore(ckpts["mc"], ckpts["prompts"], **layout)
+def test_layout_matches_hf(ckpts, tp2_run, layout):
+    got = tp2_run[0] if layout == dict(tp=2) else run_mcore(ckpts["mc"], ckpts["prompts"], **layout)
     report = compare(ckpts["ref"], got, layout, tolerance=TOL)
     assert report.max_logit_diff <= TOL, report.lines()
     assert report.max_logprob_diff <= TOL, report.lines()
@@ -74,10 +80,9 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(ckpts):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
 
 
-def test_megatron_resave_at_tp2_matches(ckpts):
+def test_megatron_resave_at_tp2_matches(ckpts, tp2_run):
     """megatron loads our checkpoint at TP2, saves its own: same tensors; its full state maps back to HF exactly."""
-    out = ckpts["base"] / "resave_tp2"
-    spawn_ranks(2, convert_worker.resave, str(ckpts["mc"]), str(out), dict(tensor_parallel=2))
+    out = tp2_run[1]
     ours, megatrons = TorchDistReader(ckpts["mc"]), TorchDistReader(out / "megatron_saved")
     assert set(megatrons.tensors) <= set(ours.tensors)
     for key in megatrons.tensors:
@@ -96,8 +101,7 @@ def test_megatron_resave_at_tp2_matches(ckpts):
 
     # The weight-sync API: gather_full_state's tensors -> HF names and tensors.
     full = torch.load(out / "full_state.pt", weights_only=True)
-    mapping = mapping_for(model_config_from_hf(__import__("json").loads((ckpts["hf"] / "config.json").read_text())),
-                          spec="local")
+    mapping = mapping_for(model_config_from_hf(json.loads((ckpts["hf"] / "config.json").read_text())), spec="local")
     assert set(full) == {key for unit in mapping.units() for key in unit.keys}
     pairs = dict(mapping.full_state_to_hf(full))
     assert pairs.keys() == original.keys()
