@@ -1,0 +1,78 @@
+"""Command line: python -m checkpoints_tools {hf-to-mcore, mcore-to-hf, verify}.
+
+Exit status: 0 success (verify: within tolerance), 1 verify out of tolerance, 2 ConversionError (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from checkpoints_tools.errors import ConversionError
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_tools", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> megatron-core torch_dist")
+    to_mcore.add_argument("--hf-dir", required=True)
+    to_mcore.add_argument("--out-dir", required=True)
+    to_mcore.add_argument("--spec", choices=("both", "local", "te"), default="both",
+                          help="layer-spec key names to write: both (default; loads with the CPU local spec and "
+                               "the GPU Transformer Engine spec), local, te")
+    to_mcore.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
+                          help="stored dtype (default: the source's; FP8 sources become bf16)")
+    to_mcore.add_argument("--no-progress", action="store_true")
+
+    to_hf = sub.add_parser("mcore-to-hf", help="megatron-core torch_dist -> HF safetensors shards + index")
+    to_hf.add_argument("--mcore-dir", required=True)
+    to_hf.add_argument("--out-dir", required=True)
+    to_hf.add_argument("--hf-config", default=None, help="config.json to use (default: the one hf-to-mcore kept)")
+    to_hf.add_argument("--max-shard-gb", type=float, default=2.0)
+    to_hf.add_argument("--no-progress", action="store_true")
+
+    check = sub.add_parser("verify", help="compare HF (transformers) and megatron (mpo) outputs on prompts")
+    check.add_argument("--hf-dir", required=True)
+    check.add_argument("--mcore-dir", required=True)
+    check.add_argument("--tp", type=int, default=1)
+    check.add_argument("--ep", type=int, default=1)
+    check.add_argument("--pp", type=int, default=1)
+    check.add_argument("--etp", type=int, default=None)
+    check.add_argument("--tolerance", type=float, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            import torch
+
+            from checkpoints_tools.convert import hf_to_mcore
+
+            dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+            report = hf_to_mcore(args.hf_dir, args.out_dir, spec=args.spec, dtype=dtype,
+                                 show_progress=not args.no_progress)
+            print(f"hf-to-mcore: {report.architecture}, {report.tensors} HF tensors, {report.bytes / 2**20:.1f} MiB "
+                  f"in {report.seconds:.1f}s -> {args.out_dir}")
+            return 0
+        if args.command == "mcore-to-hf":
+            from checkpoints_tools.convert import mcore_to_hf
+
+            report = mcore_to_hf(args.mcore_dir, args.out_dir, hf_config=args.hf_config,
+                                 max_shard_bytes=int(args.max_shard_gb * 2**30), show_progress=not args.no_progress)
+            print(f"mcore-to-hf: {report.architecture}, {report.tensors} HF tensors, {report.bytes / 2**20:.1f} MiB "
+                  f"in {report.seconds:.1f}s -> {args.out_dir}")
+            return 0
+        from checkpoints_tools.verify import DEFAULT_TOLERANCE, verify
+
+        report = verify(args.hf_dir, args.mcore_dir, tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp,
+                        tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE)
+        print("\n".join(report.lines()))
+        return 0 if report.passed else 1
+    except ConversionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

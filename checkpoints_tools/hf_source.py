@@ -1,0 +1,235 @@
+"""Lazy, tensor-by-tensor reading of a Hugging Face checkpoint directory (safetensors, sharded or not).
+
+Tensors are opened through `safe_open` (mmap) and read one at a time, so memory stays near the largest tensor.
+Two expert layouts are accepted, chosen per checkpoint:
+  * per-expert (what transformers' save_pretrained writes): `...mlp.experts.{e}.gate_proj.weight` etc.;
+  * fused (transformers 5's in-memory layout): `...mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and
+    `...mlp.experts.down_proj [E, H, I]`; a per-expert name is served as a slice of the fused tensor.
+FP8 block-scaled tensors (`W` float8 with `W_scale_inv`, 128x128 blocks) are dequantised on read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoints_tools.errors import ConversionError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+FP8_BLOCK = 128
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+@dataclass
+class HFCheckpoint:
+    """An opened HF checkpoint directory: config, tensor -> file map, lazily opened shards.
+
+    Attributes:
+        directory: the HF directory.
+        config: the parsed config.json.
+        weight_map: tensor name -> shard file name (from the index, or every tensor of model.safetensors).
+        fp8_block: FP8 scale tile (rows, cols), from config.json's quantization_config.weight_block_size.
+    """
+
+    directory: Path
+    config: dict[str, Any]
+    weight_map: dict[str, str]
+    fp8_block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    _stack: ExitStack = field(default_factory=ExitStack, repr=False)
+
+    @classmethod
+    def open(cls, directory: str | Path) -> "HFCheckpoint":
+        directory = Path(directory)
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise ConversionError("HF directory has no config.json", file=str(config_path))
+        config = json.loads(config_path.read_text())
+        index_path = directory / INDEX_NAME
+        if index_path.is_file():
+            weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+            for shard in sorted(set(weight_map.values())):
+                if not (directory / shard).is_file():
+                    tensor = next(name for name, s in weight_map.items() if s == shard)
+                    raise ConversionError("shard named in the index is missing", file=str(directory / shard),
+                                          tensor=tensor)
+        elif (directory / SINGLE_NAME).is_file():
+            from safetensors import safe_open
+
+            with safe_open(directory / SINGLE_NAME, "pt") as handle:
+                weight_map = {name: SINGLE_NAME for name in handle.keys()}
+        else:
+            raise ConversionError(f"no {INDEX_NAME} or {SINGLE_NAME}", file=str(directory))
+        block = (config.get("quantization_config") or {}).get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK)
+        return cls(directory, config, weight_map, (int(block[0]), int(block[1])))
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- layout detection -------------------------------------------------------------------------------------
+
+    @property
+    def fused_experts(self) -> bool:
+        """True if experts are stored fused ([E, ...] tensors); raises on a mix of both layouts."""
+        fused = any(_FUSED.match(n) for n in self.weight_map)
+        per_expert = any(_PER_EXPERT.match(n) for n in self.weight_map)
+        if fused and per_expert:
+            name = next(n for n in self.weight_map if _FUSED.match(n))
+            raise ConversionError("checkpoint mixes fused and per-expert expert tensors",
+                                  file=str(self.directory / self.weight_map[name]), tensor=name)
+        return fused
+
+    def weight_names(self) -> list[str]:
+        """Tensor names that carry weights (FP8 scale tensors are folded into their weights)."""
+        return [n for n in self.weight_map if not n.endswith("_scale_inv")]
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def _handle(self, file_name: str):
+        from safetensors import safe_open
+
+        handle = self._handles.get(file_name)
+        if handle is None:
+            path = self.directory / file_name
+            if not path.is_file():
+                raise ConversionError("shard is missing", file=str(path))
+            try:
+                handle = self._stack.enter_context(safe_open(path, "pt"))
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise ConversionError(f"cannot open safetensors file ({exc})", file=str(path)) from exc
+            self._handles[file_name] = handle
+        return handle
+
+    def file_of(self, name: str) -> str:
+        return str(self.directory / self.weight_map.get(name, "?"))
+
+    def _read_stored(self, name: str, index: tuple | None = None) -> torch.Tensor:
+        """A tensor as stored (optionally a leading-axis slice), dequantised if FP8 block-scaled."""
+        file_name = self.weight_map.get(name)
+        if file_name is None:
+            raise ConversionError("tensor not in the checkpoint index", file=str(self.directory), tensor=name)
+        handle = self._handle(file_name)
+        if name not in handle.keys():
+            raise ConversionError("the index names a tensor the shard does not contain",
+                                  file=str(self.directory / file_name), tensor=name)
+        tensor = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
+        scale_name = f"{name}_scale_inv"
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale_name in self.weight_map:
+            if index is not None:
+                raise ConversionError("slicing a fused FP8 tensor is not supported",
+                                      file=str(self.directory / file_name), tensor=name)
+            scale = self._read_stored(scale_name)
+            tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block)
+        return tensor
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor `name` (per-expert names are served from fused tensors if that is the layout).
+
+        Raises ConversionError naming the file and tensor if it is missing or its shape is not `shape`.
+        """
+        if name in self.weight_map:
+            tensor = self._read_stored(name)
+        else:
+            tensor = self._read_from_fused(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise ConversionError(f"shape mismatch: checkpoint has {tuple(tensor.shape)}, config implies "
+                                  f"{tuple(shape)}", file=self.file_of(name), tensor=name)
+        return tensor
+
+    def _read_from_fused(self, name: str) -> torch.Tensor:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            raise ConversionError("tensor not in the checkpoint index", file=str(self.directory / INDEX_NAME),
+                                  tensor=name)
+        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+        fused_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        if fused_name not in self.weight_map:
+            raise ConversionError("tensor not in the checkpoint index (neither per-expert nor fused)",
+                                  file=str(self.directory / INDEX_NAME), tensor=name)
+        handle = self._handle(self.weight_map[fused_name])
+        if fused_name not in handle.keys():
+            raise ConversionError("the index names a tensor the shard does not contain",
+                                  file=self.file_of(fused_name), tensor=fused_name)
+        sliced = handle.get_slice(fused_name)
+        num_experts = sliced.get_shape()[0]
+        if expert >= num_experts:
+            raise ConversionError(f"expert {expert} beyond fused tensor's {num_experts} experts",
+                                  file=self.file_of(fused_name), tensor=fused_name)
+        tensor = sliced[expert]
+        if proj == "down_proj":
+            return tensor
+        rows = tensor.shape[0]
+        if rows % 2:
+            raise ConversionError(f"fused gate_up_proj has an odd row count {rows}", file=self.file_of(fused_name),
+                                  tensor=fused_name)
+        # transformers 5 fuses [gate; up] along the output rows, gate first.
+        return tensor[: rows // 2].clone() if proj == "gate_proj" else tensor[rows // 2 :].clone()
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """Shape of `name` from the safetensors header (no data read); per-expert names resolve into fused tensors."""
+        stored = name if name in self.weight_map else self._fused_name(name)
+        handle = self._handle(self.weight_map[stored])
+        if stored not in handle.keys():
+            raise ConversionError("the index names a tensor the shard does not contain", file=self.file_of(stored),
+                                  tensor=stored)
+        shape = tuple(handle.get_slice(stored).get_shape())
+        if stored == name:
+            return shape
+        if name.endswith("down_proj.weight"):
+            return shape[1:]
+        return (shape[1] // 2, *shape[2:])
+
+    def _fused_name(self, name: str) -> str:
+        match = _PER_EXPERT.match(name)
+        fused = None
+        if match is not None:
+            fused = f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
+        if fused is None or fused not in self.weight_map:
+            raise ConversionError("tensor not in the checkpoint index", file=str(self.directory / INDEX_NAME),
+                                  tensor=name)
+        return fused
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        got = self.shape_of(name)
+        if got != tuple(shape):
+            raise ConversionError(f"shape mismatch: checkpoint has {got}, config implies {tuple(shape)}",
+                                  file=self.file_of(name if name in self.weight_map else self._fused_name(name)),
+                                  tensor=name)
+
+    def consumed_names(self, per_expert_names: set[str]) -> set[str]:
+        """Stored names covered by a set of requested names (fused tensors count when any slice was read)."""
+        covered = set()
+        for name in per_expert_names:
+            if name in self.weight_map:
+                covered.add(name)
+                continue
+            match = _PER_EXPERT.match(name)
+            if match:
+                covered.add(f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}")
+        return covered
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
+                          block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
+                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """DeepSeek-style FP8 weight with one inverse scale per (rows x cols) tile -> `dtype`."""
+    rows, cols = weight.shape
+    if scale_inv.shape != (-(-rows // block[0]), -(-cols // block[1])):
+        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not tile {tuple(weight.shape)} by {block}")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
