@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -11,18 +10,6 @@ from typing import Any
 import torch
 
 from mpo.models.config import MoEModelConfig
-
-
-def model_checksum(full_state: dict[str, torch.Tensor]) -> str:
-    """sha256 over layout-free megatron tensors (mpo.models.full_state), by sorted key. Equal on trainer and engine
-    exactly when every weight is bit-identical."""
-    digest = hashlib.sha256()
-    for key in sorted(full_state):
-        tensor = full_state[key].detach().contiguous().cpu()
-        digest.update(key.encode())
-        digest.update(str(tensor.dtype).encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
 
 
 @dataclass
@@ -83,11 +70,35 @@ class EngineModel:
                  routes[i, : len(seq) - 1].numpy() if routes is not None else None)
                 for i, seq in enumerate(sequences)]
 
-    def checksum(self) -> str:
+    # -- weights -------------------------------------------------------------------------------------------------
+    @property
+    def mapping(self):
+        from checkpoints_tools.mapping import mapping_for
+
+        return mapping_for(self.model_cfg, spec="local")
+
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         from mpo.models.builder import unwrap
         from mpo.models.full_state import gather_full_state
 
-        return model_checksum(gather_full_state(unwrap(self.model)))
+        return list(self.mapping.full_state_to_hf(gather_full_state(unwrap(self.model))))
+
+    def checksum(self) -> str:
+        from mpo.rollout.weight_sync import weights_checksum
+
+        return weights_checksum(self.hf_weights())
+
+    def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace weights from HF-named tensors; names not given keep their current values."""
+        from mpo.models.builder import unwrap
+        from mpo.models.full_state import load_full_state
+
+        current = dict(self.hf_weights()) if set(tensors) != self.mapping.hf_names() else {}
+        full = self.mapping.hf_to_full_state(lambda name, shape: tensors.get(name, current.get(name)))
+        load_full_state(unwrap(self.model), full)
 
     def add_weight_routes(self, app: Any) -> None:
-        app.add("GET", "/weights_checksum", lambda body: {"checksum": self.checksum()})
+        """SGLang's weight-update endpoints, tensor and disk paths (mpo_engine.weight_routes)."""
+        from mpo.rollout.mpo_engine.weight_routes import WeightRoutes
+
+        WeightRoutes(self, app).install()

@@ -36,6 +36,7 @@ class EngineApp:
         self.generator = generator
         self.info = info
         self.in_weight_update = False
+        self.end_hooks: list[Callable[[], None]] = []  # run at /end_weight_update (staged updates take effect)
         self.routes: dict[tuple[str, str], Route] = {}
         for path in ("/health", "/ready"):
             self.add("GET", path, self._health)
@@ -121,7 +122,11 @@ class EngineApp:
         return {"success": True, "message": "Success"}
 
     def _end(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.in_weight_update = False
+        try:
+            for hook in self.end_hooks:
+                hook()
+        finally:
+            self.in_weight_update = False
         return {"success": True, "message": "Success"}
 
 
