@@ -21,7 +21,7 @@ import torch
 
 from checkpoints_tools.errors import ConversionError
 from checkpoints_tools.hf_source import INDEX_NAME, HFCheckpoint
-from checkpoints_tools.hf_writer import ShardedSafetensorsWriter
+from checkpoints_tools.hf_writer import StreamingSafetensorsWriter
 from checkpoints_tools.mapping import ModelMapping, Spec, Unit, mapping_for, model_config_from_hf
 from checkpoints_tools.progress import progress
 from checkpoints_tools.torch_dist_io import ChunkSpec, TorchDistReader, write_torch_dist
@@ -195,8 +195,13 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
     reader = TorchDistReader(mcore_dir)
     mapping = mapping_for(model_config, spec="both")
     units = list(mapping.units())
+    plan = []
+    for unit in units:
+        key = _stored_key(reader, unit)
+        stored_dtype = reader.tensors[key].properties.dtype
+        plan += [(name, shape, stored_dtype) for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)]
     with atomic_directory(out_dir) as tmp:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
         count = 0
         for unit in progress(units, total=len(units), desc="mcore-to-hf", enabled=show_progress):
             for name, tensor in mapping.to_hf(unit, _read_unit(reader, mapping, unit)):
@@ -212,12 +217,18 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
                             time.perf_counter() - start)
 
 
-def _read_unit(reader: TorchDistReader, mapping: ModelMapping, unit: Unit) -> torch.Tensor:
+def _stored_key(reader: TorchDistReader, unit: Unit) -> str:
+    """The unit's key as stored (either spec's name)."""
     key = next((k for k in (*unit.keys, unit.rule.key, unit.rule.te_key) if k and reader.shape(k) is not None),
                None)
     if key is None:
         raise ConversionError("tensor not in the torch_dist checkpoint", file=str(reader.directory / ".metadata"),
                               tensor=unit.keys[0])
+    return key
+
+
+def _read_unit(reader: TorchDistReader, mapping: ModelMapping, unit: Unit) -> torch.Tensor:
+    key = _stored_key(reader, unit)
     stored = reader.shape(key)
     if unit.rule.kind == "vocab":
         # Any vocabulary padding is accepted (megatron pads per TP size); rows past vocab_size are dropped.

@@ -3,6 +3,7 @@
 Generates a random Qwen3-MoE-shaped bf16 HF checkpoint of about --size-gb under a temporary directory, then, each in
 a fresh subprocess (so peak RSS is that step's own):
   * plain read: every tensor through safe_open.get_tensor (the floor any converter pays to read the files);
+  * read + raw write: the same, plus writing the bytes to one file and fsync (the floor for reading and writing);
   * hf-to-mcore: checkpoints_tools' streaming conversion to torch_dist;
   * mcore-to-hf: back to HF safetensors shards.
 Reports GB/s of each, the conversions' throughput relative to the plain read, and peak RSS against the largest
@@ -56,6 +57,18 @@ if step == "read":
             for name in handle.keys():
                 tensor = handle.get_tensor(name).clone()  # get_tensor alone may stay a lazy mmap view
                 total += tensor.numel() * tensor.element_size()
+elif step == "copy":
+    import os
+    total = 0
+    with open(dst, "wb") as out:
+        for path in sorted(Path(src).glob("*.safetensors")):
+            with safe_open(str(path), "pt") as handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name).clone()
+                    out.write(tensor.view(torch.uint8).numpy().tobytes())
+                    total += tensor.numel() * tensor.element_size()
+        out.flush()
+        os.fsync(out.fileno())
 elif step == "hf-to-mcore":
     total = hf_to_mcore(src, dst, show_progress=False).bytes
 else:
@@ -129,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{largest / 2**20:.1f} MiB")
         results = {
             "plain safe_open read": _run_step("read", base / "hf", base / "unused"),
+            "read + raw write+fsync": _run_step("copy", base / "hf", base / "copy.bin"),
             "hf-to-mcore": _run_step("hf-to-mcore", base / "hf", base / "mc"),
             "mcore-to-hf": _run_step("mcore-to-hf", base / "mc", base / "hf_back"),
         }
@@ -142,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:22s} {r['bytes'] / 2**30:5.2f} {r['seconds']:6.2f} {rate:6.2f} {rel:7.2f} "
                   f"{anon / 2**20:19.0f} {anon / largest:8.1f} {r['max_rss'] / 2**20:11.0f}")
         print("anon peak-base: anonymous memory above the process's baseline after imports (sampled every 5 ms); "
-              "max RSS also counts mmap'd file pages and the runtime. mcore-to-hf holds one output shard "
-              "(--max-shard-gb, default 2).")
+              "max RSS also counts mmap'd file pages and the runtime.")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
