@@ -1,0 +1,153 @@
+"""Client side of sglang's HTTP contract, written without importing sglang (the main venv does not have it).
+
+* `decode_routed_experts`: `meta_info.routed_experts` is base64 of little-endian int32, shape
+  [tokens - 1, num_layers, top_k].
+* `join_weight_update_group`: the trainer's side of `/init_weights_update_group`. sglang 0.5.23 builds that group
+  with `sglang.srt.utils.init_custom_process_group` (a TCP-store rendezvous at `tcp://master_address:master_port`,
+  the store wrapped in `PrefixStore(group_name, ...)`, then `torch.distributed.distributed_c10d.
+  _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, ...)`). We do the same
+  torch calls here so the client (rank 0, which hosts the TCP store) and the server ranks meet in one group.
+* `serialize_flattened_bucket`: the `load_format="flattened_bucket"` payload of `/update_weights_from_tensor`, i.e.
+  base64 of a `ForkingPickler` pickle of `{"flattened_tensor": t, "metadata": [FlattenedTensorMetadata, ...]}`. The
+  metadata items must unpickle as sglang's `FlattenedTensorMetadata` dataclass in the server; `_SglangDataclass`
+  below pickles as "import sglang.srt.weight_sync.tensor_bucket, call FlattenedTensorMetadata(**fields)", which
+  the server resolves to the real class, so the client never imports sglang.
+"""
+from __future__ import annotations
+
+import base64
+import importlib
+import io
+import json
+import os
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+import torch.multiprocessing  # registers the tensor reductions with ForkingPickler
+from multiprocessing.reduction import ForkingPickler
+
+TENSOR_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
+
+
+def http_json(url: str, payload: dict | None = None, headers: dict[str, str] | None = None,
+              timeout: float = 120.0) -> tuple[int, dict]:
+    """POST `payload` as JSON (GET when None); return (HTTP status, decoded body). Error statuses do not raise."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, body = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, body = err.code, err.read()
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, {"raw": body.decode(errors="replace")}
+
+
+def decode_routed_experts(b64: str, num_layers: int, top_k: int) -> np.ndarray:
+    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
+    return flat.reshape(-1, num_layers, top_k)
+
+
+def join_weight_update_group(
+    master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "gloo",
+    rank: int = 0, timeout: timedelta = timedelta(seconds=120),
+) -> dist.ProcessGroup:
+    """Join (as `rank`, 0 = the trainer) the process group the server creates on /init_weights_update_group.
+
+    Call it while the HTTP request is in flight (the server blocks in the same rendezvous)."""
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+        group_name=group_name, timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class _RemoteAttr:
+    """Pickles as `getattr(importlib.import_module(module), name)`: resolved where it is unpickled."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args, **kwargs):  # pickle requires the reduce callable to be callable here
+        raise RuntimeError(f"{self.module}.{self.name} exists only in the sglang process")
+
+    def __reduce__(self):
+        return getattr, (_ImportModule(self.module), self.name)
+
+
+class _ImportModule:
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __reduce__(self):
+        return importlib.import_module, (self.module,)
+
+
+class FlattenedTensorMetadata:
+    """Client-side stand-in for sglang's `FlattenedTensorMetadata` dataclass (same fields); unpickles as the real one."""
+
+    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, start_idx: int, end_idx: int,
+                 numel: int) -> None:
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self.start_idx, self.end_idx, self.numel = start_idx, end_idx, numel
+
+    def __reduce__(self):
+        import functools
+
+        cls = _RemoteAttr(TENSOR_BUCKET_MODULE, "FlattenedTensorMetadata")
+        return functools.partial(cls, **vars(self)), ()
+
+
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
+    """Concatenate tensors (one dtype) into one flat tensor plus per-tensor metadata, as sglang's bucket expects."""
+    dtypes = {t.dtype for _, t in named_tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"one bucket holds one dtype, got {dtypes}")
+    metadata, pos = [], 0
+    for name, t in named_tensors:
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, pos, pos + t.numel(), t.numel()))
+        pos += t.numel()
+    flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in named_tensors])
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+@contextmanager
+def _stdio_to_devnull() -> Iterator[None]:
+    """Sharing a CPU tensor with the file_system strategy may start `torch_shm_manager`, which inherits our stdout
+    and stderr and outlives us; a caller that pipes our output would then hang. Give it /dev/null instead."""
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+def serialize_for_sglang(obj: object) -> str:
+    """What sglang's `MultiprocessingSerializer.serialize(obj, output_str=True)` produces: base64 of ForkingPickler
+    bytes. CPU tensors travel as shared-memory files (file_system strategy: the default fd strategy makes the
+    server fail with `AuthenticationError: digest sent was rejected`)."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    with _stdio_to_devnull():
+        ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
