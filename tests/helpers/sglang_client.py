@@ -8,15 +8,18 @@
   _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, ...)`). We do the same
   torch calls here so the client (rank 0, which hosts the TCP store) and the server ranks meet in one group.
 * `serialize_flattened_bucket`: the `load_format="flattened_bucket"` payload of `/update_weights_from_tensor`, i.e.
-  base64 of a `ForkingPickler` pickle of `{"flattened_tensor": t, "metadata": [FlattenedTensorMetadata, ...]}`. The
-  metadata items must unpickle as sglang's `FlattenedTensorMetadata` dataclass in the server; `_SglangDataclass`
-  below pickles as "import sglang.srt.weight_sync.tensor_bucket, call FlattenedTensorMetadata(**fields)", which
-  the server resolves to the real class, so the client never imports sglang.
+  base64 of a `ForkingPickler` pickle of `{"flattened_tensor": t, "metadata": [...]}`. sglang builds the metadata
+  with its `FlattenedTensorMetadata` dataclass, but the server does not need that class: it unpickles with
+  `SafeUnpickler` (an allow-list that admits `types.SimpleNamespace` and torch's tensor/storage rebuilders) and
+  `WeightUpdater._update_weights_from_flattened_bucket` reads only the attributes `name, shape, dtype, start_idx,
+  end_idx, numel` of each item, converting them to its own dataclass. So the client sends `SimpleNamespace`s with
+  those fields and never imports sglang. (Pickling a reference to the real class is not possible here: pickle
+  must import a class to save it, and payloads that import it indirectly, e.g. via `importlib.import_module`,
+  are refused by the allow-list.)
 """
 from __future__ import annotations
 
 import base64
-import importlib
 import io
 import json
 import os
@@ -24,6 +27,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
@@ -76,40 +80,11 @@ def join_weight_update_group(
     return group
 
 
-class _RemoteAttr:
-    """Pickles as `getattr(importlib.import_module(module), name)`: resolved where it is unpickled."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __call__(self, *args, **kwargs):  # pickle requires the reduce callable to be callable here
-        raise RuntimeError(f"{self.module}.{self.name} exists only in the sglang process")
-
-    def __reduce__(self):
-        return getattr, (_ImportModule(self.module), self.name)
-
-
-class _ImportModule:
-    def __init__(self, module: str) -> None:
-        self.module = module
-
-    def __reduce__(self):
-        return importlib.import_module, (self.module,)
-
-
-class FlattenedTensorMetadata:
-    """Client-side stand-in for sglang's `FlattenedTensorMetadata` dataclass (same fields); unpickles as the real one."""
-
-    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, start_idx: int, end_idx: int,
-                 numel: int) -> None:
-        self.name, self.shape, self.dtype = name, shape, dtype
-        self.start_idx, self.end_idx, self.numel = start_idx, end_idx, numel
-
-    def __reduce__(self):
-        import functools
-
-        cls = _RemoteAttr(TENSOR_BUCKET_MODULE, "FlattenedTensorMetadata")
-        return functools.partial(cls, **vars(self)), ()
+def flattened_tensor_metadata(name: str, t: torch.Tensor, start_idx: int) -> SimpleNamespace:
+    """One entry of the bucket's metadata: the fields of sglang's `FlattenedTensorMetadata` dataclass."""
+    return SimpleNamespace(
+        name=name, shape=t.shape, dtype=t.dtype, start_idx=start_idx, end_idx=start_idx + t.numel(), numel=t.numel()
+    )
 
 
 def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
@@ -119,7 +94,7 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
         raise ValueError(f"one bucket holds one dtype, got {dtypes}")
     metadata, pos = [], 0
     for name, t in named_tensors:
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, pos, pos + t.numel(), t.numel()))
+        metadata.append(flattened_tensor_metadata(name, t, pos))
         pos += t.numel()
     flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in named_tensors])
     return {"flattened_tensor": flat, "metadata": metadata}
