@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,16 @@ LOGPROB_TOL = 1e-4
 TIMEOUT = 120
 
 
-def _skip_loudly(reason: str) -> None:
+def _skip_loudly(request: pytest.FixtureRequest, reason: str) -> None:
+    """Skip the module, with a banner on the terminal (not captured), a warning in the summary, and the reason."""
     msg = f"SGLANG TIER SKIPPED: {reason}"
     bar = "!" * 100
     print(f"\n{bar}\n{msg}\n{bar}", file=sys.stderr)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_sep("!", msg, red=True, bold=True)
+    warnings.warn(msg, pytest.PytestWarning, stacklevel=2)
     pytest.skip(msg)
 
 
@@ -45,13 +52,14 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path):
+def server(request: pytest.FixtureRequest, model_dir: Path):
     ok, reason = sglang_available()
     if not ok:
-        _skip_loudly(reason)
+        _skip_loudly(request, reason)
     with start_sglang_server(model_dir, log_path=model_dir / "server.log") as srv:
         print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
         yield srv
+    print(f"\n[sglang] server stopped in {srv.stop_seconds:.1f} s", file=sys.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +202,7 @@ def test_update_weights_from_tensor_flattened_bucket(server, hf_model):
     """Restore the original lm_head (undoing the distributed test if it ran) and permute layer 0's router, through
     the flattened-bucket tensor path; the server must then match HF carrying the same weights."""
     gate = hf_model.model.layers[0].mlp.gate.weight
+    _, experts_before = hf_reference(hf_model, PROMPT)
     with torch.no_grad():
         gate.copy_(gate.flip(0))  # expert e's router row becomes expert (E-1-e)'s
     named = [("lm_head.weight", hf_model.lm_head.weight), ("model.layers.0.mlp.gate.weight", gate)]
@@ -207,5 +216,8 @@ def test_update_weights_from_tensor_flattened_bucket(server, hf_model):
     out = generate(server, PROMPT, max_new_tokens=12)
     assert out["meta_info"]["weight_version"] == "bucket1"
     diff, agree = compare_with_hf(hf_model, PROMPT, out)
+    routed = decode_routed_experts(out["meta_info"]["routed_experts"], NUM_LAYERS, TOP_K)
+    changed = [set(routed[t, 0].tolist()) != set(experts_before[t, 0].tolist()) for t in range(len(PROMPT))]
+    assert any(changed), "layer-0 routing of the prompt did not change after the router update"
     print(f"\n[sglang] flattened_bucket update: logprob max |diff| vs HF {diff:.2e}, routed experts agreement "
           f"{agree:.0%}", file=sys.stderr)

@@ -93,6 +93,7 @@ class SGLangServer:
         self.log_path = log_path
         self.api_key = api_key
         self.start_seconds: float | None = None
+        self.stop_seconds: float | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -122,10 +123,12 @@ class SGLangServer:
         self.stop()
         raise RuntimeError(f"sglang server not ready after {timeout:.0f} s; log {self.log_path}:\n" + self.log_tail())
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's own process group (it leads it), wait, then SIGKILL the group if needed."""
-        if self.proc.returncode is not None and not _group_alive(self.proc.pid):
-            return
+    def stop(self, timeout: float = 30.0) -> float:
+        """SIGTERM the server's own process group (it leads it), wait, then SIGKILL the group if needed.
+        Returns the seconds it took (0 if it was already gone)."""
+        if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return 0.0
+        t0 = time.monotonic()
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -143,6 +146,8 @@ class SGLangServer:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        self.stop_seconds = time.monotonic() - t0
+        return self.stop_seconds
 
     def __enter__(self) -> "SGLangServer":
         return self

@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 SGLANG_SPEC="sglang==0.5.23"
-VENV=.venv-sglang
+VENV=${MPO_SGLANG_VENV:-.venv-sglang}  # tests/helpers/sglang_server.py reads the same variable
 stamp="$VENV/.mpo-sglang-stamp"
 if [ "$(cat "$stamp" 2>/dev/null)" = "$SGLANG_SPEC" ]; then
     exit 0
