@@ -120,9 +120,15 @@ def _stdio_to_devnull() -> Iterator[None]:
 def serialize_for_sglang(obj: object) -> str:
     """What sglang's `MultiprocessingSerializer.serialize(obj, output_str=True)` produces: base64 of ForkingPickler
     bytes. CPU tensors travel as shared-memory files (file_system strategy: the default fd strategy makes the
-    server fail with `AuthenticationError: digest sent was rejected`)."""
+    server fail with `AuthenticationError: digest sent was rejected`). The strategy is set only while pickling
+    (the caller's own multiprocessing keeps its default); each shared storage is incref'd by torch for the receiver,
+    so the payload stays valid after `obj` is dropped."""
+    previous = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     buf = io.BytesIO()
-    with _stdio_to_devnull():
-        ForkingPickler(buf).dump(obj)
+    try:
+        with _stdio_to_devnull():
+            ForkingPickler(buf).dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
     return base64.b64encode(buf.getvalue()).decode("ascii")
