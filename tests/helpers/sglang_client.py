@@ -7,7 +7,7 @@
   the store wrapped in `PrefixStore(group_name, ...)`, then `torch.distributed.distributed_c10d.
   _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, ...)`). We do the same
   torch calls here so the client (rank 0, which hosts the TCP store) and the server ranks meet in one group.
-* `serialize_flattened_bucket`: the `load_format="flattened_bucket"` payload of `/update_weights_from_tensor`, i.e.
+* `flatten_bucket` + `serialize_for_sglang`: the `load_format="flattened_bucket"` payload of `/update_weights_from_tensor`, i.e.
   base64 of a `ForkingPickler` pickle of `{"flattened_tensor": t, "metadata": [...]}`. sglang builds the metadata
   with its `FlattenedTensorMetadata` dataclass, but the server does not need that class: it unpickles with
   `SafeUnpickler` (an allow-list that admits `types.SimpleNamespace` and torch's tensor/storage rebuilders) and
@@ -23,6 +23,7 @@ import base64
 import io
 import json
 import os
+from multiprocessing.reduction import ForkingPickler
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -33,12 +34,8 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 import torch.multiprocessing  # registers the tensor reductions with ForkingPickler
-from multiprocessing.reduction import ForkingPickler
-
-TENSOR_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
-
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 def http_json(url: str, payload: dict | None = None, headers: dict[str, str] | None = None,
               timeout: float = 120.0) -> tuple[int, dict]:
