@@ -1,0 +1,219 @@
+"""Start and stop a REAL sglang HTTP server (from `.venv-sglang`) on a CPU-only machine, for tests.
+
+Tests run in the main venv, which has no sglang; the server runs in the separate `.venv-sglang` made by
+`tests/sglang_harness/setup.sh`. The server is the unmodified sglang 0.5.23. The only fakes are in
+`tests/sglang_harness/` (put first on the server's PYTHONPATH): a stand-in `sgl_kernel` (sglang has no CPU kernel
+build on PyPI) and a `sitecustomize.py` import hook that skips CUDA host-memory pinning. See their docstrings.
+
+Usage:
+    with start_sglang_server(model_dir) as server:
+        requests.post(server.url + "/generate", json={...})
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from functools import lru_cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HARNESS_DIR = REPO_ROOT / "tests" / "sglang_harness"
+SGLANG_VERSION = "0.5.23"
+
+
+def sglang_venv() -> Path:
+    """The sglang venv: $MPO_SGLANG_VENV if set, else `<repo>/.venv-sglang`."""
+    return Path(os.environ.get("MPO_SGLANG_VENV", REPO_ROOT / ".venv-sglang"))
+
+
+def sglang_python() -> Path:
+    return sglang_venv() / "bin" / "python"
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for sglang processes: CPU engine on, harness first on PYTHONPATH, offline hub."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        PYTHONPATH=str(HARNESS_DIR),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+@lru_cache(maxsize=1)
+def sglang_available() -> tuple[bool, str]:
+    """(True, version) when `.venv-sglang` exists and imports sglang with the harness; else (False, reason)."""
+    py = sglang_python()
+    if not py.exists():
+        return False, f"{py} not found; run `bash tests/sglang_harness/setup.sh`"
+    try:
+        out = subprocess.run(
+            [str(py), "-c", "import sglang, sgl_kernel; print(sglang.__version__)"],
+            env=server_env(), capture_output=True, text=True, timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"running {py} failed: {exc}"
+    if out.returncode != 0:
+        return False, f"`import sglang` failed in {py}: {out.stderr.strip()[-800:]}"
+    version = out.stdout.strip().splitlines()[-1]
+    if version != SGLANG_VERSION:
+        return False, f"{py} has sglang {version}, the harness is written for {SGLANG_VERSION}"
+    return True, version
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class SGLangServer:
+    """A running server process (own session / process group). Context manager; `.stop()` is idempotent."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, api_key: str | None) -> None:
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+        self.api_key = api_key
+        self.start_seconds: float | None = None
+        self.stop_seconds: float | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 60) -> str:
+        return _tail(self.log_path, n)
+
+    def wait_ready(self, timeout: float = 240.0) -> float:
+        """Poll /health_generate until 200; raise RuntimeError with the log tail on exit or timeout."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"sglang server exited with {self.proc.returncode} while starting; log {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            req = urllib.request.Request(self.url + "/health_generate", headers=self.headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    if resp.status == 200:
+                        self.start_seconds = time.monotonic() - t0
+                        return self.start_seconds
+            except (urllib.error.URLError, OSError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"sglang server not ready after {timeout:.0f} s; log {self.log_path}:\n" + self.log_tail())
+
+    def stop(self, timeout: float = 30.0) -> float:
+        """SIGTERM the server's own process group (it leads it), wait, then SIGKILL the group if needed.
+        Returns the seconds it took (0 if it was already gone)."""
+        if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return 0.0
+        t0 = time.monotonic()
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.stop_seconds = time.monotonic() - t0
+        return self.stop_seconds
+
+    def __enter__(self) -> "SGLangServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def start_sglang_server(
+    model_dir: Path,
+    *,
+    port: int | None = None,
+    dtype: str = "float32",
+    routed_experts: bool = True,
+    fp32_lm_head: bool = False,
+    api_key: str | None = None,
+    log_path: Path | None = None,
+    extra_args: list[str] | None = None,
+    ready_timeout: float = 240.0,
+) -> SGLangServer:
+    """Launch `python -m sglang.launch_server` from `.venv-sglang` on CPU and wait until it serves generations."""
+    ok, reason = sglang_available()
+    if not ok:
+        raise RuntimeError(f"sglang is not available: {reason}")
+    port = port or free_port()
+    log_path = Path(log_path or Path(model_dir) / f"sglang-server-{port}.log")
+    cmd = [
+        str(sglang_python()), "-m", "sglang.launch_server",
+        "--model-path", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", dtype,
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--sampling-backend", "pytorch",
+        "--disable-overlap-schedule",
+        "--max-total-tokens", "4096",
+    ]
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if fp32_lm_head:
+        cmd.append("--enable-fp32-lm-head")
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += extra_args or []
+    log = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(
+            cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=str(model_dir),
+        )
+    finally:
+        log.close()  # the child holds its own descriptor
+    server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, api_key)
+    try:
+        server.wait_ready(ready_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
