@@ -38,7 +38,8 @@ def test_generate_result_parses_sglang_response():
 def test_missing_routes_say_how_to_enable_them():
     request = GenerateRequest((1, 2), return_routed_experts=True)
     with pytest.raises(ValueError, match="enable-return-routed-experts"):
-        GenerateResult.from_json(request, {"output_ids": [3], "meta_info": {"output_token_logprobs": [[0, 3, None]]}})
+        GenerateResult.from_json(request, {"output_ids": [3], "meta_info": {"output_token_logprobs": [[0, 3, None]]}},
+                                 num_layers=1, topk=1)
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("max_new_tokens", 0)])

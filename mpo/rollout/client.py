@@ -91,6 +91,30 @@ class EngineClient:
         except ValueError as exc:
             raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
 
+    async def generate_batch(self, requests: list[GenerateRequest], *,
+                             timeout_s: float | None = None) -> list[GenerateResult]:
+        """Several requests in one /generate call (SGLang's batch form). The engine sees them together and in order,
+        so its batching, and so its numerics, do not depend on request timing."""
+        if len(requests) == 1:
+            return [await self.generate(requests[0], timeout_s=timeout_s)]
+        first = requests[0]
+        if any(r.return_logprob != first.return_logprob or r.return_routed_experts != first.return_routed_experts
+               for r in requests):
+            raise ValueError("a batched /generate needs the same return_logprob / return_routed_experts everywhere")
+        body = {**first.to_json(), "input_ids": [list(r.input_ids) for r in requests],
+                "sampling_params": [r.sampling.to_json() for r in requests]}
+        body.pop("rid", None)
+        answers = await self.acall("/generate", body, timeout_s=timeout_s)
+        if not isinstance(answers, list) or len(answers) != len(requests):
+            raise EngineError(self.url, "/generate", f"batch of {len(requests)} answered with "
+                              f"{len(answers) if isinstance(answers, list) else type(answers).__name__}",
+                              retryable=False)
+        try:
+            return [GenerateResult.from_json(r, a, num_layers=self.num_layers, topk=self.topk)
+                    for r, a in zip(requests, answers)]
+        except ValueError as exc:
+            raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
+
     # -- health and control ------------------------------------------------------------------------------------
     def healthy(self, timeout_s: float = 30.0) -> bool:
         try:

@@ -13,6 +13,18 @@ from pathlib import Path
 from mpo.rollout.client import EngineClient
 
 
+# Variables torchrun sets for its workers. An engine started from a trainer rank must not inherit them: with
+# TORCHELASTIC_USE_AGENT_STORE its own 1-rank process group would join the trainer's rendezvous and hang.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def engine_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env.update(extra or {})
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -23,21 +35,23 @@ class LocalEngineProcess:
     """One engine server process: its own process group (so stop() takes its children too) and a log file."""
 
     def __init__(self, command: list[str], *, port: int, log_path: Path, api_key: str | None = None,
-                 startup_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+                 startup_timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                 num_layers: int | None = None, topk: int | None = None) -> None:
         self.command, self.port, self.log_path = command, port, Path(log_path)
         self.startup_timeout_s = startup_timeout_s
-        self.env = {**os.environ, **(env or {})}
-        self.client = EngineClient(f"http://127.0.0.1:{port}", api_key=api_key)
+        self.env = engine_environment(env)
+        self.client = EngineClient(f"http://127.0.0.1:{port}", api_key=api_key, num_layers=num_layers, topk=topk)
         self.process: subprocess.Popen | None = None
 
     @classmethod
     def mpo_engine(cls, *, log_path: Path, port: int | None = None, api_key: str | None = None,
-                   extra_args: list[str] = ()) -> "LocalEngineProcess":
+                   extra_args: list[str] = (), num_layers: int | None = None,
+                   topk: int | None = None) -> "LocalEngineProcess":
         port = port or free_port()
         command = [sys.executable, "-m", "mpo.rollout.mpo_engine", "--port", str(port), *extra_args]
         if api_key:
             command += ["--api-key", api_key]
-        return cls(command, port=port, log_path=log_path, api_key=api_key,
+        return cls(command, port=port, log_path=log_path, api_key=api_key, num_layers=num_layers, topk=topk,
                    env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
 
     @property

@@ -41,6 +41,8 @@ class PoolConfig:
         max_attempts: tries per request before the rollout fails.
         backoff_s: first retry delay; doubles per attempt.
         max_restarts_per_engine: restarts before an engine is given up on.
+        requests_per_call: requests sent together in one batched /generate call (1: one call per request). With
+            all of an engine's requests in one call its batching is deterministic (bit-exact reruns on CPU).
     """
 
     max_concurrency_per_engine: int = 8
@@ -48,6 +50,7 @@ class PoolConfig:
     max_attempts: int = 4
     backoff_s: float = 0.5
     max_restarts_per_engine: int = 3
+    requests_per_call: int = 1
 
 
 class RolloutPool:
@@ -64,9 +67,10 @@ class RolloutPool:
 
     async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         results: list[GenerateResult | None] = [None] * len(requests)
-        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        for index in range(len(requests)):
-            queue.put_nowait((index, 0))
+        queue: asyncio.Queue[tuple[list[int], int]] = asyncio.Queue()
+        per_call = max(1, self.config.requests_per_call)
+        for start in range(0, len(requests), per_call):
+            queue.put_nowait((list(range(start, min(start + per_call, len(requests)))), 0))
         for engine in self.engines:
             engine._lock = asyncio.Lock()
         failure: list[BaseException] = []
@@ -74,13 +78,15 @@ class RolloutPool:
         async def worker(engine: EngineHandle) -> None:
             while not failure:
                 try:
-                    index, attempt = queue.get_nowait()
+                    indices, attempt = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
                 try:
-                    result = await engine.client.generate(requests[index], timeout_s=self.config.request_timeout_s)
-                    if results[index] is None:  # first answer wins; a late duplicate is dropped
-                        results[index] = result
+                    answers = await engine.client.generate_batch([requests[i] for i in indices],
+                                                                 timeout_s=self.config.request_timeout_s)
+                    for index, result in zip(indices, answers):
+                        if results[index] is None:  # first answer wins; a late duplicate is dropped
+                            results[index] = result
                 except EngineError as exc:
                     if not exc.retryable:
                         failure.append(exc)
@@ -89,8 +95,8 @@ class RolloutPool:
                         failure.append(EngineError(exc.url, exc.endpoint, f"gave up after {attempt + 1} attempts: "
                                                    f"{exc}"))
                         return
-                    log.warning("rollout request %d failed (%s); retrying", index, exc)
-                    queue.put_nowait((index, attempt + 1))
+                    log.warning("rollout requests %s failed (%s); retrying", indices, exc)
+                    queue.put_nowait((indices, attempt + 1))
                     await asyncio.sleep(self.config.backoff_s * 2**attempt)
                     if not await self._recover(engine):
                         return  # this engine is gone; the others take its work

@@ -104,6 +104,9 @@ class GenerateResult:
             raise ValueError(f"output_token_logprobs has {len(triples)} entries for {len(output_ids)} output ids")
         routed = None
         if request.return_routed_experts:
+            if num_layers is None or topk is None:
+                raise ValueError("routed experts requested but the client does not know the model's num_layers and "
+                                 "top_k (EngineClient(num_layers=..., topk=...))")
             if "routed_experts" not in meta:
                 raise ValueError("response has no meta_info.routed_experts: was the engine started with "
                                  "--enable-return-routed-experts (and not behind a router that drops it)?")
@@ -125,14 +128,10 @@ def encode_routed_experts(experts: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
 
 
-def decode_routed_experts(encoded: str, *, rows: int, num_layers: int | None = None,
-                          topk: int | None = None) -> np.ndarray:
+def decode_routed_experts(encoded: str, *, rows: int, num_layers: int, topk: int) -> np.ndarray:
     """SGLang's base64 int32 string -> [rows, layers, top_k] int32, checking the element count."""
     flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
-    per_row, rem = divmod(flat.size, max(rows, 1))
-    if rem or (num_layers and topk and per_row != num_layers * topk):
+    if flat.size != rows * num_layers * topk:
         raise ValueError(f"routed_experts has {flat.size} int32 values; expected rows={rows} x layers={num_layers} "
                          f"x top_k={topk}")
-    if num_layers is None or topk is None:
-        return flat.reshape(rows, per_row, 1) if topk is None else flat.reshape(rows, -1, topk)
     return flat.reshape(rows, num_layers, topk).copy()

@@ -129,8 +129,12 @@ class Trainer:
                                           stop_token_ids=(2,), sampling_seed=_sampling_seed(cfg.seed, step, index))
                 requests.append(GenerateRequest(prompt.ids, sampling, return_routed_experts=want_routes))
         started = time.perf_counter()
+        # One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
+        # function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit.
+        per_engine = -(-len(requests) // len(self.engines))
         pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in self.engines],
-                           PoolConfig(request_timeout_s=cfg.rollout.request_timeout_s))
+                           PoolConfig(request_timeout_s=cfg.rollout.request_timeout_s, max_concurrency_per_engine=1,
+                                      requests_per_call=per_engine))
         results = pool.generate(requests)
         rollout_s = time.perf_counter() - started
         rewards = [toy_reward(r.output_ids, prompts[i // cfg.rollout.samples_per_prompt].answer)

@@ -72,22 +72,34 @@ class MpoGenerator:
     # -- requests ----------------------------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling: SamplingParams, *, routed_experts: bool = False,
                rid: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-        if not input_ids:
-            raise ValueError("input_ids is empty")
-        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-        generator = None
-        if sampling.sampling_seed is not None:
-            generator = torch.Generator().manual_seed(int(sampling.sampling_seed))
-        request = _Active(rid or f"mpo-{next(self._ids)}", list(input_ids), sampling, routed_experts, generator)
+        return self.submit_many([input_ids], [sampling], routed_experts=routed_experts, rid=rid,
+                                timeout_s=timeout_s)[0]
+
+    def submit_many(self, rows: list[list[int]], sampling: list[SamplingParams], *, routed_experts: bool = False,
+                    rid: str | None = None, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Queue rows together, in order (one batched /generate): the schedule, and so the numerics, is then the
+        same on every run."""
+        requests = []
+        for i, (input_ids, params) in enumerate(zip(rows, sampling, strict=True)):
+            if not input_ids:
+                raise ValueError("input_ids is empty")
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+            generator = None
+            if params.sampling_seed is not None:
+                generator = torch.Generator().manual_seed(int(params.sampling_seed))
+            name = f"{rid}-{i}" if rid and len(rows) > 1 else rid or f"mpo-{next(self._ids)}"
+            requests.append(_Active(name, list(input_ids), params, routed_experts, generator))
         with self._cv:
-            self._pending.append(request)
+            self._pending.extend(requests)
             self._cv.notify_all()
-        if not request.done.wait(timeout_s):
-            raise TimeoutError(f"request {request.rid} did not finish in {timeout_s} s")
-        assert request.response is not None
-        return request.response
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for request in requests:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not request.done.wait(left):
+                raise TimeoutError(f"request {request.rid} did not finish in {timeout_s} s")
+        return [request.response for request in requests]
 
     def abort_all(self) -> int:
         with self._cv:

@@ -85,23 +85,10 @@ class EngineApp:
         want_routes = bool(body.get("return_routed_experts"))
         if want_routes and not self.info.get("enable_return_routed_experts"):
             want_routes = False  # like SGLang without --enable-return-routed-experts: silently no routes
-        results: list[Any] = [None] * len(rows)
-
-        def run(i: int) -> None:
-            try:
-                results[i] = self.generator.submit(rows[i], sampling[i], routed_experts=want_routes,
-                                                   rid=body.get("rid"))
-            except ValueError as exc:
-                results[i] = RequestError(str(exc))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rows))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
+        try:
+            results = self.generator.submit_many(rows, sampling, routed_experts=want_routes, rid=body.get("rid"))
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
         return results if batch else results[0]
 
     def _abort(self, body: dict[str, Any]) -> dict[str, Any]:

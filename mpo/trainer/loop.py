@@ -1,0 +1,141 @@
+"""The run: set-up, optional supervised warm start, RL steps with weight sync, metrics, checkpoints, resume."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mpo.config import TrainConfig, model_config
+from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.trainer.metrics_log import MetricsLog
+from mpo.trainer.trainer import NonFiniteStop, Trainer
+
+log = logging.getLogger(__name__)
+
+
+class EngineSet:
+    """Rank 0's engines: connects to configured URLs, or starts local mpo engines (and restarts them if they die)."""
+
+    def __init__(self, config: TrainConfig, out_dir: Path) -> None:
+        from mpo.rollout.client import EngineClient
+        from mpo.rollout.local_engine import LocalEngineProcess
+
+        r = config.rollout
+        model = model_config(config)
+        self.processes: list[LocalEngineProcess] = []
+        if r.urls:
+            self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
+                                          num_layers=model.num_layers, topk=model.router_topk), None)
+                            for url in r.urls]
+            return
+        if r.engine != "mpo":
+            raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
+                             "are started by the launcher (launch/) and passed as rollout.urls")
+        args = ["--preset", config.model.preset, "--dtype", config.model.dtype, "--max-batch", "256",
+                "--enable-return-routed-experts", "--fp32-lm-head" if config.model.fp32_lm_head else "--no-fp32-lm-head"]
+        for i in range(r.num_engines):
+            self.processes.append(LocalEngineProcess.mpo_engine(
+                log_path=out_dir / "logs" / f"engine{i}.log", api_key=r.api_key, extra_args=args,
+                num_layers=model.num_layers, topk=model.router_topk).start())
+        self.handles = [(p.client, p.restart) for p in self.processes]
+
+    @property
+    def clients(self):
+        return [client for client, _ in self.handles]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
+def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str, float]:
+    """Collective: gather full weights, then rank 0 pushes them to every engine and verifies."""
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.rollout.weight_sync import WeightSync
+
+    full = trainer._full_state()
+    if engines is None:
+        return {}
+    named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
+    sync = WeightSync(engines.clients, bucket_bytes=trainer.config.rollout.bucket_mb << 20)
+    report = sync.push(named, version)
+    if trainer.config.rollout.engine == "mpo":
+        sync.verify(named)
+    return report.metrics()
+
+
+def supervised_warm_start(trainer: Trainer) -> float:
+    """A few teacher-forced steps on task answers, so RL starts from a policy that sometimes succeeds."""
+    from mpo.trainer.rows import Sample, rank_microbatches
+
+    cfg = trainer.config
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = cfg.schedule.sft_lr
+    loss_value = float("nan")
+    dp_rank, dp_size = trainer._dp()
+    for step in range(cfg.schedule.sft_steps):
+        prompts = trainer.task.prompts(cfg.seed + 7919, step, 64)
+        samples = [Sample(ids=list(p.ids + p.answer), prompt_len=len(p.ids), group=0, reward=0.0) for p in prompts]
+        mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size,
+                                micro_batch_size=cfg.schedule.micro_batch_size)
+        total = float(sum(len(p.answer) for p in prompts))
+
+        def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
+            loss = -(logprobs * mb.extras["mask"]).sum() / total
+            return loss, {"sft_loss": loss.detach()}
+
+        trainer.model.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        outs = run_microbatches(trainer.model, mbs, vocab_size=trainer.model_cfg.vocab_size, loss_fn=loss_fn)
+        trainer.optimizer.step()
+        if outs:
+            loss_value = sum(float(o["sft_loss"]) for o in outs)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = cfg.schedule.lr
+    return loss_value
+
+
+def run(config: TrainConfig) -> None:
+    """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
+    out_dir = Path(config.logging.out_dir)
+    trainer = Trainer(config)
+    start = trainer.resume()
+    engines = None
+    metrics_log = None
+    try:
+        if trainer.rank == 0:
+            engines = EngineSet(config, out_dir)
+            trainer.engines = engines.handles
+        if start == 0 and config.schedule.sft_steps:
+            sft_loss = supervised_warm_start(trainer)
+            if trainer.rank == 0:
+                log.info("supervised warm start: %d steps, final loss %.4f", config.schedule.sft_steps, sft_loss)
+        _sync(trainer, engines, version=f"step{start}")
+        if trainer.rank == 0:
+            metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
+                                     progress=config.logging.progress, start_step=start)
+            metrics_log.truncate_after(start - 1)
+        for step in range(start, config.schedule.steps):
+            metrics = trainer.train_step(step)
+            metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
+            if metrics_log is not None:
+                metrics_log.log(step, metrics)
+            if trainer.nonfinite_in_row >= config.schedule.max_nonfinite_steps:
+                trainer.save(step + 1)
+                raise NonFiniteStop(f"{trainer.nonfinite_in_row} consecutive steps had a non-finite loss or gradient "
+                                    f"(schedule.max_nonfinite_steps={config.schedule.max_nonfinite_steps}); "
+                                    f"checkpoint saved at step {step + 1}")
+            every = config.logging.checkpoint_every
+            if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
+                trainer.save(step + 1)
+    finally:
+        if metrics_log is not None:
+            metrics_log.close()
+        if engines is not None:
+            engines.stop()
+    dist.barrier()
