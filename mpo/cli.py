@@ -1,22 +1,145 @@
-"""The `mpo` command. Subcommands arrive with their issues; `mpo --help` lists what exists."""
+"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`.
+
+`mpo train --config FILE [section.field=value ...]` validates the whole config first (a bad field fails here, before
+any process starts, with one line naming it), then starts the trainer ranks of this node with torchrun. Multi-node
+jobs go through `python -m launch` (see slurm/), which starts the same trainer module on every node.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+
+RECIPES = Path(__file__).parent / "recipes"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_config(config_path: str | None, overrides: list[str]):
+    """Load and validate; returns (TrainConfig, the resolved YAML text every rank will read)."""
+    import yaml
+
+    from mpo.config import load_config, to_dict
+
+    config = load_config(config_path, overrides)
+    return config, yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def run_local(config_path: str | None, overrides: list[str]) -> int:
+    """Validate, write the resolved config into the run directory, start world_size ranks here with torchrun."""
+    config, text = resolve_config(config_path, overrides)
+    out_dir = Path(config.logging.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = out_dir / "config.yaml"
+    resolved.write_text(text)
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config.world_size}",
+               f"--master_port={_free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
+    return subprocess.call(command, env=env)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def summarize_demo(out_dir: Path) -> str:
+    """Reward before/after table and a PNG of reward and routing agreement over steps."""
+    rows = _read_metrics(out_dir / "metrics.jsonl")
+    if not rows:
+        return "no metrics were written"
+    window = max(1, min(5, len(rows) // 4 or 1))
+    before = rows[:window]
+    after = rows[-window:]
+
+    def mean(items: list[dict], key: str) -> float:
+        values = [r[key] for r in items if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    lines = [f"{'':28s}{'before RL':>12s}{'after RL':>12s}",
+             f"{'reward (mean)':28s}{mean(before, 'reward_mean'):12.3f}{mean(after, 'reward_mean'):12.3f}",
+             f"{'exact answers (fraction)':28s}{mean(before, 'reward_exact_frac'):12.3f}"
+             f"{mean(after, 'reward_exact_frac'):12.3f}",
+             f"(mean of the first and last {window} of {len(rows)} RL steps)"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(steps, [r.get("reward_mean", float("nan")) for r in rows], label="reward (mean)")
+    ax1.plot(steps, [r.get("reward_exact_frac", float("nan")) for r in rows], label="exact answers")
+    ax1.set_ylabel("reward")
+    ax1.legend()
+    for key, label in (("routing/rollout_vs_old/exact_match", "engine vs old forward"),
+                       ("routing/old_vs_update/exact_match", "old forward vs update")):
+        ax2.plot(steps, [r.get(key, float("nan")) for r in rows], label=label)
+    ax2.set_ylabel("top-k routing agreement")
+    ax2.set_xlabel("RL step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "demo.png", dpi=100)
+    plt.close(fig)
+    lines.append(f"plot: {out_dir / 'demo.png'}   metrics: {out_dir / 'metrics.jsonl'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpo", description="RL for Mixture-of-Experts LLMs on megatron-core + SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", help="run a benchmark: mpo bench NAME [args] (same as python -m mpo.bench)",
-                   add_help=False)
+    train = sub.add_parser("train", help="run a training job on this node (validates the config first)")
+    train.add_argument("--config", required=True)
+    train.add_argument("overrides", nargs="*", help="section.field=value")
+    check = sub.add_parser("check-config", help="validate a config and print it resolved")
+    check.add_argument("--config", required=True)
+    check.add_argument("overrides", nargs="*")
+    demo = sub.add_parser("demo", help="tiny MoE learns a toy task with RL on CPU (2 gloo ranks, EP2)")
+    demo.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
+    demo.add_argument("--out", default="runs/demo", help="run directory (a rerun resumes from its checkpoint)")
+    demo.add_argument("--loss", default=None, help="policy loss: gspo (default), sapo, rspo, grpo, ...")
+    demo.add_argument("--replay", default=None, choices=("none", "r2", "r3"), help="routing replay mode")
+    demo.add_argument("overrides", nargs="*", help="section.field=value")
+    sub.add_parser("bench", help="mpo bench NAME [args] (same as python -m mpo.bench)", add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from mpo.bench.__main__ import main as bench_main
 
-        return bench_main(rest)
-    return 2
+    from mpo.config import ConfigError
+
+    try:
+        if args.command == "bench":
+            from mpo.bench.__main__ import main as bench_main
+
+            return bench_main(rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "check-config":
+            print(resolve_config(args.config, args.overrides)[1], end="")
+            return 0
+        if args.command == "train":
+            return run_local(args.config, args.overrides)
+        overrides = [f"logging.out_dir={args.out}", *args.overrides]
+        if args.steps is not None:
+            overrides.append(f"schedule.steps={args.steps}")
+        if args.loss:
+            overrides.append(f"algorithm.loss={args.loss}")
+        if args.replay:
+            overrides.append(f"algorithm.replay={args.replay}")
+        code = run_local(str(RECIPES / "demo_cpu.yaml"), overrides)
+        print(summarize_demo(Path(args.out)))
+        return code
+    except ConfigError as exc:
+        print(f"mpo: config error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

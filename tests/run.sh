@@ -3,7 +3,7 @@
 # Usage: bash tests/run.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tests/venv.sh
+source launch/setup_venv.sh
 # The real-SGLang tier (tests/test_sglang_server.py) runs the server from its own .venv-sglang, so sglang's pins
 # never touch .venv. A failed install is not fatal: those tests then skip with "SGLANG TIER SKIPPED: ...".
 # MPO_SKIP_SGLANG_SETUP=1 skips this step (the tier then skips unless .venv-sglang already exists).

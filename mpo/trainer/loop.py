@@ -102,6 +102,7 @@ def supervised_warm_start(trainer: Trainer) -> float:
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     out_dir = Path(config.logging.out_dir)
     trainer = Trainer(config)
     start = trainer.resume()

@@ -143,7 +143,7 @@ class Trainer:
         adv = compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups, estimator=cfg.algorithm.advantage)
         keep = torch.ones(len(results), dtype=torch.bool)
         if cfg.algorithm.filter_zero_variance:
-            keep = ~adv.zero_variance[groups]
+            keep = ~adv.zero_variance  # per response: its group's rewards were all equal
         samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
                           reward=rewards[i], advantage=float(adv.advantages[i]),
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts)

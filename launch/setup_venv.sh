@@ -1,4 +1,4 @@
-# Sourced by tests/run.sh and the demo entry: makes .venv with Python 3.12 and the pinned stack, sets VENV_PY.
+# Sourced by tests/run.sh and launch/demo.sh: makes .venv with Python 3.12 and the pinned stack, sets VENV_PY.
 # Re-installs only when tests/requirements-ci.txt or pyproject.toml change.
 find_python312() {
     for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
