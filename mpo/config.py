@@ -59,6 +59,8 @@ class RolloutSection:
             group between trainer rank 0 and the engines: NCCL on GPU, gloo on CPU).
         bucket_mb: weight-sync bucket size.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
+        engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
+            the usual train/inference mismatch that R3 and RSPO exist for.
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -73,6 +75,7 @@ class RolloutSection:
     sync: Literal["tensor", "distributed"] = "tensor"
     bucket_mb: int = 64
     router_in_front: bool = False
+    engine_dtype: Literal["fp32", "bf16"] | None = None
 
 
 @dataclass(frozen=True)

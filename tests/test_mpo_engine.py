@@ -64,7 +64,8 @@ def test_killed_engine_is_restarted_and_every_sample_arrives_once(engines):
     victim = engines[0]
     pool = RolloutPool([EngineHandle(victim.client, restart=victim.restart), EngineHandle(engines[1].client)],
                        PoolConfig(max_concurrency_per_engine=4, backoff_s=0.1))
-    killer = threading.Timer(1.0, victim.kill)
+    victim.client.pause_generation(mode="in_place")  # requests queue up there, so the kill lands mid-rollout
+    killer = threading.Timer(1.5, victim.kill)
     killer.start()
     results = pool.generate(requests)
     killer.join()

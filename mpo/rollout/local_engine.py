@@ -48,7 +48,8 @@ class LocalEngineProcess:
                    extra_args: list[str] = (), num_layers: int | None = None,
                    topk: int | None = None) -> "LocalEngineProcess":
         port = port or free_port()
-        command = [sys.executable, "-m", "mpo.rollout.mpo_engine", "--port", str(port), *extra_args]
+        command = [sys.executable, "-m", "mpo.rollout.mpo_engine", "--port", str(port), "--exit-with-parent",
+                   *extra_args]
         if api_key:
             command += ["--api-key", api_key]
         return cls(command, port=port, log_path=log_path, api_key=api_key, num_layers=num_layers, topk=topk,

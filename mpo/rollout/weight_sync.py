@@ -28,12 +28,15 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over (name, dtype, bytes) of HF-named tensors in name order: equal iff every weight is bit-identical."""
+    """sha256 over (name, fp32 bytes) of HF-named tensors in name order: equal iff every weight has the same value.
+
+    Values are upcast to fp32 first (exact for bf16), so a bf16 engine can be checked against an fp32 trainer whose
+    weights are rounded the way the engine stores them (see WeightSync.verify).
+    """
     digest = hashlib.sha256()
     for name, tensor in sorted(named, key=lambda item: item[0]):
-        data = tensor.detach().contiguous().cpu()
+        data = tensor.detach().float().contiguous().cpu()
         digest.update(name.encode())
-        digest.update(str(data.dtype).encode())
         digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return digest.hexdigest()
 
@@ -102,9 +105,11 @@ class WeightSync:
         total = sum(t.numel() * t.element_size() for _, t in named)
         return SyncReport(time.perf_counter() - started, total, len(buckets))
 
-    def verify(self, named: NamedTensors) -> None:
-        """mpo engines: their checksum must equal the trainer's. Raises EngineError naming the engine otherwise."""
-        expected = weights_checksum(named)
+    def verify(self, named: NamedTensors, *, engine_dtype: torch.dtype = torch.float32,
+               fp32_names: set[str] = frozenset()) -> None:
+        """mpo engines: their checksum must equal the trainer's weights as the engine stores them (cast to
+        engine_dtype, except fp32_names such as an FP32 LM head). Raises EngineError naming the engine otherwise."""
+        expected = weights_checksum((name, t if name in fp32_names else t.to(engine_dtype)) for name, t in named)
         for client in self.clients:
             got = client.call("/weights_checksum", method="GET")["checksum"]
             if got != expected:

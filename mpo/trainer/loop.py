@@ -35,7 +35,7 @@ class EngineSet:
         if r.engine != "mpo":
             raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
                              "are started by the launcher (launch/) and passed as rollout.urls")
-        args = ["--preset", config.model.preset, "--dtype", config.model.dtype, "--max-batch", "256",
+        args = ["--preset", config.model.preset, "--dtype", r.engine_dtype or config.model.dtype, "--max-batch", "256",
                 "--enable-return-routed-experts", "--fp32-lm-head" if config.model.fp32_lm_head else "--no-fp32-lm-head"]
         for i in range(r.num_engines):
             self.processes.append(LocalEngineProcess.mpo_engine(
@@ -64,7 +64,9 @@ def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str
     sync = WeightSync(engines.clients, bucket_bytes=trainer.config.rollout.bucket_mb << 20)
     report = sync.push(named, version)
     if trainer.config.rollout.engine == "mpo":
-        sync.verify(named)
+        r, m = trainer.config.rollout, trainer.config.model
+        sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,
+                    fp32_names={"lm_head.weight"} if m.fp32_lm_head else set())
     return report.metrics()
 
 

@@ -84,12 +84,7 @@ class Trainer:
             OptimizerConfig(optimizer="adam", lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
                             bf16=config.model.dtype == "bf16", weight_decay=0.0), [self.model])
         self.routing = attach_routing_hooks(self.model)
-        self.loss_spec = get_loss(config.algorithm.loss)
-        self.loss_cfg = make_loss_config(config.algorithm.loss, **config.algorithm.loss_args,
-                                         **({"kl_coef": config.algorithm.kl_coef,
-                                             "kl_estimator": config.algorithm.kl_estimator}
-                                            if config.algorithm.kl_coef > 0 else {}))
-        self.reference = self._reference_state() if config.algorithm.kl_coef > 0 else None
+        self.set_algorithm(config.algorithm)
         self.task = task_from_name(config.data.task, config.data.digits)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -100,6 +95,15 @@ class Trainer:
         self.checkpoints = CheckpointManager(config.logging.out_dir)
 
     # -- set-up helpers ------------------------------------------------------------------------------------------
+    def set_algorithm(self, algorithm) -> None:
+        """Use another algorithm section (loss, replay, KL) from the next step on; the reference policy for KL is
+        the weights at this moment."""
+        self.config = replace(self.config, algorithm=algorithm)
+        self.loss_spec = get_loss(algorithm.loss)
+        kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
+        self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
+        self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
+
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """The initial weights, kept on the host for the KL reference forward."""
         return {k: v.detach().clone() for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,6 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--dist-port", type=int, default=None, help="port of this engine's own 1-rank gloo group")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop when the process that started this engine dies (set by mpo's launchers)")
     return parser.parse_args(argv)
 
 
@@ -50,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    # An engine started by a trainer rank or a test lives in its own session; if that parent dies (killed job), the
+    # engine is re-parented and stops itself, so nothing is left running.
+    parent = os.getppid()
+    while not stop.wait(1.0):
+        if args.exit_with_parent and os.getppid() != parent:
+            logging.warning("parent process %d is gone; stopping", parent)
+            break
     generator.stop()
     server.shutdown()
     return 0

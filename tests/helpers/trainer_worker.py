@@ -1,0 +1,74 @@
+"""Per-rank body of the trainer tests: the real Trainer (2 gloo ranks, EP2) with a real local mpo engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
+
+
+def _trainer(out_dir: str, overrides: list[str]):
+    from mpo.cli import RECIPES
+    from mpo.config import load_config
+    from mpo.trainer.loop import EngineSet, _sync, supervised_warm_start
+    from mpo.trainer.trainer import Trainer
+
+    # A short warm start: rewards then vary within groups, so every loss sees non-zero advantages.
+    config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", "schedule.sft_steps=15",
+                                                     "data.prompts_per_step=4", *overrides])
+    trainer = Trainer(config)
+    supervised_warm_start(trainer)
+    engines = EngineSet(config, Path(out_dir)) if trainer.rank == 0 else None
+    if engines is not None:
+        trainer.engines = engines.handles
+    _sync(trainer, engines, "v0")
+    return trainer, engines, _sync
+
+
+def every_loss(out_dir: str, losses: list[str]) -> None:
+    """One RL step per loss (plus KL once); the first step's train-vs-rollout log-prob diff is recorded."""
+    from mpo.config import AlgorithmSection
+
+    trainer, engines, sync = _trainer(out_dir, [])
+    results = {}
+    try:
+        for step, loss in enumerate(losses):
+            trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
+                                                   filter_zero_variance=False))
+            metrics = trainer.train_step(step)
+            sync(trainer, engines, f"v{step + 1}")
+            results[loss] = metrics
+        trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
+        results["gspo+kl"] = trainer.train_step(len(losses))
+    finally:
+        if engines is not None:
+            engines.stop()
+    if trainer.rank == 0:
+        Path(out_dir, "every_loss.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def replay_modes(out_dir: str) -> None:
+    """A bf16 engine (its weights checked against the fp32 trainer's, rounded) that is then left one update behind,
+    as in one-step off-policy (asynchronous) RL: its routing differs from the trainer's, and R3 makes the old
+    forward use the engine's experts anyway. The first step runs R2 while the engine is still in sync."""
+    from mpo.config import AlgorithmSection
+
+    trainer, engines, _ = _trainer(out_dir, ["rollout.engine_dtype=bf16"])
+    results = {}
+    try:
+        for step, mode in enumerate(("r2", "none", "r3")):  # no weight sync between steps: the engine lags
+            trainer.set_algorithm(AlgorithmSection(loss="gspo", replay=mode, filter_zero_variance=False))
+            results[mode] = trainer.train_step(step)
+    finally:
+        if engines is not None:
+            engines.stop()
+    if trainer.rank == 0:
+        Path(out_dir, "replay.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
