@@ -12,7 +12,7 @@ from mpo.parallel import LayoutError, ParallelConfig
     (dict(tensor_parallel=2), 3, {}, "world size 3 is not divisible by tensor_parallel"),
     (dict(pipeline_parallel=3), 3, dict(num_layers=4), "pipeline_parallel=3 does not divide num_layers=4"),
     (dict(tensor_parallel=3), 3, dict(num_attention_heads=4), "tensor_parallel=3 does not divide num_attention_heads"),
-    (dict(expert_parallel=2, expert_tensor_parallel=2), 2, {}, "expert_tensor_parallel*expert_parallel"),
+    (dict(expert_parallel=2, expert_tensor_parallel=2), 2, dict(num_experts=8), "expert_tensor_parallel*expert_parallel"),
     (dict(expert_parallel=2), 2, {}, "needs a model with experts"),
 ])
 def test_bad_layouts_fail_naming_the_field(layout, world, dims, message):

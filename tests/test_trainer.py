@@ -50,3 +50,13 @@ def test_r3_replays_engine_routes_end_to_end(tmp_path):
     assert runs["r3"][key] == 1.0
     # R2 replays the old forward's routes in the update: old vs update agree fully.
     assert runs["r2"]["routing/old_vs_update/exact_match"] == 1.0
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path):
+    spawn_ranks(2, trainer_worker.nonfinite, str(tmp_path))
+    result = json.loads((tmp_path / "nonfinite.json").read_text())
+    assert [s["nonfinite_skipped"] for s in result["steps"]] == [1.0, 1.0]
+    assert result["steps"][-1]["nonfinite_total"] == 2.0
+    assert result["weights_unchanged"], "a non-finite step changed the weights"
+    assert "2 consecutive steps had a non-finite loss" in result["stopped"]
+    assert result["checkpoint"].endswith("step_2")

@@ -60,13 +60,7 @@ class ParallelConfig:
             if not ok:
                 raise LayoutError(message)
 
-        mp = self.model_parallel_size
-        need(world_size % mp == 0, f"world size {world_size} is not divisible by tensor_parallel*pipeline_parallel*"
-             f"context_parallel = {self.tensor_parallel}*{self.pipeline_parallel}*{self.context_parallel} = {mp}")
-        # megatron builds the expert grid over the same ranks: ETP x EP x expert-DP x PP.
-        expert_mp = self.etp * self.expert_parallel * self.pipeline_parallel
-        need(world_size % expert_mp == 0, f"world size {world_size} is not divisible by expert_tensor_parallel*"
-             f"expert_parallel*pipeline_parallel = {self.etp}*{self.expert_parallel}*{self.pipeline_parallel}")
+        # Model divisibility first: it names the field a user most likely got wrong.
         if num_layers is not None:
             need(num_layers % self.pipeline_parallel == 0,
                  f"pipeline_parallel={self.pipeline_parallel} does not divide num_layers={num_layers}")
@@ -82,3 +76,10 @@ class ParallelConfig:
                  f"expert_parallel={self.expert_parallel} does not divide num_experts={num_experts}")
         elif self.expert_parallel > 1:
             raise LayoutError(f"expert_parallel={self.expert_parallel} needs a model with experts")
+        mp = self.model_parallel_size
+        need(world_size % mp == 0, f"world size {world_size} is not divisible by tensor_parallel*pipeline_parallel*"
+             f"context_parallel = {self.tensor_parallel}*{self.pipeline_parallel}*{self.context_parallel} = {mp}")
+        # megatron builds the expert grid over the same ranks: ETP x EP x expert-DP x PP.
+        expert_mp = self.etp * self.expert_parallel * self.pipeline_parallel
+        need(world_size % expert_mp == 0, f"world size {world_size} is not divisible by expert_tensor_parallel*"
+             f"expert_parallel*pipeline_parallel = {self.etp}*{self.expert_parallel}*{self.pipeline_parallel}")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from mpo.config import TrainConfig, model_config
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.trainer.metrics_log import MetricsLog
-from mpo.trainer.trainer import NonFiniteStop, Trainer
+from mpo.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +128,7 @@ def run(config: TrainConfig) -> None:
             metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
-            if trainer.nonfinite_in_row >= config.schedule.max_nonfinite_steps:
-                trainer.save(step + 1)
-                raise NonFiniteStop(f"{trainer.nonfinite_in_row} consecutive steps had a non-finite loss or gradient "
-                                    f"(schedule.max_nonfinite_steps={config.schedule.max_nonfinite_steps}); "
-                                    f"checkpoint saved at step {step + 1}")
+            trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
                 trainer.save(step + 1)

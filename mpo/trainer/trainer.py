@@ -346,6 +346,14 @@ class Trainer:
         merged.update(rollout_metrics)
         return merged
 
+    def stop_if_nonfinite(self, next_step: int) -> None:
+        """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint, then stop saying why."""
+        limit = self.config.schedule.max_nonfinite_steps
+        if self.nonfinite_in_row >= limit:
+            self.save(next_step)
+            raise NonFiniteStop(f"{self.nonfinite_in_row} consecutive steps had a non-finite loss or gradient "
+                                f"(schedule.max_nonfinite_steps={limit}); checkpoint saved at step {next_step}")
+
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         state = {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()}

@@ -72,3 +72,31 @@ def replay_modes(out_dir: str) -> None:
         Path(out_dir, "replay.json").write_text(json.dumps(results))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def nonfinite(out_dir: str) -> None:
+    """A numeric blow-up (the loss turns NaN) is skipped and counted; after max_nonfinite_steps in a row the run
+    checkpoints and stops. The NaN is injected into the loss function; everything else is the real loop."""
+    from mpo.trainer.trainer import NonFiniteStop
+
+    trainer, engines, _ = _trainer(out_dir, ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1",
+                                             "algorithm.filter_zero_variance=false"])
+    before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    trainer._loss_fn = lambda denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
+    results: dict = {"steps": []}
+    try:
+        for step in range(3):
+            results["steps"].append(trainer.train_step(step))
+            trainer.stop_if_nonfinite(step + 1)
+    except NonFiniteStop as exc:
+        results["stopped"] = str(exc)
+    finally:
+        if engines is not None:
+            engines.stop()
+    after = trainer.gpt.state_dict()
+    results["weights_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    results["checkpoint"] = str(trainer.checkpoints.latest())
+    if trainer.rank == 0:
+        Path(out_dir, "nonfinite.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
