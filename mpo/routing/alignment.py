@@ -19,12 +19,12 @@ Conventions (all batch-major ``[b, s, ...]``):
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from mpo.rollout.protocol import decode_routed_experts, encode_routed_experts
 from mpo.routing.records import MicroBatchRouting
 
 
@@ -65,18 +65,16 @@ class RolloutRoutes:
 
 def decode_sglang_routed_experts(encoded: str, num_tokens: int, num_layers: int, topk: int,
                                  start_len: int = 0) -> RolloutRoutes:
-    """SGLang's base64 little-endian int32 ``routed_experts`` string -> :class:`RolloutRoutes`."""
-    raw = base64.b64decode(encoded)
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    """SGLang's base64 little-endian int32 ``routed_experts`` string -> :class:`RolloutRoutes` (the wire format
+    itself lives in mpo.rollout.protocol)."""
     rows = num_tokens - 1 - start_len
-    if flat.numel() != rows * num_layers * topk:
-        raise ValueError(f"routed_experts has {flat.numel()} ints; expected {rows}x{num_layers}x{topk}")
-    return RolloutRoutes(flat.view(rows, num_layers, topk).clone(), num_tokens, start_len)
+    flat = decode_routed_experts(encoded, rows=rows, num_layers=num_layers, topk=topk)
+    return RolloutRoutes(torch.from_numpy(flat), num_tokens, start_len)
 
 
 def encode_sglang_routed_experts(routes: Tensor) -> str:
     """Inverse of :func:`decode_sglang_routed_experts` (for tests and stand-in engines)."""
-    return base64.b64encode(routes.to(torch.int32).contiguous().numpy().tobytes()).decode()
+    return encode_routed_experts(routes.to(torch.int32).numpy())
 
 
 def place_rollout_routes(rows: list[list[RolloutRoutes]], seq_len: int) -> MicroBatchRouting:

@@ -54,8 +54,11 @@ def http_json(url: str, payload: dict | None = None, headers: dict[str, str] | N
 
 
 def decode_routed_experts(b64: str, num_layers: int, top_k: int) -> np.ndarray:
-    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
-    return flat.reshape(-1, num_layers, top_k)
+    """mpo's wire-format decoder, with the row count taken from the payload size."""
+    from mpo.rollout.protocol import decode_routed_experts as decode
+
+    rows = len(base64.b64decode(b64)) // (4 * num_layers * top_k)
+    return decode(b64, rows=rows, num_layers=num_layers, topk=top_k)
 
 
 def join_weight_update_group(
