@@ -104,7 +104,8 @@ def supervised_warm_start(trainer: Trainer) -> float:
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
+    for noisy in ("httpx", "megatron"):  # one line per engine call / per parameter is noise at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     out_dir = Path(config.logging.out_dir)
     trainer = Trainer(config)
     start = trainer.resume()

@@ -45,8 +45,9 @@ class MetricsLog:
             self.writer.flush()
         if self.bar is not None:
             self.bar.update(1)
+            loss = metrics.get("loss")
             self.bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
-                                 loss=f"{metrics.get('loss', float('nan')):.4f}")
+                                 loss="skipped (no signal)" if loss is None else f"{loss:.4f}")
 
     def close(self) -> None:
         if self.writer is not None:
