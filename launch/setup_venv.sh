@@ -1,16 +1,6 @@
 # Sourced by tests/run.sh and launch/demo.sh: makes .venv with Python 3.12 and the pinned stack, sets VENV_PY.
 # Re-installs only when tests/requirements-ci.txt or pyproject.toml change.
-find_python312() {
-    for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
-        if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            command -v "$cand"; return 0
-        fi
-    done
-    for cand in "$HOME"/.pyenv/versions/3.12.*/bin/python3.12; do
-        [ -x "$cand" ] && { echo "$cand"; return 0; }
-    done
-    return 1
-}
+source launch/find_python.sh
 if [ ! -x .venv/bin/python ]; then
     PY312=$(find_python312) || {
         echo "error: Python 3.12 is required (megatron-core >= 0.17 needs it) and none was found." >&2

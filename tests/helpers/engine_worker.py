@@ -34,17 +34,11 @@ def score(out_file: str, sequences: list[list[int]], preset: str = "tiny", seed:
     torch.distributed.destroy_process_group()
 
 
-def sync_and_score(out_file: str, url: str, api_key: str, sequence: list[int], bucket_bytes: int) -> None:
-    """Trainer side of the weight-sync test: perturb the model (as an optimizer step would), push it to the engine
-    over the tensor path in small buckets, verify the checksum, and score a probe sequence with the new weights."""
-    from checkpoints_tools.mapping import mapping_for
+def _perturbed_model():
+    """The tiny preset at seed 1234, then perturbed as an optimizer step would move it (deterministic)."""
     from mpo.models.builder import build_model
     from mpo.models.config import preset as get_preset
-    from mpo.models.forward import MicroBatch, run_microbatches
-    from mpo.models.full_state import gather_full_state
     from mpo.parallel import ParallelConfig, initialize_parallel
-    from mpo.rollout.client import EngineClient
-    from mpo.rollout.weight_sync import WeightSync
 
     ctx = initialize_parallel(ParallelConfig())
     cfg = get_preset("tiny")
@@ -52,29 +46,31 @@ def sync_and_score(out_file: str, url: str, api_key: str, sequence: list[int], b
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
+    return model, cfg
+
+
+def perturb_and_sync(out_file: str, url: str, api_key: str, bucket_bytes: int) -> None:
+    """Trainer side of the weight-sync test: push the perturbed model to the engine over the tensor path in small
+    buckets and verify the engine's checksum."""
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.full_state import gather_full_state
+    from mpo.rollout.client import EngineClient
+    from mpo.rollout.weight_sync import WeightSync
+
+    model, cfg = _perturbed_model()
     named = list(mapping_for(cfg, spec="local").full_state_to_hf(gather_full_state(model)))
     sync = WeightSync([EngineClient(url, api_key=api_key)], bucket_bytes=bucket_bytes)
     report = sync.push(named, version="v1")
     sync.verify(named)
-    out = run_microbatches(model, [MicroBatch(torch.tensor([sequence]))], vocab_size=cfg.vocab_size)
-    torch.save({"logprobs": out[0]["logprobs"][0], "buckets": report.buckets, "bytes_per_s": report.bytes_per_s},
-               Path(out_file))
+    torch.save({"buckets": report.buckets, "bytes_per_s": report.bytes_per_s}, Path(out_file))
     torch.distributed.destroy_process_group()
 
 
 def score_perturbed(out_file: str, sequence: list[int]) -> None:
-    """Log-probs of `sequence` under the perturbed weights sync_and_score pushed (same seeds, same perturbation)."""
-    from mpo.models.builder import build_model
-    from mpo.models.config import preset as get_preset
+    """Log-probs of `sequence` under the perturbed weights perturb_and_sync pushed."""
     from mpo.models.forward import MicroBatch, run_microbatches
-    from mpo.parallel import ParallelConfig, initialize_parallel
 
-    ctx = initialize_parallel(ParallelConfig())
-    cfg = get_preset("tiny")
-    model = build_model(cfg, ctx.parallel, ctx.device, seed=1234)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
+    model, cfg = _perturbed_model()
     out = run_microbatches(model, [MicroBatch(torch.tensor([sequence]))], vocab_size=cfg.vocab_size)
     torch.save(out[0]["logprobs"][0], Path(out_file))
     torch.distributed.destroy_process_group()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotently creates .venv-sglang (Python 3.12) at the repository root and installs the real sglang there.
 # Kept apart from .venv so the main test stack's pins (transformers, ...) are untouched: sglang brings its own.
-# A stamp file makes a second run instant. Exits non-zero (with a message) if the install fails; tests/venv.sh
+# A stamp file makes a second run instant. Exits non-zero (with a message) if the install fails; launch/setup_venv.sh
 # treats that as "sglang tier unavailable" and the main tests still run.
 # Usage: bash tests/sglang_harness/setup.sh
 set -uo pipefail
@@ -12,24 +12,14 @@ stamp="$VENV/.mpo-sglang-stamp"
 if [ "$(cat "$stamp" 2>/dev/null)" = "$SGLANG_SPEC" ]; then
     exit 0
 fi
-find_python312() {
-    for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
-        if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            command -v "$cand"; return 0
-        fi
-    done
-    for cand in "$HOME"/.pyenv/versions/3.12.*/bin/python3.12; do
-        [ -x "$cand" ] && { echo "$cand"; return 0; }
-    done
-    return 1
-}
+source launch/find_python.sh
 fail() {
     echo "error: [sglang setup] $*" >&2
     echo "  The real-SGLang test tier (tests/test_sglang_server.py) will be SKIPPED." >&2
     exit 1
 }
 if [ ! -x "$VENV/bin/python" ]; then
-    PY312=$(find_python312) || fail "Python 3.12 not found (see tests/venv.sh for how to install it)"
+    PY312=$(find_python312) || fail "Python 3.12 not found (see launch/setup_venv.sh for how to install it)"
     echo "[sglang setup] creating $VENV with $PY312" >&2
     "$PY312" -m venv "$VENV" || fail "could not create $VENV"
 fi
