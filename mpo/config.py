@@ -59,6 +59,8 @@ class RolloutSection:
             group between trainer rank 0 and the engines: NCCL on GPU, gloo on CPU).
         bucket_mb: weight-sync bucket size.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
+        tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
+            tensor_parallel engines on each rollout node.
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -73,6 +75,7 @@ class RolloutSection:
     sync: Literal["tensor", "distributed"] = "tensor"
     bucket_mb: int = 64
     router_in_front: bool = False
+    tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,7 @@ def validate(config: TrainConfig) -> None:
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     for name, value in (("rollout.samples_per_prompt", r.samples_per_prompt), ("rollout.num_engines", r.num_engines),
+                        ("rollout.tensor_parallel", r.tensor_parallel),
                         ("rollout.max_new_tokens", r.max_new_tokens), ("data.prompts_per_step", d.prompts_per_step),
                         ("schedule.micro_batch_size", s.micro_batch_size),
                         ("schedule.updates_per_step", s.updates_per_step), ("world_size", config.world_size)):
