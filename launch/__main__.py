@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-nodes", type=int, default=None, help="nodes running trainer ranks (default: "
                         "world_size / gpus_per_node on GPU, all nodes on CPU)")
     parser.add_argument("--python", default=sys.executable, help="interpreter on the nodes (default: this one)")
+    parser.add_argument("--engine-python", default=os.environ.get("MPO_ENGINE_PYTHON"),
+                        help="interpreter for the engines (default: $MPO_ENGINE_PYTHON, else --python)")
     parser.add_argument("--job-id", default=None, help="run id (default: SLURM_JOB_ID.SLURM_STEP_ID, else 'local')")
     parser.add_argument("--master-port", type=int, default=None)
     parser.add_argument("--engine-port", type=int, default=None, help="first engine port")
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config, overrides)
         allocation, node_rank = allocation_from_env(args, dict(os.environ))
         options = LaunchOptions(config_path=args.config, overrides=tuple(overrides), python=args.python,
+                                engine_python=args.engine_python,
                                 trainer_nodes=args.trainer_nodes, master_port=args.master_port,
                                 engine_port=args.engine_port, engine_mem_fraction=args.engine_mem_fraction)
         plan = make_plan(config, allocation, options)

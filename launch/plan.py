@@ -56,7 +56,8 @@ class LaunchOptions:
     Attributes:
         config_path: the YAML given to the launcher.
         overrides: `section.field=value` overrides given to the launcher (applied before the launcher's own).
-        python: interpreter on the nodes (a venv's python, or `python` inside a container).
+        python: interpreter on the nodes for the trainer (a venv's python, or `python` inside a container).
+        engine_python: interpreter for the engines (SGLang often lives in its own venv); None = `python`.
         trainer_nodes: nodes that run trainer ranks; None = automatic (see the module docstring).
         master_port: torchrun rendezvous port; None = derived from the job id.
         engine_port: first engine port; None = derived from the job id.
@@ -66,6 +67,7 @@ class LaunchOptions:
     config_path: str
     overrides: tuple[str, ...] = ()
     python: str = "python"
+    engine_python: str | None = None
     trainer_nodes: int | None = None
     master_port: int | None = None
     engine_port: int | None = None
@@ -195,10 +197,11 @@ def engine_command(config: TrainConfig, options: LaunchOptions, *, host: str, po
     routing every step (routing/rollout_vs_old/* metrics), as mpo's local EngineSet does.
     """
     m, r = config.model, config.rollout
+    python = options.engine_python or options.python
     if r.engine == "sglang":
         if not m.hf_dir:
             raise PlanError("rollout.engine='sglang' needs model.hf_dir (the checkpoint SGLang loads)")
-        argv = [options.python, "-m", "sglang.launch_server", "--model-path", m.hf_dir,
+        argv = [python, "-m", "sglang.launch_server", "--model-path", m.hf_dir,
                 "--tp", str(r.tensor_parallel), "--host", host, "--port", str(port),
                 "--dtype", "bfloat16" if m.dtype == "bf16" else "float32", "--enable-return-routed-experts"]
         if m.fp32_lm_head:
@@ -207,7 +210,7 @@ def engine_command(config: TrainConfig, options: LaunchOptions, *, host: str, po
         if mem is not None:
             argv += ["--mem-fraction-static", str(mem)]
     else:
-        argv = [options.python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port),
+        argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port),
                 "--preset", m.preset, "--dtype", m.dtype, "--max-batch", "256", "--enable-return-routed-experts",
                 "--fp32-lm-head" if m.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(config.seed)]
         if m.mcore_dir:
