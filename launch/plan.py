@@ -220,8 +220,10 @@ def engine_command(config: TrainConfig, options: LaunchOptions, *, host: str, po
     return argv
 
 
-def _environment(gpus: int) -> dict[str, str]:
+def _environment(gpus: int, *, trainer: bool) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
+    if gpus and not trainer:
+        return env
     if gpus:
         # Megatron's TP/SP communication overlap needs ordered kernel launch; NCCL errors should abort, not hang.
         env.update({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
@@ -246,7 +248,8 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
     master_port = options.master_port or 20000 + offset
     engine_port = options.engine_port or 30000 + offset * 8
     run_dir = str(Path(config.logging.out_dir) / "launch" / allocation.job_id)
-    env = _environment(gpus)
+    env = _environment(gpus, trainer=True)
+    engine_env = _environment(gpus, trainer=False)
     r = config.rollout
 
     # -- engines -----------------------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
             local = len(engines[node])
             port = engine_port + i
-            proc_env = dict(env)
+            proc_env = dict(engine_env)
             if gpus_per_engine:
                 first = local * gpus_per_engine
                 proc_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpus_per_engine))
