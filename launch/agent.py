@@ -89,10 +89,11 @@ class Agent:
         for s in (signal.SIGTERM, signal.SIGINT):  # a second signal must not interrupt the teardown itself
             signal.signal(s, signal.SIG_IGN)
         live = [r for r in self.running if r.popen.poll() is None]
-        for r in live:
+        for r in self.running:
+            # Also the groups of leaders that already died: their children (SGLang schedulers...) may live on.
             try:
                 os.killpg(r.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + grace_s
         for r in live:

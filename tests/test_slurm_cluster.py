@@ -150,8 +150,11 @@ def test_failed_rank_on_node2_fails_job_and_stops_everything(cluster, tmp_path):
         time.sleep(0.1)
     assert victim is not None, "never saw the trainer rank on n2"
     os.kill(victim, signal.SIGKILL)
+    t_kill = time.monotonic()
     code = _wait(proc, name, cluster)
     output = out_file.read_text()
+    print(f"\n[slurm] failure job {job_id}: exit {code}, {time.monotonic() - t_kill:.1f} s after the kill\n{output}",
+          file=sys.stderr)
     assert code != 0, output
     failed = re.search(r"node 1 \(n2\): FAILED: trainer exited with code \d+; log: (\S+)", output)
     assert failed, output
