@@ -97,7 +97,10 @@ def test_sigterm_tears_down(tmp_path, capsys):
 
 
 def test_success_stops_engines_after_done_marker(tmp_path, capsys):
-    plan = _plan(tmp_path, "print('trained')")
+    # The "trainer" finishes once the engine is fully up (its child's pid written), so teardown has a child to stop.
+    wait = f"import os, time\nwhile not os.path.getsize({str(tmp_path / 'grandchild.pid')!r}) if os.path.exists(" \
+           f"{str(tmp_path / 'grandchild.pid')!r}) else True: time.sleep(0.05)\nprint('trained')"
+    plan = _plan(tmp_path, wait)
     agent = Agent(plan, 0, poll_s=0.1)
     assert agent.run() == 0
     assert (tmp_path / "trainer.exit").read_text().strip() == "0"
