@@ -61,6 +61,8 @@ class RolloutSection:
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.
+        tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
+            tensor_parallel engines on each rollout node.
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -76,6 +78,7 @@ class RolloutSection:
     bucket_mb: int = 64
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
+    tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,7 @@ def validate(config: TrainConfig) -> None:
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     for name, value in (("rollout.samples_per_prompt", r.samples_per_prompt), ("rollout.num_engines", r.num_engines),
+                        ("rollout.tensor_parallel", r.tensor_parallel),
                         ("rollout.max_new_tokens", r.max_new_tokens), ("data.prompts_per_step", d.prompts_per_step),
                         ("schedule.micro_batch_size", s.micro_batch_size),
                         ("schedule.updates_per_step", s.updates_per_step), ("world_size", config.world_size)):

@@ -1,0 +1,308 @@
+"""The plan of a run: which processes run on which node, with which command line and environment.
+
+`make_plan(config, allocation, options)` is a pure function (no processes, no network, no file writes), so every
+agent of a job computes the same plan from the same inputs, and tests can compare it with an expected one.
+
+Placement (see launch/README.md):
+- Trainer: `config.world_size` ranks. On GPU nodes a node runs `gpus_per_node` ranks, so the trainer takes the first
+  `world_size / gpus_per_node` nodes (a world smaller than one node takes one node). On CPU (gpus_per_node == 0) the
+  ranks are spread evenly over all nodes unless `trainer_nodes` says otherwise.
+- Rollout engines (only when `rollout.urls` is empty; given URLs are used as they are):
+  - disaggregated: the nodes after the trainer's run engines; an SGLang engine takes `rollout.tensor_parallel` GPUs,
+    so a rollout node holds `gpus_per_node // tensor_parallel` of them. Engines fill rollout nodes in order.
+  - colocated (no node is left for rollout): engines share the trainer's nodes, filled from the last node backwards
+    so that node 0 (rank 0 gathers the full weights for every sync) carries the fewest.
+- Rendezvous: torchrun static rendezvous on the first trainer node (`--node-rank` = trainer node index), so global
+  rank 0 is always on trainer node 0 (c10d rendezvous may hand group 0 to any node).
+- Ports are derived from the job id, so two jobs sharing a node do not collide and every agent agrees on them
+  without talking to the others. Engines get distinct ports even on different nodes (nodes may share one host in
+  emulated clusters, and it costs nothing on real ones).
+"""
+
+from __future__ import annotations
+
+import shlex
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpo.config import TrainConfig
+
+
+class PlanError(ValueError):
+    """The config cannot be placed on this allocation (message says why and what to change)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The nodes of a job.
+
+    Attributes:
+        hosts: node addresses in node-rank order (SLURM: `scontrol show hostnames $SLURM_JOB_NODELIST`); trainer
+            rendezvous and engine URLs use them, so they must resolve on every node.
+        gpus_per_node: GPUs each node has (0: CPU nodes; gloo and mpo's own engine).
+        job_id: identifies the run (SLURM_JOB_ID); ports and the run's launch directory derive from it.
+    """
+
+    hosts: tuple[str, ...]
+    gpus_per_node: int = 0
+    job_id: str = "local"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How to launch, beyond the config.
+
+    Attributes:
+        config_path: the YAML given to the launcher.
+        overrides: `section.field=value` overrides given to the launcher (applied before the launcher's own).
+        python: interpreter on the nodes for the trainer (a venv's python, or `python` inside a container).
+        engine_python: interpreter for the engines (SGLang often lives in its own venv); None = `python`.
+        trainer_nodes: nodes that run trainer ranks; None = automatic (see the module docstring).
+        master_port: torchrun rendezvous port; None = derived from the job id.
+        engine_port: first engine port; None = derived from the job id.
+        engine_mem_fraction: SGLang --mem-fraction-static; None = SGLang's default when disaggregated, 0.4 colocated.
+    """
+
+    config_path: str
+    overrides: tuple[str, ...] = ()
+    python: str = "python"
+    engine_python: str | None = None
+    trainer_nodes: int | None = None
+    master_port: int | None = None
+    engine_port: int | None = None
+    engine_mem_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process the agent of a node starts.
+
+    Attributes:
+        name: "trainer" or "engine<i>"; messages and the log file use it.
+        kind: "trainer" or "engine".
+        argv: the exact command line.
+        env: variables set on top of the agent's environment.
+        log: log file (stdout and stderr).
+        url: for engines, the URL the trainer uses.
+    """
+
+    name: str
+    kind: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    log: str = ""
+    url: str | None = None
+
+    def shell(self) -> str:
+        """The command as one shell line (env assignments first), for --dry-run and messages."""
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one node runs. `role` is "trainer", "rollout", "trainer+rollout" or "idle"."""
+
+    node_rank: int
+    host: str
+    role: str
+    processes: tuple[Process, ...]
+    log_dir: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole run.
+
+    Attributes:
+        nodes: one NodePlan per allocated node, in node-rank order.
+        placement: "colocated" or "disaggregated" (engines on their own nodes), or "external" (rollout.urls given).
+        engine_urls: URLs the trainer is handed (rollout.urls).
+        trainer_overrides: overrides the launcher adds for the trainer (engine URLs).
+        resolved_config: the YAML every trainer rank reads (the launcher's config, overrides, and trainer_overrides).
+        resolved_config_path: where the agent writes it before starting the trainer (mode 0600: it may hold the key).
+        run_dir: the launch directory of this run (resolved config, logs, the trainer's exit marker).
+        done_marker: written by trainer node 0's agent with the trainer's exit code; agents that host engines wait for
+            it before stopping them, so the last weight sync of rank 0 still finds its engines.
+    """
+
+    nodes: tuple[NodePlan, ...]
+    placement: str
+    engine_urls: tuple[str, ...]
+    trainer_overrides: tuple[str, ...]
+    resolved_config: str
+    resolved_config_path: str
+    run_dir: str
+    done_marker: str
+
+    def format(self) -> str:
+        """Human-readable plan: per node, its role and the exact commands (what --dry-run prints)."""
+        lines = [f"placement: {self.placement}; engines: {', '.join(self.engine_urls) or 'none'}",
+                 f"resolved config: {self.resolved_config_path}"]
+        for node in self.nodes:
+            lines.append(f"node {node.node_rank} ({node.host}): {node.role}")
+            for proc in node.processes:
+                lines.append(f"  [{proc.name}] {proc.shell()}")
+                lines.append(f"      log: {proc.log}")
+        return "\n".join(lines)
+
+
+def _port_offset(job_id: str) -> int:
+    # Stable across processes (unlike hash()), spreads job ids over the port range.
+    return zlib.crc32(job_id.encode()) % 2000
+
+
+def _split_evenly(world_size: int, nodes: int) -> int:
+    if world_size % nodes:
+        raise PlanError(f"world_size={world_size} cannot be spread evenly over {nodes} trainer nodes; set "
+                        f"world_size to a multiple of {nodes} or pass --trainer-nodes")
+    return world_size // nodes
+
+
+def trainer_layout(config: TrainConfig, allocation: Allocation, trainer_nodes: int | None) -> tuple[int, int]:
+    """(trainer nodes, ranks per trainer node)."""
+    nnodes, gpus, world = len(allocation.hosts), allocation.gpus_per_node, config.world_size
+    if trainer_nodes is not None:
+        if not 1 <= trainer_nodes <= nnodes:
+            raise PlanError(f"--trainer-nodes={trainer_nodes}: the allocation has {nnodes} nodes")
+        per_node = _split_evenly(world, trainer_nodes)
+        if gpus and per_node > gpus:
+            raise PlanError(f"world_size={world} on {trainer_nodes} nodes needs {per_node} GPUs per node; "
+                            f"nodes have {gpus}")
+        return trainer_nodes, per_node
+    if gpus:
+        if world <= gpus:
+            return 1, world
+        if world % gpus:
+            raise PlanError(f"world_size={world} is not a multiple of the {gpus} GPUs per node")
+        if world // gpus > nnodes:
+            raise PlanError(f"world_size={world} needs {world // gpus} nodes of {gpus} GPUs; the allocation has "
+                            f"{nnodes}")
+        return world // gpus, gpus
+    return nnodes, _split_evenly(world, nnodes)
+
+
+def _engine_nodes(trainer_nodes: int, nnodes: int) -> tuple[list[int], str]:
+    if trainer_nodes < nnodes:
+        return list(range(trainer_nodes, nnodes)), "disaggregated"
+    return list(range(nnodes - 1, -1, -1)), "colocated"
+
+
+def engine_command(config: TrainConfig, options: LaunchOptions, *, host: str, port: int,
+                   colocated: bool) -> list[str]:
+    """The server command of one engine: SGLang on GPUs, mpo's own engine on CPU.
+
+    Both get routed-experts capture unconditionally (not only for replay=r3): the trainer compares engine and trainer
+    routing every step (routing/rollout_vs_old/* metrics), as mpo's local EngineSet does.
+    """
+    m, r = config.model, config.rollout
+    python = options.engine_python or options.python
+    if r.engine == "sglang":
+        if not m.hf_dir:
+            raise PlanError("rollout.engine='sglang' needs model.hf_dir (the checkpoint SGLang loads)")
+        argv = [python, "-m", "sglang.launch_server", "--model-path", m.hf_dir,
+                "--tp", str(r.tensor_parallel), "--host", host, "--port", str(port),
+                "--dtype", "bfloat16" if m.dtype == "bf16" else "float32", "--enable-return-routed-experts"]
+        if m.fp32_lm_head:
+            argv.append("--enable-fp32-lm-head")
+        mem = options.engine_mem_fraction if options.engine_mem_fraction is not None else (0.4 if colocated else None)
+        if mem is not None:
+            argv += ["--mem-fraction-static", str(mem)]
+    else:
+        argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port),
+                "--preset", m.preset, "--dtype", m.dtype, "--max-batch", "256", "--enable-return-routed-experts",
+                "--fp32-lm-head" if m.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(config.seed)]
+        if m.mcore_dir:
+            argv += ["--mcore-dir", m.mcore_dir]
+    if r.api_key:
+        argv += ["--api-key", r.api_key]
+    return argv
+
+
+def _environment(gpus: int, *, trainer: bool) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if gpus and not trainer:
+        return env
+    if gpus:
+        # Megatron's TP/SP communication overlap needs ordered kernel launch; NCCL errors should abort, not hang.
+        env.update({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    else:
+        # Several CPU "ranks" share a node's cores; more threads only oversubscribe.
+        env.update({"OMP_NUM_THREADS": "1"})
+    return env
+
+
+def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOptions) -> Plan:
+    """Compute every node's processes. Pure: same inputs, same plan, on every node."""
+    import yaml
+
+    from mpo.config import load_config, to_dict
+
+    hosts, gpus = allocation.hosts, allocation.gpus_per_node
+    if not hosts:
+        raise PlanError("the allocation has no nodes")
+    nnodes = len(hosts)
+    trainer_nodes, per_node = trainer_layout(config, allocation, options.trainer_nodes)
+    offset = _port_offset(allocation.job_id)
+    master_port = options.master_port or 20000 + offset
+    engine_port = options.engine_port or 30000 + offset * 8
+    run_dir = str(Path(config.logging.out_dir) / "launch" / allocation.job_id)
+    env = _environment(gpus, trainer=True)
+    engine_env = _environment(gpus, trainer=False)
+    r = config.rollout
+
+    # -- engines -----------------------------------------------------------------------------------------------------
+    engines: dict[int, list[Process]] = {i: [] for i in range(nnodes)}
+    urls: list[str] = []
+    placement = "external"
+    if not r.urls:
+        candidates, placement = _engine_nodes(trainer_nodes, nnodes)
+        gpus_per_engine = r.tensor_parallel if r.engine == "sglang" else 0
+        if r.engine == "sglang" and not gpus:
+            raise PlanError("rollout.engine='sglang' needs GPU nodes (--gpus-per-node, or a SLURM GPU allocation)")
+        if gpus_per_engine and gpus % gpus_per_engine:
+            raise PlanError(f"rollout.tensor_parallel={gpus_per_engine} does not divide the {gpus} GPUs per node")
+        slots = gpus // gpus_per_engine if gpus_per_engine else r.num_engines  # CPU engines are not GPU-bound
+        if r.num_engines > slots * len(candidates):
+            raise PlanError(f"rollout.num_engines={r.num_engines} engines of {gpus_per_engine} GPUs do not fit on "
+                            f"the {len(candidates)} {placement} node(s) ({slots} per node)")
+        for i in range(r.num_engines):
+            node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
+            local = len(engines[node])
+            port = engine_port + i
+            proc_env = dict(engine_env)
+            if gpus_per_engine:
+                first = local * gpus_per_engine
+                proc_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpus_per_engine))
+            url = f"http://{hosts[node]}:{port}"
+            urls.append(url)
+            engines[node].append(Process(
+                name=f"engine{i}", kind="engine",
+                argv=tuple(engine_command(config, options, host=hosts[node], port=port,
+                                          colocated=placement == "colocated")),
+                env=proc_env, log=f"{run_dir}/node{node}-{hosts[node]}/engine{i}.log", url=url))
+
+    # -- trainer -----------------------------------------------------------------------------------------------------
+    trainer_overrides = (f"rollout.urls=[{','.join(urls)}]",) if urls else ()
+    resolved = load_config(options.config_path, [*options.overrides, *trainer_overrides])
+    resolved_text = yaml.safe_dump(to_dict(resolved), sort_keys=False)
+    resolved_path = f"{run_dir}/config.yaml"
+    nodes = []
+    for k, host in enumerate(hosts):
+        procs = list(engines[k])
+        log_dir = f"{run_dir}/node{k}-{host}"
+        if k < trainer_nodes:
+            argv = (options.python, "-m", "torch.distributed.run", "--nnodes", str(trainer_nodes),
+                    "--node-rank", str(k), "--nproc-per-node", str(per_node), "--master-addr", hosts[0],
+                    "--master-port", str(master_port), "--max-restarts", "0",
+                    "--log-dir", f"{log_dir}/ranks", "--redirects", "3", "--tee", "3",
+                    "-m", "mpo.trainer", "--config", resolved_path)
+            procs.insert(0, Process(name="trainer", kind="trainer", argv=argv, env=dict(env),
+                                    log=f"{log_dir}/trainer.log"))
+        roles = [role for role, present in (("trainer", k < trainer_nodes), ("rollout", bool(engines[k]))) if present]
+        nodes.append(NodePlan(node_rank=k, host=host, role="+".join(roles) or "idle", processes=tuple(procs),
+                              log_dir=log_dir))
+    return Plan(nodes=tuple(nodes), placement=placement, engine_urls=tuple(urls),
+                trainer_overrides=trainer_overrides, resolved_config=resolved_text,
+                resolved_config_path=resolved_path, run_dir=run_dir, done_marker=f"{run_dir}/trainer.exit")

@@ -1,0 +1,128 @@
+"""The launcher's plan (launch/plan.py) and `python -m launch --dry-run`: placement, exact commands, errors.
+
+Nothing is faked: the plan is a pure function of the config and the allocation, so these tests compute it for
+allocations this machine does not have (4 nodes x 8 GPUs) without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
+from mpo.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+GSPO = "mpo/recipes/qwen3_30b_a3b_gspo.yaml"
+DEMO = "mpo/recipes/demo_cpu.yaml"
+
+# The 4-node GPU example: 2 trainer nodes x 8 GPUs (EP8), 2 rollout nodes with 2 SGLang engines of TP4 each.
+RUN = "runs/qwen3_30b_a3b_gspo/launch/1234"
+TRAINER = ("PY -m torch.distributed.run --nnodes 2 --node-rank {k} --nproc-per-node 8 --master-addr gpu1 "
+           "--master-port 29400 --max-restarts 0 --log-dir " + RUN + "/node{k}-gpu{n}/ranks --redirects 3 --tee 3 "
+           "-m mpo.trainer --config " + RUN + "/config.yaml")
+ENGINE = ("SGPY -m sglang.launch_server --model-path mpo/recipes/hf_configs/qwen3_30b_a3b --tp 4 --host gpu{n} "
+          "--port {port} --dtype bfloat16 --enable-return-routed-experts --enable-fp32-lm-head --api-key KEY")
+TRAINER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+EXPECTED_GPU_PLAN = [
+    ("gpu1", "trainer", [("trainer", TRAINER.format(k=0, n=1), TRAINER_ENV)]),
+    ("gpu2", "trainer", [("trainer", TRAINER.format(k=1, n=2), TRAINER_ENV)]),
+    ("gpu3", "rollout", [("engine0", ENGINE.format(n=3, port=30000), {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
+                         ("engine1", ENGINE.format(n=3, port=30001), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})]),
+    ("gpu4", "rollout", [("engine2", ENGINE.format(n=4, port=30002), {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
+                         ("engine3", ENGINE.format(n=4, port=30003), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})]),
+]
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name paths relative to the repo root
+
+
+def _plan(path, overrides=(), hosts=("gpu1", "gpu2", "gpu3", "gpu4"), gpus=8, **options):
+    config = load_config(path, list(overrides))
+    defaults = dict(config_path=path, overrides=tuple(overrides), python="PY", engine_python="SGPY",
+                    master_port=29400, engine_port=30000)
+    return make_plan(config, Allocation(hosts=hosts, gpus_per_node=gpus, job_id="1234"),
+                     LaunchOptions(**{**defaults, **options}))
+
+
+def test_four_node_gpu_plan_matches_expected():
+    plan = _plan(GSPO, ["rollout.api_key=KEY"])
+    got = [(n.host, n.role, [(p.name, " ".join(p.argv), {k: v for k, v in p.env.items() if k != "PYTHONUNBUFFERED"}
+                               if p.kind == "engine" else p.env) for p in n.processes]) for n in plan.nodes]
+    assert got == EXPECTED_GPU_PLAN
+    assert plan.placement == "disaggregated"
+    urls = ["http://gpu3:30000", "http://gpu3:30001", "http://gpu4:30002", "http://gpu4:30003"]
+    assert list(plan.engine_urls) == urls
+    assert plan.trainer_overrides == (f"rollout.urls=[{','.join(urls)}]",)
+    import yaml
+
+    data = yaml.safe_load(plan.resolved_config)  # what every trainer rank reads: the config plus the engine URLs
+    assert data["rollout"]["urls"] == urls and data["rollout"]["api_key"] == "KEY"
+
+
+def test_dry_run_prints_exact_commands_per_node():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("SLURM_JOB_NODELIST", None)
+    out = subprocess.run([sys.executable, "-m", "launch", "--config", GSPO, "--hosts", "gpu1,gpu2,gpu3,gpu4",
+                          "--gpus-per-node", "8", "--job-id", "1234", "--python", "PY", "--engine-python", "SGPY",
+                          "--master-port", "29400", "--engine-port", "30000", "--dry-run", "rollout.api_key=KEY"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    expected = ["placement: disaggregated; engines: http://gpu3:30000, http://gpu3:30001, http://gpu4:30002, "
+                "http://gpu4:30003", f"resolved config: {RUN}/config.yaml"]
+    for k, (host, role, procs) in enumerate(EXPECTED_GPU_PLAN):
+        expected.append(f"node {k} ({host}): {role}")
+        for name, command, penv in procs:
+            full_env = {**penv, "PYTHONUNBUFFERED": "1"}
+            prefix = " ".join(f"{key}={value}" for key, value in sorted(full_env.items()))
+            expected.append(f"  [{name}] {prefix} {command}")
+            expected.append(f"      log: {RUN}/node{k}-{host}/{name}.log")
+    assert lines == expected
+
+
+def test_cpu_demo_on_two_nodes_is_colocated_with_engine_on_last_node():
+    plan = _plan(DEMO, ["logging.out_dir=/tmp/r"], hosts=("n1", "n2"), gpus=0)
+    assert plan.placement == "colocated"
+    assert [n.role for n in plan.nodes] == ["trainer", "trainer+rollout"]
+    trainer = plan.nodes[1].processes[0]
+    assert "--nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr n1" in " ".join(trainer.argv)
+    assert trainer.env["OMP_NUM_THREADS"] == "1"
+    engine = plan.nodes[1].processes[1]
+    assert engine.argv[:3] == ("SGPY", "-m", "mpo.rollout.mpo_engine") and engine.url == "http://n2:30000"
+    assert "--enable-return-routed-experts" in engine.argv and "--fp32-lm-head" in engine.argv
+
+
+def test_cpu_disaggregated_and_external_engines():
+    plan = _plan(DEMO, ["world_size=2"], hosts=("n1", "n2"), gpus=0, trainer_nodes=1)
+    assert [n.role for n in plan.nodes] == ["trainer", "rollout"]
+    assert "--nproc-per-node 2" in " ".join(plan.nodes[0].processes[0].argv)
+    ext = _plan(DEMO, ["rollout.urls=[http://e:1]"], hosts=("n1", "n2"), gpus=0)
+    assert ext.placement == "external" and ext.trainer_overrides == ()
+    assert all(p.kind == "trainer" for n in ext.nodes for p in n.processes)
+
+
+def test_ports_derive_from_job_id_and_agree():
+    config = load_config(DEMO, [])
+    a = make_plan(config, Allocation(("n1", "n2"), 0, "77.0"), LaunchOptions(config_path=DEMO))
+    b = make_plan(config, Allocation(("n1", "n2"), 0, "77.0"), LaunchOptions(config_path=DEMO))
+    c = make_plan(config, Allocation(("n1", "n2"), 0, "78.0"), LaunchOptions(config_path=DEMO))
+    assert a == b and a.engine_urls != c.engine_urls
+
+
+@pytest.mark.parametrize("overrides, hosts, gpus, message", [
+    (["rollout.num_engines=5"], 4, 8, "do not fit"),
+    (["rollout.tensor_parallel=3"], 4, 8, "does not divide the 8 GPUs"),
+    (["world_size=12", "parallel.expert_parallel=4"], 4, 8, "not a multiple of the 8 GPUs"),
+    (["world_size=48"], 4, 8, "needs 6 nodes"),
+    ([], 4, 0, "needs GPU nodes"),
+])
+def test_plan_errors_name_the_problem(overrides, hosts, gpus, message):
+    with pytest.raises(PlanError, match=message):
+        _plan(GSPO, overrides, hosts=tuple(f"g{i}" for i in range(hosts)), gpus=gpus)
