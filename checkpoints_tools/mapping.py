@@ -300,16 +300,105 @@ def qwen3_moe_mapping(cfg, *, spec: Spec = "both") -> ModelMapping:
     return ModelMapping(info, rules, spec=spec)
 
 
+def deepseek_v3_mapping(cfg, *, spec: Spec = "both") -> ModelMapping:
+    """DeepSeek-V3: MLA attention, `first_k_dense` dense layers then MoE layers with a shared expert and a sigmoid
+    router with expert bias. moe_layer_freq is a list, so torch_dist keys keep the layer index (not stacked).
+
+    MLA tensors are plain copies: q_b_proj / kv_b_proj rows are per head ([nope; rope] / [nope; v]) in both, and
+    kv_a_proj_with_mqa rows are [kv_lora; rope] in both; HF's rope_interleave needs no permutation (megatron's MLA
+    de-interleaves). The local (CPU) MLA spec names the latent norms q_layernorm / kv_layernorm and every pre-MLP norm
+    pre_mlp_layernorm; the TE spec fuses the latent norms (and a dense layer's pre-MLP norm) into the next linear.
+    MTP layers (model.layers.{num_layers}+) are not built and are skipped.
+    """
+    from mpo.models.builder import padded_vocab_size
+
+    H, L, E, I, F = cfg.hidden_size, cfg.num_layers, cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.ffn_hidden_size
+    nh, V = cfg.num_attention_heads, cfg.vocab_size
+    nope, rope, vd, kv_lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    Vp = padded_vocab_size(V, 1)
+    dense, moe = tuple(range(cfg.first_k_dense)), cfg.moe_layers
+    layer, expert = "model.layers.{layer}.", "model.layers.{layer}.mlp.experts.{expert}."
+    d = "decoder.layers.{layer}."
+    a = d + "self_attention."
+    rules = [
+        ParamRule("embedding.word_embeddings.weight", "model", ("model.embed_tokens.weight",), ((V, H),), (Vp, H),
+                  "vocab"),
+        ParamRule(d + "input_layernorm.weight", "layer", (layer + "input_layernorm.weight",), ((H,),), (H,)),
+    ]
+    if cfg.q_lora_rank is None:
+        rules.append(ParamRule(a + "linear_q_proj.weight", "layer", (layer + "self_attn.q_proj.weight",),
+                               ((nh * (nope + rope), H),), (nh * (nope + rope), H)))
+    else:
+        q = cfg.q_lora_rank
+        rules += [
+            ParamRule(a + "linear_q_down_proj.weight", "layer", (layer + "self_attn.q_a_proj.weight",), ((q, H),),
+                      (q, H)),
+            ParamRule(a + "q_layernorm.weight", "layer", (layer + "self_attn.q_a_layernorm.weight",), ((q,),), (q,),
+                      te_key=a + "linear_q_up_proj.layer_norm_weight"),
+            ParamRule(a + "linear_q_up_proj.weight", "layer", (layer + "self_attn.q_b_proj.weight",),
+                      ((nh * (nope + rope), q),), (nh * (nope + rope), q)),
+        ]
+    rules += [
+        ParamRule(a + "linear_kv_down_proj.weight", "layer", (layer + "self_attn.kv_a_proj_with_mqa.weight",),
+                  ((kv_lora + rope, H),), (kv_lora + rope, H)),
+        ParamRule(a + "kv_layernorm.weight", "layer", (layer + "self_attn.kv_a_layernorm.weight",), ((kv_lora,),),
+                  (kv_lora,), te_key=a + "linear_kv_up_proj.layer_norm_weight"),
+        ParamRule(a + "linear_kv_up_proj.weight", "layer", (layer + "self_attn.kv_b_proj.weight",),
+                  ((nh * (nope + vd), kv_lora),), (nh * (nope + vd), kv_lora)),
+        ParamRule(a + "linear_proj.weight", "layer", (layer + "self_attn.o_proj.weight",), ((H, nh * vd),),
+                  (H, nh * vd)),
+    ]
+    if dense:
+        rules += [
+            ParamRule(d + "pre_mlp_layernorm.weight", "layer", (layer + "post_attention_layernorm.weight",), ((H,),),
+                      (H,), te_key=d + "mlp.linear_fc1.layer_norm_weight", layers=dense),
+            ParamRule(d + "mlp.linear_fc1.weight", "layer",
+                      (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), ((F, H), (F, H)), (2 * F, H),
+                      "gate_up", layers=dense),
+            ParamRule(d + "mlp.linear_fc2.weight", "layer", (layer + "mlp.down_proj.weight",), ((H, F),), (H, F),
+                      layers=dense),
+        ]
+    rules += [
+        ParamRule(d + "pre_mlp_layernorm.weight", "layer", (layer + "post_attention_layernorm.weight",), ((H,),),
+                  (H,), layers=moe),
+        ParamRule(d + "mlp.router.weight", "layer", (layer + "mlp.gate.weight",), ((E, H),), (E, H), layers=moe),
+        ParamRule(d + "mlp.router.expert_bias", "layer", (layer + "mlp.gate.e_score_correction_bias",), ((E,),),
+                  (E,), layers=moe),
+        ParamRule(d + "mlp.experts.experts.linear_fc1.weight", "expert",
+                  (expert + "gate_proj.weight", expert + "up_proj.weight"), ((I, H), (I, H)), (2 * I, H), "gate_up",
+                  layers=moe),
+        ParamRule(d + "mlp.experts.experts.linear_fc2.weight", "expert", (expert + "down_proj.weight",), ((H, I),),
+                  (H, I), layers=moe),
+    ]
+    if cfg.moe_shared_expert_intermediate_size:
+        S = cfg.moe_shared_expert_intermediate_size
+        rules += [
+            ParamRule(d + "mlp.shared_experts.linear_fc1.weight", "layer",
+                      (layer + "mlp.shared_experts.gate_proj.weight", layer + "mlp.shared_experts.up_proj.weight"),
+                      ((S, H), (S, H)), (2 * S, H), "gate_up", layers=moe),
+            ParamRule(d + "mlp.shared_experts.linear_fc2.weight", "layer",
+                      (layer + "mlp.shared_experts.down_proj.weight",), ((H, S),), (H, S), layers=moe),
+        ]
+    rules.append(ParamRule("decoder.final_layernorm.weight", "model", ("model.norm.weight",), ((H,),), (H,)))
+    if not cfg.tie_word_embeddings:
+        rules.append(ParamRule("output_layer.weight", "model", ("lm_head.weight",), ((V, H),), (Vp, H), "vocab"))
+    mtp = tuple(f"model.layers.{i}." for i in range(L, L + 4))
+    info = ArchInfo(num_layers=L, num_experts=E, vocab_size=V, padded_vocab_size=Vp, stacked=False,
+                    num_query_groups=nh, heads_per_group=1, head_dim=nope + rope, moe_layers=moe,
+                    skipped_hf_prefixes=mtp,
+                    skip_reason="DeepSeek-V3 multi-token-prediction (MTP) layers are not built by mpo",
+                    architecture="DeepseekV3ForCausalLM")
+    return ModelMapping(info, rules, spec=spec)
+
+
 MAPPINGS: dict[str, Callable[..., ModelMapping]] = {
     "Qwen3MoeForCausalLM": qwen3_moe_mapping,
+    "DeepseekV3ForCausalLM": deepseek_v3_mapping,
 }
 
 
 # Architectures with a known plan but no implementation yet (they fail with this reason, before any work).
-NOT_YET_SUPPORTED: dict[str, str] = {
-    "DeepseekV3ForCausalLM": "DeepSeek-V3 (MLA, dense first layers, shared expert, sigmoid router with expert bias) "
-                             "needs MLA and non-homogeneous layer support in mpo's model builder, not done yet",
-}
+NOT_YET_SUPPORTED: dict[str, str] = {}
 
 
 def model_config_from_hf(hf_config: Mapping) -> "object":

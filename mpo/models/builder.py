@@ -49,10 +49,10 @@ def transformer_config(model: MoEModelConfig, parallel: ParallelConfig, device: 
                        precision: PrecisionConfig = PrecisionConfig(), *, routing_replay: bool = False,
                        recompute: bool = False):
     """The megatron-core TransformerConfig for this architecture, layout and device."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     bf16 = precision.dtype == "bf16"
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -99,14 +99,60 @@ def transformer_config(model: MoEModelConfig, parallel: ParallelConfig, device: 
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
     )
+    kwargs.update(_deepseek_v3_kwargs(model))
+    if model.multi_latent_attention:
+        return MLATransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: MoEModelConfig, device: DeviceProfile):
+def _deepseek_v3_kwargs(model: MoEModelConfig) -> dict:
+    """TransformerConfig fields of the DeepSeek-V3 family; empty for Qwen3-MoE (its config stays as it was)."""
+    extra: dict = {}
+    if model.first_k_dense:
+        extra["moe_layer_freq"] = model.moe_layer_freq
+    if model.moe_shared_expert_intermediate_size:
+        extra["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size
+    if model.router_score_function != "softmax":
+        extra["moe_router_score_function"] = model.router_score_function
+    if model.router_enable_expert_bias:
+        # The bias is a checkpointed buffer; its online update is a training-time choice (rate 0: frozen, as in RL).
+        extra.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if model.router_num_groups is not None:
+        extra.update(moe_router_num_groups=model.router_num_groups, moe_router_group_topk=model.router_group_topk)
+    if model.router_topk_scaling_factor is not None:
+        extra["moe_router_topk_scaling_factor"] = model.router_topk_scaling_factor
+    if model.multi_latent_attention:
+        extra.update(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
+                     qk_head_dim=model.qk_nope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim,
+                     v_head_dim=model.v_head_dim, rope_type=model.rope_type, rotary_base=model.rope_theta,
+                     apply_rope_fusion=False)
+        if model.rope_type == "yarn":
+            extra.update(rotary_scaling_factor=model.yarn_scaling_factor,
+                         original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+                         beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow, mscale=model.yarn_mscale,
+                         mscale_all_dim=model.yarn_mscale_all_dim)
+    return extra
+
+
+def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None):
+    """The layer spec (Qwen3: one spec for every layer) or, for MLA / mixed dense-MoE stacks, megatron's block spec
+    with a dense and an MoE layer spec placed by moe_layer_freq (needs the TransformerConfig `config`)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if model.multi_latent_attention or model.first_k_dense:
+        if config is None:
+            raise ValueError("layer_spec: this architecture needs the TransformerConfig")
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=device.layer_spec == "te",
+                                           normalization="RMSNorm")
+        if device.layer_spec != "te" and model.multi_latent_attention:
+            from mpo.models.mla_local import use_local_mla_core_attention
+
+            use_local_mla_core_attention(block)
+        return block
     if device.layer_spec == "te":
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts, moe_grouped_gemm=True, qk_layernorm=model.qk_layernorm)
@@ -133,7 +179,7 @@ def build_model(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceP
     torch.manual_seed(seed)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, device),
+        transformer_layer_spec=layer_spec(model, device, config),
         vocab_size=padded_vocab_size(model.vocab_size, parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

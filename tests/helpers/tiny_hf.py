@@ -119,3 +119,32 @@ def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     for path in sorted(directory.glob("*.safetensors")):
         out.update(load_file(str(path)))
     return out
+
+
+# DeepSeek-V3 in miniature: MLA (q_lora 32, kv_lora 16, nope 16, rope 8, v 16), one dense first layer, a shared
+# expert, sigmoid router with expert bias and group-limited top-k. topk / topk_group == 2 so megatron's group score
+# (sum of the top-(topk/topk_group) experts of a group) equals HF's (sum of the top-2).
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    rope_interleave=True, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.1,
+)
+
+
+def tiny_deepseek_v3(directory: Path, *, seed: int = 0, max_shard_size: str = "100KB", **overrides) -> Path:
+    """A tiny random DeepseekV3ForCausalLM (fp32), saved per-expert in small shards. transformers initialises the
+    router's e_score_correction_bias to zeros; it is set to random values so the mapping of the bias is tested."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**{**TINY_DEEPSEEK_V3, **overrides})
+    model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(torch.randn_like(gate.e_score_correction_bias) * 0.1)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
+    return directory
