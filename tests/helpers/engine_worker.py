@@ -34,9 +34,10 @@ def score(out_file: str, sequences: list[list[int]], preset: str = "tiny", seed:
     torch.distributed.destroy_process_group()
 
 
-def sync_and_score(out_file: str, url: str, api_key: str, sequence: list[int], bucket_bytes: int) -> None:
-    """Trainer side of the weight-sync test: perturb the model (as an optimizer step would), push it to the engine
-    over the tensor path in small buckets, verify the checksum, and score a probe sequence with the new weights."""
+def sync_and_score(out_file: str, urls: str | list[str], api_key: str, sequence: list[int], bucket_bytes: int,
+                   transport: str = "tensor") -> None:
+    """Trainer side of the weight-sync tests: perturb the model (as an optimizer step would), push it to the engines
+    over `transport` in small buckets, verify the checksum, and score a probe sequence with the new weights."""
     from checkpoints_tools.mapping import mapping_for
     from mpo.models.builder import build_model
     from mpo.models.config import preset as get_preset
@@ -44,7 +45,7 @@ def sync_and_score(out_file: str, url: str, api_key: str, sequence: list[int], b
     from mpo.models.full_state import gather_full_state
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
-    from mpo.rollout.weight_sync import WeightSync
+    from mpo.rollout.weight_sync import WeightSync, weights_checksum
 
     ctx = initialize_parallel(ParallelConfig())
     cfg = get_preset("tiny")
@@ -53,12 +54,14 @@ def sync_and_score(out_file: str, url: str, api_key: str, sequence: list[int], b
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
     named = list(mapping_for(cfg, spec="local").full_state_to_hf(gather_full_state(model)))
-    sync = WeightSync([EngineClient(url, api_key=api_key)], bucket_bytes=bucket_bytes)
+    clients = [EngineClient(url, api_key=api_key) for url in ([urls] if isinstance(urls, str) else urls)]
+    sync = WeightSync(clients, engine="mpo", transport=transport, bucket_bytes=bucket_bytes)
     report = sync.push(named, version="v1")
     sync.verify(named)
+    sync.close()
     out = run_microbatches(model, [MicroBatch(torch.tensor([sequence]))], vocab_size=cfg.vocab_size)
-    torch.save({"logprobs": out[0]["logprobs"][0], "buckets": report.buckets, "bytes_per_s": report.bytes_per_s},
-               Path(out_file))
+    torch.save({"logprobs": out[0]["logprobs"][0], "buckets": report.buckets, "bytes_per_s": report.bytes_per_s,
+                "checksum": weights_checksum(named)}, Path(out_file))
     torch.distributed.destroy_process_group()
 
 
