@@ -87,16 +87,32 @@ def flatten_bucket(named_tensors: NamedTensors) -> dict:
 
 
 @contextmanager
-def _stdio_to_devnull() -> Iterator[None]:
-    """Sharing a CPU tensor with the file_system strategy may start `torch_shm_manager`, which inherits our stdout
-    and stderr and outlives us; a caller that pipes our output would then hang. Give it /dev/null instead."""
+def _shm_manager_inherits_nothing() -> Iterator[None]:
+    """Sharing a CPU tensor with the file_system strategy may start `torch_shm_manager`, which outlives us (it
+    stays while the engine holds the shared storages). It would inherit our stdout/stderr (a caller piping our
+    output would hang) and every inheritable descriptor, e.g. the pipe whose closing tells a multiprocessing parent
+    that we exited (its join would hang). So while it may start: stdio goes to /dev/null and no descriptor is
+    inheritable; both are restored afterwards."""
     saved = [os.dup(1), os.dup(2)]
     devnull = os.open(os.devnull, os.O_WRONLY)
+    made_private = []
     try:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
+        for fd in map(int, os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else ():
+            try:
+                if fd > 2 and os.get_inheritable(fd):
+                    os.set_inheritable(fd, False)
+                    made_private.append(fd)
+            except OSError:  # the listing's own descriptor, already closed
+                pass
         yield
     finally:
+        for fd in made_private:
+            try:
+                os.set_inheritable(fd, True)
+            except OSError:
+                pass
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in (*saved, devnull):
@@ -112,7 +128,7 @@ def serialize_for_sglang(obj: object) -> str:
     torch.multiprocessing.set_sharing_strategy("file_system")
     buf = io.BytesIO()
     try:
-        with _stdio_to_devnull():
+        with _shm_manager_inherits_nothing():
             ForkingPickler(buf).dump(obj)
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
