@@ -141,3 +141,31 @@ def test_weight_update_outside_session_is_refused(engines):
 
     with pytest.raises(EngineError, match="between begin_weight_update"):
         engines[1].client.update_weights_from_tensor([encode_mpo_bucket([])], load_format=MPO_FORMAT)
+
+
+def test_weight_sync_distributed_path_reaches_every_engine(engines, tmp_path):
+    """Both engines in one gloo group (ranks 1 and 2): after the broadcasts each one's checksum equals the trainer's
+    weights' checksum, computed by the trainer from its own model."""
+    out = tmp_path / "dist.pt"
+    started = time.perf_counter()
+    spawn_ranks(1, engine_worker.perturb_and_sync, str(out), [e.url for e in engines], "k", 32 << 10, "distributed")
+    trainer = torch.load(out, weights_only=True)
+    assert trainer["buckets"] > 1
+    for engine in engines:
+        assert engine.client.call("/weights_checksum", method="GET")["checksum"] == trainer["checksum"]
+    print(f"\n[mpo engine] distributed sync (gloo, 2 engines): {trainer['bytes_per_s'] / 2**20:.1f} MiB/s; "
+          f"worker {time.perf_counter() - started:.1f} s")
+
+
+def test_distributed_shape_mismatch_names_engine_and_tensor(engines):
+    from mpo.rollout.weight_sync import WeightSync
+
+    client = engines[1].client
+    sync = WeightSync([client], engine="mpo", transport="distributed")
+    try:
+        with pytest.raises(EngineError, match=r"engine http://.*update_weights_from_distributed returned HTTP 400: "
+                                              r".*'lm_head.weight' has shape \(3, 3\)"):
+            sync.push([("lm_head.weight", torch.zeros(3, 3))], version="bad")
+        assert client.healthy()
+    finally:
+        sync.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import sys
 import threading
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from helpers.sglang_client import (
     join_weight_update_group,
     serialize_for_sglang,
 )
-from helpers.sglang_server import SGLangServer, free_port, sglang_available, start_sglang_server
+from helpers.sglang_server import SGLangServer, free_port, skip_loudly, sglang_available, start_sglang_server
 from helpers.tiny_hf import load_tiny_model, make_tiny_qwen3_moe
 
 VOCAB = 256
@@ -31,19 +30,6 @@ TOP_K = 2
 PROMPT = [1, 10, 11, 12, 13, 14, 15]
 LOGPROB_TOL = 1e-4
 TIMEOUT = 120
-
-
-def _skip_loudly(request: pytest.FixtureRequest, reason: str) -> None:
-    """Skip the module, with a banner on the terminal (not captured), a warning in the summary, and the reason."""
-    msg = f"SGLANG TIER SKIPPED: {reason}"
-    bar = "!" * 100
-    print(f"\n{bar}\n{msg}\n{bar}", file=sys.stderr)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_sep("!", msg, red=True, bold=True)
-    warnings.warn(msg, pytest.PytestWarning, stacklevel=2)
-    pytest.skip(msg)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +41,7 @@ def model_dir(tmp_path_factory) -> Path:
 def server(request: pytest.FixtureRequest, model_dir: Path):
     ok, reason = sglang_available()
     if not ok:
-        _skip_loudly(request, reason)
+        skip_loudly(request, reason)
     with start_sglang_server(model_dir, log_path=model_dir / "server.log") as srv:
         print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
         yield srv

@@ -27,6 +27,8 @@ class EngineSet:
         r = config.rollout
         model = model_config(config)
         self.processes: list[LocalEngineProcess] = []
+        self.engine, self.transport = r.engine, r.sync
+        self._sync = None
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
                                           num_layers=model.num_layers, topk=model.router_topk), None)
@@ -47,27 +49,64 @@ class EngineSet:
     def clients(self):
         return [client for client, _ in self.handles]
 
+    def weight_sync(self, bucket_bytes: int):
+        """The set's one WeightSync (its distributed group, if any, is made once and reused every step)."""
+        from mpo.rollout.weight_sync import WeightSync
+
+        if self._sync is None:
+            self._sync = WeightSync(self.clients, engine=self.engine, transport=self.transport,
+                                    bucket_bytes=bucket_bytes)
+        return self._sync
+
     def stop(self) -> None:
+        if self._sync is not None:
+            try:
+                self._sync.close()
+            except Exception as exc:  # noqa: BLE001 - engines may already be gone; stopping must go on
+                log.warning("closing the weight-update group failed: %s", exc)
         for process in self.processes:
             process.stop()
 
 
+PROBE_TOKENS = 16  # length of the fixed probe sequence SGLang engines are verified with
+
+
+def _probe(vocab_size: int) -> list[int]:
+    return [1 + (7 * i) % (vocab_size - 1) for i in range(PROBE_TOKENS)]
+
+
+def _trainer_probe_logprobs(trainer: Trainer, probe: list[int]) -> list[float]:
+    """Collective: the trainer's log-probs of the probe, on every rank (computed by the last pipeline stage)."""
+    with torch.no_grad():
+        outs = run_microbatches(trainer.model, [MicroBatch(torch.tensor([probe]))],
+                                vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
+    box = [outs[0]["logprobs"][0].tolist() if outs else None]
+    dist.broadcast_object_list(box, src=dist.get_world_size() - 1)  # the last global rank is on the last stage
+    return box[0]
+
+
 def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str, float]:
-    """Collective: gather full weights, then rank 0 pushes them to every engine and verifies."""
+    """Collective: gather full weights, then rank 0 pushes them to every engine (rollout.sync transport) and
+    verifies: mpo engines by weights checksum, SGLang engines by the log-probs of a fixed probe sequence."""
     from checkpoints_tools.mapping import mapping_for
-    from mpo.rollout.weight_sync import WeightSync
 
     full = trainer._full_state()
+    r, m = trainer.config.rollout, trainer.config.model
+    probe = _probe(trainer.model_cfg.vocab_size)
+    reference = _trainer_probe_logprobs(trainer, probe) if r.engine == "sglang" else None
     if engines is None:
         return {}
     named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
-    sync = WeightSync(engines.clients, bucket_bytes=trainer.config.rollout.bucket_mb << 20)
+    sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
     report = sync.push(named, version)
-    if trainer.config.rollout.engine == "mpo":
-        r, m = trainer.config.rollout, trainer.config.model
+    metrics = report.metrics()
+    if r.engine == "mpo":
         sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,
                     fp32_names={"lm_head.weight"} if m.fp32_lm_head else set())
-    return report.metrics()
+    else:  # a bf16 engine or trainer differs by ~1e-2 in log-probs; fp32 on both sides by ~1e-5
+        tolerance = 1e-3 if (r.engine_dtype or m.dtype) == "fp32" and m.dtype == "fp32" else 0.1
+        metrics["sync_probe_logprob_maxdiff"] = sync.verify_by_probe(probe, reference, tolerance=tolerance)
+    return metrics
 
 
 def supervised_warm_start(trainer: Trainer) -> float:

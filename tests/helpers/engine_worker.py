@@ -49,20 +49,24 @@ def _perturbed_model():
     return model, cfg
 
 
-def perturb_and_sync(out_file: str, url: str, api_key: str, bucket_bytes: int) -> None:
-    """Trainer side of the weight-sync test: push the perturbed model to the engine over the tensor path in small
-    buckets and verify the engine's checksum."""
+def perturb_and_sync(out_file: str, urls: str | list[str], api_key: str, bucket_bytes: int,
+                     transport: str = "tensor") -> None:
+    """Trainer side of the weight-sync tests: push the perturbed model to the engines over `transport` in small
+    buckets and verify their checksums."""
     from checkpoints_tools.mapping import mapping_for
     from mpo.models.full_state import gather_full_state
     from mpo.rollout.client import EngineClient
-    from mpo.rollout.weight_sync import WeightSync
+    from mpo.rollout.weight_sync import WeightSync, weights_checksum
 
     model, cfg = _perturbed_model()
     named = list(mapping_for(cfg, spec="local").full_state_to_hf(gather_full_state(model)))
-    sync = WeightSync([EngineClient(url, api_key=api_key)], bucket_bytes=bucket_bytes)
+    clients = [EngineClient(url, api_key=api_key) for url in ([urls] if isinstance(urls, str) else urls)]
+    sync = WeightSync(clients, engine="mpo", transport=transport, bucket_bytes=bucket_bytes)
     report = sync.push(named, version="v1")
     sync.verify(named)
-    torch.save({"buckets": report.buckets, "bytes_per_s": report.bytes_per_s}, Path(out_file))
+    sync.close()
+    torch.save({"buckets": report.buckets, "bytes_per_s": report.bytes_per_s, "checksum": weights_checksum(named)},
+               Path(out_file))
     torch.distributed.destroy_process_group()
 
 

@@ -217,3 +217,22 @@ def start_sglang_server(
         server.stop()
         raise
     return server
+
+
+def skip_loudly(request, reason: str) -> None:
+    """Skip the calling module's SGLang tier with a banner on the terminal (not captured), a warning in the summary,
+    and the reason, so a missing SGLang never passes silently."""
+    import sys
+    import warnings
+
+    import pytest
+
+    msg = f"SGLANG TIER SKIPPED: {reason}"
+    bar = "!" * 100
+    print(f"\n{bar}\n{msg}\n{bar}", file=sys.stderr)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_sep("!", msg, red=True, bold=True)
+    warnings.warn(msg, pytest.PytestWarning, stacklevel=2)
+    pytest.skip(msg)

@@ -1,14 +1,27 @@
 """Weight-update endpoints of mpo's engine, with SGLang 0.5.23's session rule: updates arrive between
-/begin_weight_update and /end_weight_update and take effect at the end (a unit such as QKV may span buckets)."""
+/begin_weight_update and /end_weight_update and take effect at the end (a unit such as QKV may span buckets).
+
+Both transports of mpo.rollout.weight_sync are served with SGLang's semantics:
+* tensor: /update_weights_from_tensor with `load_format="mpo_safetensors"`;
+* distributed: /init_weights_update_group joins the trainer's group with the same rendezvous calls SGLang makes
+  (mpo.rollout.sglang_wire.join_weight_update_group; this engine runs at TP1, so its rank is rank_offset),
+  /update_weights_from_distributed receives one broadcast from rank 0 per tensor, in list order, into tensors of the
+  announced dtype and shape, and /destroy_weights_update_group leaves the group. Received tensors are checked (name,
+  shape) only after every broadcast of the request was received, so a bad request never leaves the group out of step.
+"""
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mpo.rollout.mpo_engine.server import EngineApp, RequestError
+from mpo.rollout.sglang_wire import dtype_from_name, join_weight_update_group
 from mpo.rollout.weight_sync import MPO_FORMAT, decode_mpo_bucket
 
 
@@ -17,6 +30,8 @@ class WeightRoutes:
         self.runner, self.app = runner, app
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_version: str | None = None
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self._group_lock = threading.Lock()  # one collective at a time per engine
         self._expected: dict[str, tuple[int, ...]] = {
             name: tuple(shape) for unit in runner.mapping.units()
             for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)}
@@ -25,6 +40,9 @@ class WeightRoutes:
         self.app.add("GET", "/weights_checksum", lambda body: {"checksum": self.runner.checksum()})
         self.app.add("POST", "/update_weights_from_tensor", self.from_tensor)
         self.app.add("POST", "/update_weights_from_disk", self.from_disk)
+        self.app.add("POST", "/init_weights_update_group", self.init_group)
+        self.app.add("POST", "/update_weights_from_distributed", self.from_distributed)
+        self.app.add("POST", "/destroy_weights_update_group", self.destroy_group)
         self.app.end_hooks.append(self.apply)
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -48,6 +66,64 @@ class WeightRoutes:
         self.pending_version = body.get("weight_version") or self.pending_version
         return {"success": True, "message": "Success"}
 
+    # -- distributed transport -----------------------------------------------------------------------------------
+    def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            name, address, port = body["group_name"], body["master_address"], int(body["master_port"])
+            rank, world_size = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestError(f"init_weights_update_group: bad request ({type(exc).__name__}: {exc})") from exc
+        backend = body.get("backend") or "gloo"
+        if backend != "gloo":
+            raise RequestError(f"init_weights_update_group: mpo's engine runs on CPU and needs backend 'gloo', "
+                               f"got {backend!r}")
+        if name in self.groups:
+            raise RequestError(f"init_weights_update_group: group {name!r} already exists")
+        with self._group_lock:
+            try:
+                self.groups[name] = join_weight_update_group(address, port, world_size, name, backend, rank=rank,
+                                                             timeout=timedelta(seconds=120))
+            except (RuntimeError, ValueError) as exc:
+                raise RequestError(f"init_weights_update_group {name!r} failed: {exc}") from exc
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.app.require_weight_update_session("update_weights_from_distributed")
+        group = self.groups.get(body.get("group_name") or "weight_update_group")
+        if group is None:
+            raise RequestError(f"update_weights_from_distributed: no weight-update group "
+                               f"{body.get('group_name')!r} (call /init_weights_update_group first)")
+        if body.get("load_format") not in (None, "direct"):
+            raise RequestError(f"update_weights_from_distributed: load_format {body['load_format']!r} is not "
+                               f"supported by mpo's engine (one broadcast per tensor)")
+        names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes and "
+                               f"{len(shapes)} shapes")
+        try:
+            specs = [(name, dtype_from_name(dtype), tuple(int(d) for d in shape))
+                     for name, dtype, shape in zip(names, dtypes, shapes)]
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"update_weights_from_distributed: {exc}") from exc
+        received: dict[str, torch.Tensor] = {}
+        with self._group_lock:
+            for name, dtype, shape in specs:  # the sender broadcasts in this order
+                tensor = torch.empty(shape, dtype=dtype)
+                dist.broadcast(tensor, src=0, group=group)
+                received[name] = tensor
+        self._stage(received)
+        self.pending_version = body.get("weight_version") or self.pending_version
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("group_name") or "weight_update_group"
+        group = self.groups.pop(name, None)
+        if group is None:
+            raise RequestError(f"destroy_weights_update_group: no group {name!r}")
+        dist.destroy_process_group(group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    # -- disk ------------------------------------------------------------------------------------------------------
     def from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         from checkpoints_tools.errors import ConversionError
         from checkpoints_tools.hf_source import HFCheckpoint

@@ -1,0 +1,79 @@
+"""Trainer side of the real-SGLang sync tests: mpo's megatron model, loaded from the torch_dist conversion of the
+server's own HF checkpoint, in a spawned gloo rank.
+
+It (1) scores the sequences the server generated (log-probs and its own router top-k, mpo.routing hooks), then for
+each transport (2) perturbs its weights as an optimizer step would, pushes them through WeightSync and checks the
+server's probe log-probs against its own (verify_by_probe), recording the server's probe log-probs before and after.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def _score(model, hooks, sequence: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from mpo.models.forward import MicroBatch, run_microbatches
+
+    with torch.no_grad(), hooks.session() as capture:
+        out = run_microbatches(model, [MicroBatch(torch.tensor([sequence]))], vocab_size=vocab_size)
+    return out[0]["logprobs"][0].double(), capture.records[0].indices[0].to(torch.int32)
+
+
+def run(out_file: str, mcore_dir: str, url: str, sequences: list[list[int]], probe: list[int],
+        transports: list[str], bucket_bytes: int) -> None:
+    from checkpoints_tools.convert import HF_CONFIG_NAME
+    from checkpoints_tools.mapping import mapping_for, model_config_from_hf
+    from checkpoints_tools.mcore_runner import load_checkpoint
+    from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.full_state import gather_full_state
+    from mpo.parallel import ParallelConfig, initialize_parallel
+    from mpo.rollout.client import EngineClient, EngineError
+    from mpo.rollout.weight_sync import WeightSync, probe_logprobs
+    from mpo.routing import attach_routing_hooks
+
+    cfg = model_config_from_hf(json.loads((Path(mcore_dir) / HF_CONFIG_NAME).read_text()))
+    parallel = ParallelConfig(sequence_parallel=False)
+    ctx = initialize_parallel(parallel, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                              num_attention_heads=cfg.num_attention_heads)
+    model = build_model(cfg, parallel, ctx.device, PrecisionConfig(dtype="fp32"))
+    load_checkpoint(model, mcore_dir)
+    model.eval()
+    hooks = attach_routing_hooks(model)
+    results: dict = {"logprobs": [], "routes": []}
+    for seq in sequences:
+        logprobs, routes = _score(model, hooks, seq, cfg.vocab_size)
+        results["logprobs"].append(logprobs)
+        results["routes"].append(routes)
+
+    client = EngineClient(url)
+    mapping = mapping_for(cfg, spec="local")
+    previous = None
+    for i, transport in enumerate(transports):
+        before = probe_logprobs(client, probe)
+        generator = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for param in unwrap(model).parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+        named = list(mapping.full_state_to_hf(gather_full_state(unwrap(model))))
+        own, _ = _score(model, hooks, probe, cfg.vocab_size)
+        sync = WeightSync([client], engine="sglang", transport=transport, bucket_bytes=bucket_bytes)
+        report = sync.push(named, version=f"{transport}{i}")
+        diff = sync.verify_by_probe(probe, own.tolist(), tolerance=1e-3)
+        stale = None
+        if previous is not None:  # the previous step's reference must now fail the check, naming the engine
+            try:
+                sync.verify_by_probe(probe, previous.tolist(), tolerance=1e-3)
+            except EngineError as exc:
+                stale = str(exc)
+        sync.close()
+        results[transport] = {"before": torch.tensor(before, dtype=torch.float64),
+                              "after": torch.tensor(probe_logprobs(client, probe), dtype=torch.float64),
+                              "trainer": own[1:], "probe_diff": diff, "stale_error": stale,
+                              "bytes_per_s": report.bytes_per_s, "bytes": report.bytes, "seconds": report.seconds,
+                              "buckets": report.buckets}
+        previous = own
+    torch.save(results, Path(out_file))
+    torch.distributed.destroy_process_group()
