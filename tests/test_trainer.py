@@ -27,6 +27,12 @@ def test_first_step_train_vs_rollout_logprob_diff_is_logged_and_zero(every_loss_
     assert first["train_rollout_logprob_absdiff"] <= 1e-5  # mpo's engine scores with the trainer's own forward
 
 
+def test_restarted_engine_serves_the_current_weights(every_loss_run):
+    metrics = every_loss_run["after_engine_crash"]
+    assert metrics["engine_restarts"] == 1.0
+    assert metrics["train_rollout_logprob_absdiff"] <= 1e-5  # not the engine's initial weights
+
+
 @pytest.mark.parametrize("loss", LOSSES + ["gspo+kl"])
 def test_every_loss_runs_a_step(every_loss_run, loss):
     metrics = every_loss_run[loss]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +29,9 @@ class EngineSet:
         self.processes: list[LocalEngineProcess] = []
         self.engine, self.transport = r.engine, r.sync
         self._sync = None
+        # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.
+        # Kept only for local (CPU-sized) engines; external engines are restarted by whoever runs them.
+        self.last_weights: tuple[list, str] | None = None
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
                                           num_layers=model.num_layers, topk=model.router_topk), None)
@@ -43,7 +46,19 @@ class EngineSet:
             self.processes.append(LocalEngineProcess.mpo_engine(
                 log_path=out_dir / "logs" / f"engine{i}.log", api_key=r.api_key, extra_args=args,
                 num_layers=model.num_layers, topk=model.router_topk).start())
-        self.handles = [(p.client, p.restart) for p in self.processes]
+        self.handles = [(p.client, functools.partial(self._restart, p)) for p in self.processes]
+
+    def _restart(self, process) -> None:
+        from mpo.rollout.weight_sync import WeightSync
+
+        process.restart()
+        if self.last_weights is not None:
+            named, version = self.last_weights
+            WeightSync([process.client], engine="mpo", transport="tensor").push(named, version)
+
+    def remember(self, named: list, version: str) -> None:
+        if self.processes:
+            self.last_weights = (named, version)
 
     @property
     def clients(self):
@@ -99,6 +114,7 @@ def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str
     named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
     sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
     report = sync.push(named, version)
+    engines.remember(named, version)
     metrics = report.metrics()
     if r.engine == "mpo":
         sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,

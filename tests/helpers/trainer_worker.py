@@ -44,6 +44,12 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
             results[loss] = metrics
         trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
         results["gspo+kl"] = trainer.train_step(len(losses))
+        sync(trainer, engines, "v-last")
+        # The engine dies between steps: the pool restarts it and it must serve the current weights.
+        trainer.set_algorithm(AlgorithmSection(loss="gspo", filter_zero_variance=False))
+        if engines is not None:
+            engines.processes[0].kill()
+        results["after_engine_crash"] = trainer.train_step(len(losses) + 1)
     finally:
         if engines is not None:
             engines.stop()
