@@ -397,18 +397,11 @@ MAPPINGS: dict[str, Callable[..., ModelMapping]] = {
 }
 
 
-# Architectures with a known plan but no implementation yet (they fail with this reason, before any work).
-NOT_YET_SUPPORTED: dict[str, str] = {}
-
-
 def model_config_from_hf(hf_config: Mapping) -> "object":
     """mpo's MoEModelConfig for an HF config.json dict; unsupported architectures raise ConversionError."""
     from mpo.models.config import from_hf_config
 
     arch = (hf_config.get("architectures") or [hf_config.get("model_type", "?")])[0]
-    if arch in NOT_YET_SUPPORTED:
-        raise ConversionError(f"unsupported architecture {arch!r}: {NOT_YET_SUPPORTED[arch]}; supported: "
-                              f"{', '.join(MAPPINGS)}", file="config.json")
     if arch not in MAPPINGS:
         raise ConversionError(f"unsupported architecture {arch!r}; supported: {', '.join(MAPPINGS)}",
                               file="config.json")
