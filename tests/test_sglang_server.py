@@ -21,7 +21,7 @@ from helpers.sglang_client import (
     join_weight_update_group,
     serialize_for_sglang,
 )
-from helpers.sglang_server import SGLangServer, free_port, skip_loudly, sglang_available, start_sglang_server
+from helpers.sglang_server import SGLangServer, free_port, serve_module
 from helpers.tiny_hf import load_tiny_model, make_tiny_qwen3_moe
 
 VOCAB = 256
@@ -39,13 +39,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest, model_dir: Path):
-    ok, reason = sglang_available()
-    if not ok:
-        skip_loudly(request, reason)
-    with start_sglang_server(model_dir, log_path=model_dir / "server.log") as srv:
-        print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
-        yield srv
-    print(f"\n[sglang] server stopped in {srv.stop_seconds:.1f} s", file=sys.stderr)
+    yield from serve_module(request, model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -236,3 +237,14 @@ def skip_loudly(request, reason: str) -> None:
         reporter.write_sep("!", msg, red=True, bold=True)
     warnings.warn(msg, pytest.PytestWarning, stacklevel=2)
     pytest.skip(msg)
+
+
+def serve_module(request, model_dir: Path):
+    """Body of a module-scoped `server` fixture: one real server for the module, or a loud skip without SGLang."""
+    ok, reason = sglang_available()
+    if not ok:
+        skip_loudly(request, reason)
+    with start_sglang_server(model_dir, log_path=model_dir / "server.log") as srv:
+        print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
+        yield srv
+    print(f"\n[sglang] server stopped in {srv.stop_seconds:.1f} s", file=sys.stderr)

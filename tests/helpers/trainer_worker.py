@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,13 +29,27 @@ def _trainer(out_dir: str, overrides: list[str]):
     return trainer, engines, _sync
 
 
+@contextmanager
+def _worker_run(out_dir: str, name: str, overrides: list[str] = ()):
+    """Trainer + engines for one worker; afterwards the engines stop and rank 0 writes `results` to <name>.json."""
+    trainer, engines, sync = _trainer(out_dir, list(overrides))
+    results: dict = {}
+    try:
+        yield trainer, engines, sync, results
+    finally:
+        if engines is not None:
+            engines.stop()
+    if trainer.rank == 0:
+        Path(out_dir, f"{name}.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def every_loss(out_dir: str, losses: list[str]) -> None:
     """One RL step per loss (plus KL once); the first step's train-vs-rollout log-prob diff is recorded."""
     from mpo.config import AlgorithmSection
 
-    trainer, engines, sync = _trainer(out_dir, [])
-    results = {}
-    try:
+    with _worker_run(out_dir, "every_loss") as (trainer, engines, sync, results):
         for step, loss in enumerate(losses):
             trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
                                                    filter_zero_variance=False))
@@ -50,13 +64,6 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
         if engines is not None:
             engines.processes[0].kill()
         results["after_engine_crash"] = trainer.train_step(len(losses) + 1)
-    finally:
-        if engines is not None:
-            engines.stop()
-    if trainer.rank == 0:
-        Path(out_dir, "every_loss.json").write_text(json.dumps(results))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 def replay_modes(out_dir: str) -> None:
@@ -65,19 +72,10 @@ def replay_modes(out_dir: str) -> None:
     forward use the engine's experts anyway. The first step runs R2 while the engine is still in sync."""
     from mpo.config import AlgorithmSection
 
-    trainer, engines, _ = _trainer(out_dir, ["rollout.engine_dtype=bf16"])
-    results = {}
-    try:
+    with _worker_run(out_dir, "replay", ["rollout.engine_dtype=bf16"]) as (trainer, _, _, results):
         for step, mode in enumerate(("r2", "none", "r3")):  # no weight sync between steps: the engine lags
             trainer.set_algorithm(AlgorithmSection(loss="gspo", replay=mode, filter_zero_variance=False))
             results[mode] = trainer.train_step(step)
-    finally:
-        if engines is not None:
-            engines.stop()
-    if trainer.rank == 0:
-        Path(out_dir, "replay.json").write_text(json.dumps(results))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 def nonfinite(out_dir: str) -> None:
@@ -85,24 +83,17 @@ def nonfinite(out_dir: str) -> None:
     checkpoints and stops. The NaN is injected into the loss function; everything else is the real loop."""
     from mpo.trainer.trainer import NonFiniteStop
 
-    trainer, engines, _ = _trainer(out_dir, ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1",
-                                             "algorithm.filter_zero_variance=false"])
-    before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-    trainer._loss_fn = lambda denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
-    results: dict = {"steps": []}
-    try:
-        for step in range(3):
-            results["steps"].append(trainer.train_step(step))
-            trainer.stop_if_nonfinite(step + 1)
-    except NonFiniteStop as exc:
-        results["stopped"] = str(exc)
-    finally:
-        if engines is not None:
-            engines.stop()
-    after = trainer.gpt.state_dict()
-    results["weights_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
-    results["checkpoint"] = str(trainer.checkpoints.latest())
-    if trainer.rank == 0:
-        Path(out_dir, "nonfinite.json").write_text(json.dumps(results))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    overrides = ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1", "algorithm.filter_zero_variance=false"]
+    with _worker_run(out_dir, "nonfinite", overrides) as (trainer, _, _, results):
+        before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+        trainer._loss_fn = lambda denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
+        results["steps"] = []
+        try:
+            for step in range(3):
+                results["steps"].append(trainer.train_step(step))
+                trainer.stop_if_nonfinite(step + 1)
+        except NonFiniteStop as exc:
+            results["stopped"] = str(exc)
+        after = trainer.gpt.state_dict()
+        results["weights_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+        results["checkpoint"] = str(trainer.checkpoints.latest())
