@@ -183,19 +183,20 @@ class Trainer:
                 rows[i] = [RolloutRoutes(torch.full(shape, -1, dtype=torch.int32), n)]
         return place_rollout_routes(rows, seq)
 
-    def _local_layers(self, routes):
-        return None if routes is None else routes.select(self.routing.layers)
-
     def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
         from mpo.routing import agreement_metrics
 
         vocab = self.model_cfg.vocab_size
-        engine_routes = [self._engine_routes(mb) for mb in microbatches]
+        # Engine routes of this stage's layers, placed once per micro-batch: R3 replays them here and in the updates.
+        for mb in microbatches:
+            routes = self._engine_routes(mb)
+            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers)
+        engine_routes = [mb.extras["engine_routes"] for mb in microbatches]
         replay = None
         if self.config.algorithm.replay == "r3":
             if any(r is None for r in engine_routes):
                 raise RuntimeError("algorithm.replay=r3 but the engines returned no routed experts")
-            replay = [self._local_layers(r) for r in engine_routes]
+            replay = engine_routes
         with self.routing.session(replay=replay) as old:
             outs = run_microbatches(self.model, microbatches, vocab_size=vocab, forward_only=True)
         metrics: dict[str, float] = {}
@@ -208,7 +209,7 @@ class Trainer:
                     mb.extras["logp_ref"] = outs_ref[i]
         valid = [mb.extras["mask"].bool() for mb in microbatches]
         if all(r is not None for r in engine_routes):
-            metrics.update(agreement_metrics([self._local_layers(r) for r in engine_routes], old.records, valid,
+            metrics.update(agreement_metrics(engine_routes, old.records, valid,
                                              prefix="routing/rollout_vs_old", num_layers=self.model_cfg.num_layers,
                                              pp_group=self.pp_group))
         if outs:  # train-vs-rollout log-prob mismatch, over the loss tokens
@@ -269,7 +270,7 @@ class Trainer:
 
         algo = self.config.algorithm
         denominators = compute_global_denominators(
-            [mb.extras["mask"][: max(mb.extras["n_real"], 0)] for mb in microbatches],
+            [mb.extras["mask"][: mb.extras["n_real"]] for mb in microbatches],
             [mb.extras["group_ids"][: mb.extras["n_real"]] for mb in microbatches],
             [mb.extras["advantages"][: mb.extras["n_real"]] for mb in microbatches],
             num_groups=num_groups, process_group=self.dp_group)
@@ -326,8 +327,7 @@ class Trainer:
         offset = 0
         for mbs in per_update:
             records = old_records[offset : offset + len(mbs)]
-            engine_routes = ([self._local_layers(self._engine_routes(mb)) for mb in mbs]
-                             if cfg.algorithm.replay == "r3" else None)
+            engine_routes = [mb.extras["engine_routes"] for mb in mbs] if cfg.algorithm.replay == "r3" else None
             update_metrics.append(self._update(mbs, records, cfg.data.prompts_per_step, engine_routes))
             offset += len(mbs)
             if self.nonfinite_in_row >= cfg.schedule.max_nonfinite_steps:
