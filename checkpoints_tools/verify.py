@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from checkpoints_tools.errors import ConversionError
+from mpo.parallel.ports import free_port
 
 DEFAULT_TOLERANCE = 1e-4
 
@@ -102,10 +102,6 @@ def _check_rotary(model) -> None:
         raise RuntimeError("HF rotary inv_freq is corrupted in this process; HF reference logits cannot be trusted")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_entry(rank: int, world: int, port: int, args: tuple) -> None:
@@ -129,7 +125,7 @@ def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, e
         raise ConversionError(f"layout tp={tp} ep={ep} pp={pp} etp={etp} has no common world size")
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "mcore.pt")
-        mp.start_processes(_rank_entry, args=(world, _free_port(), (str(mcore_dir), prompts, layout, out_file, str(resave_dir) if resave_dir else None)),
+        mp.start_processes(_rank_entry, args=(world, free_port(), (str(mcore_dir), prompts, layout, out_file, str(resave_dir) if resave_dir else None)),
                            nprocs=world, join=True, start_method="spawn")
         return torch.load(out_file, weights_only=True)
 

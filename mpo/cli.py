@@ -14,15 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpo.parallel.ports import free_port
+
 RECIPES = Path(__file__).parent / "recipes"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_config(config_path: str | None, overrides: list[str]):
@@ -43,7 +37,7 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
     resolved = out_dir / "config.yaml"
     resolved.write_text(text)
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config.world_size}",
-               f"--master_port={_free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
+               f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
     return subprocess.call(command, env=env)

@@ -8,7 +8,6 @@ would make d(P*scale)/dscale NaN whatever the loss does.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loss_batches import B, loss_config, make_batch, random_batch
+from mpo.parallel.ports import free_port
 from mpo.algorithms import (
     AGG_MODES,
     all_reduce_metrics,
@@ -64,16 +64,10 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("dp") / "results.pt")
-    mp.start_processes(_worker, args=(_free_port(), out_path), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), out_path), nprocs=WORLD, join=True, start_method="spawn")
     return torch.load(out_path)
 
 

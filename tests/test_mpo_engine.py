@@ -13,7 +13,8 @@ import torch
 from helpers import engine_worker
 from helpers.spawn import spawn_ranks
 from mpo.rollout.client import EngineClient, EngineError
-from mpo.rollout.local_engine import LocalEngineProcess, free_port
+from mpo.parallel.ports import free_port
+from mpo.rollout.local_engine import LocalEngineProcess
 from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
 

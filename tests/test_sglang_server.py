@@ -21,7 +21,8 @@ from helpers.sglang_client import (
     join_weight_update_group,
     serialize_for_sglang,
 )
-from helpers.sglang_server import SGLangServer, free_port, serve_module
+from helpers.sglang_server import SGLangServer, serve_module
+from mpo.parallel.ports import free_port
 from helpers.tiny_hf import load_tiny_model, make_tiny_qwen3_moe
 
 VOCAB = 256

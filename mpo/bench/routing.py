@@ -8,18 +8,12 @@ Single process, CPU (or the local GPU).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     from mpo.models.builder import build_model
     from mpo.models.config import preset
     from mpo.models.forward import MicroBatch, run_microbatches

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mpo.parallel.config import ParallelConfig
 from mpo.parallel.cpu_shims import apply_cpu_shims
 from mpo.parallel.device import DeviceProfile, detect_device
+from mpo.parallel.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
     if not dist.is_initialized():
         # Explicit arguments win over torchrun's environment; a lone process defaults to localhost.
         os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(master_port or os.environ.get("MASTER_PORT", 29500))
+        # A lone process with no rendezvous given picks a free port, so several can run side by side.
+        os.environ["MASTER_PORT"] = str(master_port or os.environ.get("MASTER_PORT")
+                                        or (free_port() if world_size == 1 else 29500))
         dist.init_process_group(backend=device.backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient, EngineError
 from mpo.rollout.sglang_wire import dtype_name, flattened_bucket_payload, join_weight_update_group, split_by_dtype
 
@@ -96,12 +97,6 @@ class SyncReport:
         return {"sync_time_s": self.seconds, "sync_bytes": float(self.bytes), "sync_bytes_per_s": self.bytes_per_s}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _Calls:
@@ -226,7 +221,7 @@ class WeightSync:
     # -- the process group (distributed transport) ----------------------------------------------------------------
     def connect(self) -> None:
         """Create the weight-update group: trainer rank 0 plus every engine rank (engine i from rank_offset)."""
-        port = _free_port()
+        port = free_port()
         world_size = 1 + sum(self.tp_sizes)
         offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.clients))]
         by_url = dict(zip((c.url for c in self.clients), offsets))

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -208,9 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     from mpo.models.config import preset
     from mpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
     model_cfg = preset(cfg.preset)
     initialize_parallel(ParallelConfig(), world_size=1, rank=0, num_layers=model_cfg.num_layers,
                         num_experts=model_cfg.num_experts, num_attention_heads=model_cfg.num_attention_heads)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import urllib.error
 import urllib.request
 from functools import lru_cache
 from pathlib import Path
+
+from mpo.parallel.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARNESS_DIR = REPO_ROOT / "tests" / "sglang_harness"
@@ -70,12 +71,6 @@ def sglang_available() -> tuple[bool, str]:
     if version != SGLANG_VERSION:
         return False, f"{py} has sglang {version}, the harness is written for {SGLANG_VERSION}"
     return True, version
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 60) -> str:

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from mpo.parallel.ports import free_port
 
 
 def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:

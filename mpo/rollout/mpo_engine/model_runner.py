@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,6 @@ class EngineModel:
         from mpo.models.config import preset as get_preset
         from mpo.parallel import ParallelConfig, initialize_parallel
 
-        if dist_port is None:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                dist_port = sock.getsockname()[1]
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the engine is its own 1-rank world
             os.environ.pop(var, None)
         ctx = initialize_parallel(ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1",
@@ -71,8 +67,9 @@ class EngineModel:
                 for i, seq in enumerate(sequences)]
 
     # -- weights -------------------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def mapping(self):
+        """HF <-> megatron names of this model; built once, used by every sync, checksum and disk load."""
         from checkpoints_tools.mapping import mapping_for
 
         return mapping_for(self.model_cfg, spec="local")
