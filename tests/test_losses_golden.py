@@ -1,7 +1,7 @@
 """Every case of the golden file: loss, autograd dL/dlogp_new, token weights and every metric within 1e-10 (fp64).
 
 Cases are parametrised from the file at collection time, so new cases need no code change. The file comes from
-$MPO_GOLDEN_LOSSES, else <repo>/../shared/golden/losses.json.
+$MPO_GOLDEN_LOSSES, else the vendored tests/golden/losses.json.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ How it hooks in (megatron-core 0.19.2):
 * A forward pre-hook on the GPTModel counts micro-batches: megatron's schedules call each stage's model chunk once per
   micro-batch, in micro-batch order (1F1B included), and activation recompute re-runs layers, never the GPTModel.
 
+Natural choice under replay: when a session replays routes, the tap also computes the router's own top-k from the
+same scores (one extra top-k per layer, no gradient) and records it as ``MicroBatchRouting.natural``. The replayed
+``indices`` equal the replay input by construction, so agreement between engine and trainer, or between the old and
+the update forward, is measured on the natural choice; replayed vs natural is the fraction replay forced.
+
 Activation recompute: the recomputed forward runs inside autograd's backward (``torch._C._current_graph_task_id() !=
 -1``). It neither records nor consumes replay records; it pops, per layer, the indices the original forward used
 (FIFO: backward visits micro-batches in forward order), so the recomputed activations match the saved ones exactly.
@@ -100,8 +105,10 @@ class _Session:
         self.save_for_recompute = backward and hooks.recompute
         self.microbatch = -1
         self.calls: dict[tuple[int, int], int] = {}  # (micro-batch, layer) -> routing calls outside recompute
-        # raw captures: (micro-batch, layer) -> (indices [tokens, K], logp or None, logp_at or None, (s_local, b))
-        self.raw: dict[tuple[int, int], tuple[Tensor, Tensor | None, Tensor | None, tuple[int, int]]] = {}
+        # raw captures: (micro-batch, layer) -> (indices [tokens, K], logp, logp_at, natural (each or None),
+        # (s_local, b))
+        self.raw: dict[tuple[int, int], tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
+                                              tuple[int, int]]] = {}
         self._local_cache: dict[tuple[str, int, int], Tensor] = {}
 
     def _local_tokens(self, kind: str, source: Sequence[MicroBatchRouting], layer: int,
@@ -133,22 +140,24 @@ class _Session:
         if self.calls[key] > 1:
             raise RuntimeError(f"routing: layer {tap.layer_number} routed twice in micro-batch {self.microbatch}")
         s_local, b = tap.local_seq_batch
+        natural = None
         if self.replay is not None:
             forced = self._local_tokens("replay", self.replay, tap.layer_number, s_local, b)
-            if bool((forced < 0).any()):  # positions without a record (e.g. the last token under R3) route naturally
-                _, natural = default_compute_topk(scores, topk, num_groups, group_topk)
-                forced = torch.where(forced < 0, natural, forced)
-            idx = forced
+            # The router's own choice, computed next to the replayed one: positions without a record (e.g. the last
+            # token under R3) route by it, and the capture keeps it so agreement metrics measure something.
+            with torch.no_grad():
+                _, natural = default_compute_topk(scores.detach(), topk, num_groups, group_topk)
+            idx = torch.where(forced < 0, natural, forced)
             probs = scores.gather(1, idx)  # current scores at the replayed experts: gradients reach the router
         else:
             probs, idx = default_compute_topk(scores, topk, num_groups, group_topk)
         if self.save_for_recompute:
             tap.backward_fifo.append(idx)
         if self.config.record:
-            self._capture(tap, idx, s_local, b)
+            self._capture(tap, idx, natural, s_local, b)
         return probs, idx
 
-    def _capture(self, tap: _RouterTap, idx: Tensor, s_local: int, b: int) -> None:
+    def _capture(self, tap: _RouterTap, idx: Tensor, natural: Tensor | None, s_local: int, b: int) -> None:
         logp = logp_at = None
         if self.config.record_logprobs or self.gather_at is not None:
             with torch.no_grad():
@@ -159,7 +168,8 @@ class _Session:
                     at = self._local_tokens("gather_at", self.gather_at, tap.layer_number, s_local, b)
                     logp_at = log_probs.gather(1, at.clamp(min=0))
         small = idx.detach().to(self.hooks.index_dtype)
-        self.raw[(self.microbatch, tap.layer_number)] = (small, logp, logp_at, (s_local, b))
+        natural_small = None if natural is None else natural.to(self.hooks.index_dtype)
+        self.raw[(self.microbatch, tap.layer_number)] = (small, logp, logp_at, natural_small, (s_local, b))
 
 
 class RoutingHooks:
@@ -290,7 +300,7 @@ class RoutingHooks:
         out = []
         for mb in range(state.microbatch + 1):
             parts = [state.raw[(mb, layer)] for layer in self.layers]
-            (s_local, b) = parts[0][3]
+            (s_local, b) = parts[0][4]
 
             def stack(i: int) -> Tensor | None:
                 xs = [p[i] for p in parts]
@@ -299,7 +309,7 @@ class RoutingHooks:
                 x = torch.stack(xs, dim=1).view(s_local, b, len(self.layers), -1).transpose(0, 1)
                 return self._gather_sequence(x.contiguous(), state.config)
 
-            out.append(MicroBatchRouting(self.layers, stack(0), stack(1), stack(2)))
+            out.append(MicroBatchRouting(self.layers, stack(0), stack(1), stack(2), stack(3)))
         return out
 
     def _gather_sequence(self, x: Tensor, config: CaptureConfig) -> Tensor:

@@ -8,8 +8,10 @@ For each mode (no replay, R2, R3) starting from the same weights:
 3. one more update forward at the new weights (same replay), captured with ``gather_at`` = step 1's experts.
 
 Reported per mode: |logp_old - logp_rollout| (mean over response tokens), variance of the importance ratio
-exp(logp_update - logp_old) after the step, the loss's clip fraction there, and routing agreement rollout vs old and
-old vs update, plus the router's mean |delta log p| at the old experts.
+exp(logp_update - logp_old) after the step, the loss's clip fraction there, routing agreement rollout vs old and old
+vs update (of the routers' natural choices: replayed experts agree by construction), the fraction of (token, layer)
+choices replay forced away from the router's own top-K in the old and the update forward, and the router's mean
+|delta log p| at the old experts.
 
 No inference engine is wired in yet: the "rollout" is a forward of a stand-in copy of the policy with the same weights
 and a slightly perturbed router (``rollout_router_noise``), imitating the numeric drift between an engine and the
@@ -27,7 +29,7 @@ import torch
 
 from mpo.routing.alignment import place_rollout_routes, routes_from_record
 from mpo.routing.capture import attach_routing_hooks
-from mpo.routing.metrics import agreement_metrics, router_shift_metrics
+from mpo.routing.metrics import agreement_metrics, replay_forced_metrics, router_shift_metrics
 from mpo.routing.records import MicroBatchRouting
 from mpo.routing.rspo import router_logp_pairs
 
@@ -174,9 +176,14 @@ def compare_replay_modes(cfg: CompareConfig = CompareConfig()) -> dict[str, dict
             "ratio_var": ratio.var().item(),
             "clipfrac": _clipfrac({k: float(v) for k, v in loss_out.metrics.items()}),
         }
-        agree_ro = agreement_metrics(r3, old.records, valid, prefix="rollout_vs_old")
-        agree_ou = agreement_metrics(old.records, upd.records, valid, prefix="old_vs_update")
+        natural = lambda records: [r.natural_choice() for r in records]  # noqa: E731 - the routers' own choice
+        agree_ro = agreement_metrics(r3, natural(old.records), valid, prefix="rollout_vs_old")
+        agree_ou = agreement_metrics(natural(old.records), natural(upd.records), valid, prefix="old_vs_update")
         shift = router_shift_metrics(old.records, upd.records, valid, prefix="old_vs_update")
+        forced = {**replay_forced_metrics(old.records, valid, prefix="old_replay"),
+                  **replay_forced_metrics(upd.records, valid, prefix="update_replay")}
+        row["old_replay/forced_frac"] = forced.get("old_replay/forced_frac", 0.0)
+        row["update_replay/forced_frac"] = forced.get("update_replay/forced_frac", 0.0)
         for metrics in (agree_ro, agree_ou, shift):
             row.update({k: v for k, v in metrics.items() if "/layer" not in k and not k.endswith("/tokens")})
         report[mode] = row

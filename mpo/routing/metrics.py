@@ -6,6 +6,7 @@ Compared per token at its input position (the routing decision itself, not the s
 * ``{prefix}/overlap``: mean |set_a & set_b| / K;
 * ``{prefix}/changed_any_layer``: fraction of tokens whose set differs in at least one layer;
 * ``{prefix}/layer{l}/exact_match`` and ``.../overlap`` per global layer number l;
+* :func:`replay_forced_metrics`: replayed experts vs the router's natural top-K in the same forward (R2/R3);
 * :func:`router_shift_metrics`: ``{prefix}/router_abs_logdiff`` (and per layer) = mean |log p_new - log p_old| of the
   router's full-softmax probabilities at the old top-K experts.
 
@@ -83,6 +84,20 @@ def agreement_metrics(reference: Sequence[MicroBatchRouting], other: Sequence[Mi
         if n_l[i] > 0:
             out[f"{prefix}/layer{i + 1}/exact_match"] = (exact_l[i] / n_l[i]).item()
             out[f"{prefix}/layer{i + 1}/overlap"] = (overlap_l[i] / n_l[i]).item()
+    return out
+
+
+def replay_forced_metrics(records: Sequence[MicroBatchRouting], valid: Sequence[Tensor], *, prefix: str,
+                          num_layers: int | None = None,
+                          pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """How much replay overrode the router: agreement of the replayed experts with the router's natural top-K in the
+    same forward (``{prefix}/exact_match`` ...), and ``{prefix}/forced_frac`` = 1 - exact_match. Records captured
+    without replay have no natural record and give an empty dict (nothing was forced)."""
+    if any(r.natural is None for r in records):
+        return {}
+    out = agreement_metrics([r.replayed_choice() for r in records], [r.natural_choice() for r in records], valid,
+                            prefix=prefix, num_layers=num_layers, pp_group=pp_group)
+    out[f"{prefix}/forced_frac"] = 1.0 - out[f"{prefix}/exact_match"]
     return out
 
 

@@ -32,12 +32,16 @@ class MicroBatchRouting:
         logp: ``[b, s, L, K]`` fp32 router log-softmax over all experts, gathered at ``indices`` (captures only).
         logp_at: ``[b, s, L, K]`` fp32 router log-softmax at an index set given to the capture (e.g. the old top-K),
             or None.
+        natural: ``[b, s, L, K]`` the router's own top-K where replay forced ``indices`` (captures under R2/R3), or
+            None when nothing was replayed (then ``indices`` are the router's own choice). Replay makes ``indices``
+            equal the replayed routes by construction; agreement measured on ``natural`` is what can fail.
     """
 
     layers: tuple[int, ...]
     indices: Tensor
     logp: Tensor | None = None
     logp_at: Tensor | None = None
+    natural: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 4 or self.indices.shape[2] != len(self.layers):
@@ -57,11 +61,23 @@ class MicroBatchRouting:
         """The same record restricted to (and ordered by) `layers`, e.g. one pipeline stage's layers."""
         slots = [self.layer_slot(layer) for layer in layers]
         pick = (lambda x: None if x is None else x[:, :, slots])  # noqa: E731
-        return MicroBatchRouting(tuple(layers), self.indices[:, :, slots], pick(self.logp), pick(self.logp_at))
+        return MicroBatchRouting(tuple(layers), self.indices[:, :, slots], pick(self.logp), pick(self.logp_at),
+                                 pick(self.natural))
 
     def to(self, device: torch.device | str) -> "MicroBatchRouting":
         move = (lambda x: None if x is None else x.to(device))  # noqa: E731
-        return MicroBatchRouting(self.layers, self.indices.to(device), move(self.logp), move(self.logp_at))
+        return MicroBatchRouting(self.layers, self.indices.to(device), move(self.logp), move(self.logp_at),
+                                 move(self.natural))
+
+    def natural_choice(self) -> "MicroBatchRouting":
+        """The router's own top-K as a record (``indices`` themselves when nothing was replayed)."""
+        if self.natural is None:
+            return self
+        return MicroBatchRouting(self.layers, self.natural)
+
+    def replayed_choice(self) -> "MicroBatchRouting":
+        """The experts the forward actually used, without the natural record (for replay-vs-natural comparisons)."""
+        return MicroBatchRouting(self.layers, self.indices)
 
     @staticmethod
     def merge(parts: list["MicroBatchRouting"]) -> "MicroBatchRouting":
@@ -73,4 +89,4 @@ class MicroBatchRouting:
             xs = [getattr(p, name) for p in parts]
             return None if any(x is None for x in xs) else torch.cat(xs, dim=2)[:, :, order]
 
-        return MicroBatchRouting(tuple(sorted(layers)), cat("indices"), cat("logp"), cat("logp_at"))
+        return MicroBatchRouting(tuple(sorted(layers)), cat("indices"), cat("logp"), cat("logp_at"), cat("natural"))

@@ -184,7 +184,7 @@ class Trainer:
         return place_rollout_routes(rows, seq)
 
     def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
-        from mpo.routing import agreement_metrics
+        from mpo.routing import agreement_metrics, replay_forced_metrics
 
         vocab = self.model_cfg.vocab_size
         # Engine routes of this stage's layers, placed once per micro-batch: R3 replays them here and in the updates.
@@ -208,10 +208,12 @@ class Trainer:
                 if self.reference is not None:
                     mb.extras["logp_ref"] = outs_ref[i]
         valid = [mb.extras["mask"].bool() for mb in microbatches]
+        layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
         if all(r is not None for r in engine_routes):
-            metrics.update(agreement_metrics(engine_routes, old.records, valid,
-                                             prefix="routing/rollout_vs_old", num_layers=self.model_cfg.num_layers,
-                                             pp_group=self.pp_group))
+            # Against the trainer's natural choice: under R3 the replayed experts equal the engine's by construction.
+            metrics.update(agreement_metrics(engine_routes, [r.natural_choice() for r in old.records], valid,
+                                             prefix="routing/rollout_vs_old", **layers))
+        metrics.update(replay_forced_metrics(old.records, valid, prefix="routing/old_replay", **layers))
         if outs:  # train-vs-rollout log-prob mismatch, over the loss tokens
             diff = torch.zeros(2, dtype=torch.float64)
             for mb in microbatches:
@@ -231,12 +233,14 @@ class Trainer:
             self.gpt.load_state_dict(current, strict=False)
         return [o["logprobs"] for o in outs]
 
-    def _router_shifts(self, microbatches: list[MicroBatch], old_records: list) -> None:
+    def _router_shifts(self, microbatches: list[MicroBatch], old_records: list, replay: list | None) -> None:
         """RSPO / +rs: gamma per token from the current router at the old experts (a forward-only probe pass, so the
-        pipeline all-reduce happens outside megatron's schedule)."""
+        pipeline all-reduce happens outside megatron's schedule). The probe replays what the update replays: the
+        router inputs of layer l depend on the experts used in layers < l, so gamma must come from the same routing
+        as the update's forward (same weights, same routes: the same router log-probs)."""
         from mpo.routing import router_shift
 
-        with self.routing.session(gather_at=old_records) as probe:
+        with self.routing.session(replay=replay, gather_at=old_records) as probe:
             run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
         for mb, old, cur in zip(microbatches, old_records, probe.records):
             mb.extras["router_shift"] = router_shift(old, cur, self.loss_cfg.gamma_min, pp_group=self.pp_group)
@@ -266,7 +270,7 @@ class Trainer:
 
     def _update(self, microbatches: list[MicroBatch], old_records: list, num_groups: int,
                 engine_routes: list | None) -> dict[str, float]:
-        from mpo.routing import agreement_metrics
+        from mpo.routing import agreement_metrics, replay_forced_metrics
 
         algo = self.config.algorithm
         denominators = compute_global_denominators(
@@ -274,9 +278,9 @@ class Trainer:
             [mb.extras["group_ids"][: mb.extras["n_real"]] for mb in microbatches],
             [mb.extras["advantages"][: mb.extras["n_real"]] for mb in microbatches],
             num_groups=num_groups, process_group=self.dp_group)
-        if self.loss_spec.router_shift:
-            self._router_shifts(microbatches, old_records)
         replay = old_records if algo.replay == "r2" else engine_routes if algo.replay == "r3" else None
+        if self.loss_spec.router_shift:
+            self._router_shifts(microbatches, old_records, replay)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with self.routing.session(replay=replay, gather_at=old_records, backward=True) as current:
@@ -291,8 +295,11 @@ class Trainer:
             metrics = {k: float(v) for k, v in merged.items()}
             loss_ok = math.isfinite(metrics.get("loss", 0.0))
         valid = [mb.extras["mask"].bool() for mb in microbatches]
-        metrics.update(agreement_metrics(old_records, current.records, valid, prefix="routing/old_vs_update",
-                                         num_layers=self.model_cfg.num_layers, pp_group=self.pp_group))
+        layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
+        natural = lambda records: [r.natural_choice() for r in records]  # noqa: E731 - what the routers chose
+        metrics.update(agreement_metrics(natural(old_records), natural(current.records), valid,
+                                         prefix="routing/old_vs_update", **layers))
+        metrics.update(replay_forced_metrics(current.records, valid, prefix="routing/update_replay", **layers))
         if self._grads_finite(loss_ok):
             success, grad_norm, _ = self.optimizer.step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 SEQ, ROWS, VOCAB = 12, 2, 256
-GOLDEN = Path(__file__).resolve().parents[2] / ".." / "shared" / "golden" / "losses.json"
 
 
 def batch():
@@ -64,6 +63,8 @@ def records_dict(records, tag: str) -> dict[str, torch.Tensor]:
         out[f"{tag}{i}/logp"] = r.logp
         if r.logp_at is not None:
             out[f"{tag}{i}/logp_at"] = r.logp_at
+        if r.natural is not None:
+            out[f"{tag}{i}/natural"] = r.natural
     return out
 
 
@@ -88,7 +89,7 @@ def run_reference(out_dir: str) -> None:
     from mpo.models.builder import build_model
     from mpo.models.forward import run_microbatches
     from mpo.routing.capture import attach_routing_hooks
-    from mpo.routing.metrics import agreement_metrics, router_shift_metrics
+    from mpo.routing.metrics import agreement_metrics, replay_forced_metrics, router_shift_metrics
     from mpo.routing.rspo import router_shift
 
     out = Path(out_dir)
@@ -159,7 +160,8 @@ def run_reference(out_dir: str) -> None:
     with hooks.session(replay=old.records) as r2p:
         r2_pert = run()
     res["logits_r2_pert"] = _logits(r2_pert)
-    metrics.update(agreement_metrics(old.records, r2p.records, valid, prefix="old_vs_r2"))
+    res.update(records_dict(r2p.records, "r2p"))
+    metrics.update(replay_forced_metrics(r2p.records, valid, prefix="r2_forced"))
     (out / "metrics.json").write_text(json.dumps(metrics))
     torch.save(res, out / "reference.pt")
     torch.distributed.barrier()
@@ -232,7 +234,9 @@ def run_golden_gamma(out_dir: str) -> None:
 
     from megatron.core.transformer.moe.router import TopKRouter
 
-    cases = json.loads(GOLDEN.read_text())["gamma_cases"]
+    from golden_data import load_golden
+
+    cases = load_golden()["gamma_cases"]  # the same loader (and override) as the test that checks these numbers
     c0 = torch.tensor(cases[0]["inputs"]["router_logits_old"], dtype=torch.float64)
     b, t, n_layers, n_experts = c0.shape
     cfg = preset("tiny").with_overrides(num_layers=n_layers, num_experts=n_experts, router_topk=cases[0]["topk"])

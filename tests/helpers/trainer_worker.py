@@ -54,7 +54,7 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
             trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
                                                    filter_zero_variance=False))
             metrics = trainer.train_step(step)
-            sync(trainer, engines, f"v{step + 1}")
+            metrics.update(sync(trainer, engines, f"v{step + 1}"))
             results[loss] = metrics
         trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
         results["gspo+kl"] = trainer.train_step(len(losses))
@@ -67,15 +67,44 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
 
 
 def replay_modes(out_dir: str) -> None:
-    """A bf16 engine (its weights checked against the fp32 trainer's, rounded) that is then left one update behind,
-    as in one-step off-policy (asynchronous) RL: its routing differs from the trainer's, and R3 makes the old
-    forward use the engine's experts anyway. The first step runs R2 while the engine is still in sync."""
+    """An fp32 engine, first in sync (R3 then reproduces its log-probs), then left behind as in one-step off-policy
+    (asynchronous) RL: no weight sync between steps, so its routing drifts from the trainer's natural choice. The
+    last step runs RSPO under R3 and records, for every micro-batch, the gamma the loss used (from the probe pass)
+    next to the gamma of the update's own replayed forward."""
     from mpo.config import AlgorithmSection
+    from mpo.routing import router_shift
 
-    with _worker_run(out_dir, "replay", ["rollout.engine_dtype=bf16"]) as (trainer, _, _, results):
-        for step, mode in enumerate(("r2", "none", "r3")):  # no weight sync between steps: the engine lags
-            trainer.set_algorithm(AlgorithmSection(loss="gspo", replay=mode, filter_zero_variance=False))
+    with _worker_run(out_dir, "replay") as (trainer, _, _, results):
+        for step, mode in enumerate(("r3_in_sync", "none", "r3", "r2")):
+            trainer.set_algorithm(AlgorithmSection(loss="gspo", replay=mode.removesuffix("_in_sync"),
+                                                   filter_zero_variance=False))
             results[mode] = trainer.train_step(step)
+        sessions = _record_sessions(trainer)
+        trainer.set_algorithm(AlgorithmSection(loss="rspo", replay="r3", filter_zero_variance=False))
+        results["rspo_r3"] = trainer.train_step(4)
+        probe = next(r for kw, r in sessions if kw.get("gather_at") is not None and not kw.get("backward"))
+        update = next((kw, r) for kw, r in sessions if kw.get("backward"))
+        old = update[0]["gather_at"]
+        diffs = [(router_shift(o, p, 0.0).gamma_raw - router_shift(o, u, 0.0).gamma_raw).abs().max().item()
+                 for o, p, u in zip(old, probe.records, update[1].records, strict=True)]
+        results["rspo_r3"]["gamma_probe_vs_update_maxdiff"] = max(diffs)
+
+
+def _record_sessions(trainer) -> list:
+    """Wrap trainer.routing.session so every session's arguments and result are kept (test instrumentation)."""
+    from contextlib import contextmanager
+
+    sessions: list = []
+    original = trainer.routing.session
+
+    @contextmanager
+    def session(**kwargs):
+        with original(**kwargs) as result:
+            yield result
+        sessions.append((kwargs, result))
+
+    trainer.routing.session = session
+    return sessions
 
 
 def nonfinite(out_dir: str) -> None:
