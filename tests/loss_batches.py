@@ -26,6 +26,8 @@ def random_batch(seed: int = 0, garbage: float = float("nan")) -> dict[str, torc
     advantages = adv_row[:, None].expand(B, T).clone()
     router_old = -torch.rand(B, T, LAYERS, TOPK, generator=g, dtype=torch.float64) * 2
     router_new = router_old + torch.randn(B, T, LAYERS, TOPK, generator=g, dtype=torch.float64) * 0.3
+    # the engine's log-probs: drawn after everything else, so the batches of existing seeds are unchanged
+    logp_rollout = logp_old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.15
 
     def dirty(x: torch.Tensor) -> torch.Tensor:
         v = valid.reshape(valid.shape + (1,) * (x.dim() - 2))
@@ -35,6 +37,7 @@ def random_batch(seed: int = 0, garbage: float = float("nan")) -> dict[str, torc
         "logp_new": dirty(logp_new), "logp_old": dirty(logp_old), "logp_ref": dirty(logp_ref),
         "advantages": dirty(advantages), "mask": mask, "group_ids": torch.tensor(GROUP_IDS),
         "router_logp_new": dirty(router_new), "router_logp_old": dirty(router_old),
+        "logp_rollout": dirty(logp_rollout),
     }
 
 
@@ -46,12 +49,15 @@ def loss_config(name: str, agg: str):
     return make_loss_config(name, **overrides)
 
 
-def make_batch(tensors: dict[str, torch.Tensor], rows: slice, logp_new: torch.Tensor) -> PolicyBatch:
-    """A micro-batch of ``rows``, trimmed to its own padded length (micro-batches differ in T)."""
+def make_batch(tensors: dict[str, torch.Tensor], rows: slice, logp_new: torch.Tensor,
+               with_rollout: bool = False) -> PolicyBatch:
+    """A micro-batch of ``rows``, trimmed to its own padded length (micro-batches differ in T); ``with_rollout``
+    adds the engine's log-probs (rollout correction)."""
     t_max = max(1, int(tensors["mask"][rows].sum(-1).max().item()))
     cut = lambda x: x[rows, :t_max]  # noqa: E731
     return PolicyBatch(
         logp_new=logp_new[:, :t_max], logp_old=cut(tensors["logp_old"]), advantages=cut(tensors["advantages"]),
         mask=cut(tensors["mask"]), group_ids=tensors["group_ids"][rows], logp_ref=cut(tensors["logp_ref"]),
         router_logp_new=cut(tensors["router_logp_new"]), router_logp_old=cut(tensors["router_logp_old"]),
+        logp_rollout=cut(tensors["logp_rollout"]) if with_rollout else None,
     )

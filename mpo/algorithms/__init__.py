@@ -16,6 +16,7 @@ from .aggregation import AGG_MODES, GlobalDenominators, compute_global_denominat
 from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import (
     CISPOConfig,
+    DPPOConfig,
     GMPOConfig,
     GSPOConfig,
     GSPORouterShiftConfig,
@@ -25,8 +26,16 @@ from .configs import (
     RSPOConfig,
     SAPOConfig,
 )
+from .critic_losses import positive_nll, value_loss
 from .kl import KL_ESTIMATORS, kl_penalty, kl_per_token
 from .metrics import all_reduce_metrics, merge_metrics
+from .rollout_correction import (
+    CORRECTION_DEFAULTS,
+    Correction,
+    CorrectionConfig,
+    apply_rollout_correction,
+    correction_counts,
+)
 from .registry import LOSS_REGISTRY, LossSpec, compute_policy_loss, get_loss, make_loss_config, register_loss
 from .router_shift import (
     RouterShift,
@@ -37,6 +46,14 @@ from .router_shift import (
     router_shift_sum,
     router_topk_overlap,
 )
+from .token_advantages import (
+    TOKEN_ADVANTAGE_ESTIMATORS,
+    EMABaseline,
+    TokenAdvantages,
+    compute_token_advantages,
+    masked_whiten,
+)
+from . import dppo as _dppo  # noqa: F401  (registers dppo_tv, dppo_kl)
 from . import sequence_losses as _sequence_losses  # noqa: F401  (registers gspo, gmpo, rspo, ...)
 from . import token_losses as _token_losses  # noqa: F401  (registers grpo, dapo, sapo, cispo, ...)
 
@@ -47,7 +64,9 @@ def loss_names() -> list[str]:
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "AdvantageOutput", "CISPOConfig", "GMPOConfig", "GSPOConfig",
+    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "AdvantageOutput", "CISPOConfig", "CORRECTION_DEFAULTS", "Correction",
+    "CorrectionConfig", "DPPOConfig", "EMABaseline", "TOKEN_ADVANTAGE_ESTIMATORS", "TokenAdvantages",
+    "apply_rollout_correction", "compute_token_advantages", "correction_counts", "masked_whiten", "positive_nll", "value_loss", "GMPOConfig", "GSPOConfig",
     "GSPORouterShiftConfig", "GlobalDenominators", "KL_ESTIMATORS", "LOSS_REGISTRY", "LossConfig", "LossContext",
     "LossOutput", "LossSpec", "PPOClipConfig", "PPOClipRouterShiftConfig", "PolicyBatch", "RSPOConfig",
     "RouterShift", "SAPOConfig", "all_reduce_metrics", "compute_advantages", "compute_global_denominators",

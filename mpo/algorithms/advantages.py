@@ -68,11 +68,17 @@ def _batchstd(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     return (r - torch.where(g.singleton & verl, 0.0, g.mean)) / (batch_std + eps)
 
 
+def _maxrl(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
+    # MaxRL (algorithms_v2.md section 1): (r - mu_g) / (mu_g + eps) where the group has any success, else 0.
+    return torch.where(g.mean > 0, (r - g.mean) / (g.mean + eps), 0.0)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, GroupStats, float, bool], Tensor]] = {
     "grpo": _grpo,
     "drgrpo": _drgrpo,
     "rloo": _rloo,
     "batchstd": _batchstd,
+    "maxrl": _maxrl,
 }
 
 
@@ -87,7 +93,9 @@ def compute_advantages(
 
     Args:
         estimator: ``grpo`` (group mean / unbiased group std), ``drgrpo`` (group mean only), ``rloo``
-            (leave-one-out mean), ``batchstd`` (group mean / unbiased std of the whole batch's rewards).
+            (leave-one-out mean), ``batchstd`` (group mean / unbiased std of the whole batch's rewards), ``maxrl``
+            ((r - mean) / (mean + eps) in groups with a success). Token-level estimators (REINFORCE++, GAE, VAPO)
+            live in :mod:`mpo.algorithms.token_advantages`.
         eps: added to the std (verl 1e-6, TRL 1e-4); ignored by ``drgrpo`` and ``rloo``.
         singleton: ``zero`` (default) or ``verl``, see the module docstring.
     """

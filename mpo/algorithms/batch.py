@@ -29,6 +29,8 @@ class PolicyBatch:
         router_shift: precomputed router shift (e.g. after the pipeline-parallel all-reduce of
             :func:`~mpo.algorithms.router_shift.router_shift_sum`); takes precedence over the router log-probs.
         entropy: optional per-token policy entropy, reported as the ``entropy`` metric.
+        logp_rollout: the rollout engine's log-probs of the response tokens: rollout correction and its mismatch
+            metrics, DPPO's ``anchor="rollout"``.
     """
 
     logp_new: Tensor
@@ -41,6 +43,7 @@ class PolicyBatch:
     router_logp_old: Tensor | None = None
     router_shift: RouterShift | None = None
     entropy: Tensor | None = None
+    logp_rollout: Tensor | None = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class LossContext:
     weights: Tensor
     denoms: GlobalDenominators
     shift: RouterShift | None = None
+    logp_rollout: Tensor | None = None
 
     @classmethod
     def build(cls, batch: PolicyBatch, weights: Tensor, denoms: GlobalDenominators,
@@ -86,7 +90,10 @@ class LossContext:
                 gamma_raw=shift.gamma_raw,
                 abs_logdiff=shift.abs_logdiff,
             )
-        return cls(valid, logp_new, log_ratio, adv, weights.to(dtype), denoms, shift)
+        logp_rollout = None
+        if batch.logp_rollout is not None:
+            logp_rollout = torch.where(valid, batch.logp_rollout.detach().to(dtype), zero)
+        return cls(valid, logp_new, log_ratio, adv, weights.to(dtype), denoms, shift, logp_rollout)
 
     @property
     def log_gamma(self) -> Tensor:

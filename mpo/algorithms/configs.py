@@ -166,3 +166,29 @@ class GSPORouterShiftConfig(GSPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_gamma_min(self.gamma_min)
+
+
+DPPO_ANCHORS: tuple[str, ...] = ("old", "rollout")
+
+
+@dataclass
+class DPPOConfig(LossConfig):
+    """DPPO (``dppo_tv`` / ``dppo_kl``): binary trust region of half-widths ``delta_low`` (A <= 0) / ``delta_high``
+    (A > 0) in TV or Bernoulli-KL around the anchor, and the IS weight truncated at ``is_cap``.
+
+    Attributes:
+        anchor: ``old`` (the trainer's recomputed old policy) or ``rollout`` (the engine's log-probs).
+    """
+
+    agg: str = TOKEN_MEAN
+    delta_low: float = 0.15
+    delta_high: float = 0.15
+    is_cap: float = 20.0
+    anchor: str = "old"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.delta_low >= 0, f"delta_low must be >= 0, got {self.delta_low}")
+        _require(self.delta_high >= 0, f"delta_high must be >= 0, got {self.delta_high}")
+        _require(self.is_cap > 0, f"is_cap must be > 0, got {self.is_cap}")
+        _require(self.anchor in DPPO_ANCHORS, f"anchor must be one of {', '.join(DPPO_ANCHORS)}, got {self.anchor!r}")

@@ -9,7 +9,7 @@ penalty. The same function may be registered under several names with different 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import LossConfig
 from .kl import kl_penalty
 from .metrics import masked_max, masked_min
+from .rollout_correction import CorrectionConfig, apply_rollout_correction
 from .router_shift import RouterShift, router_shift_gamma
 
 LossFn = Callable[[LossContext, Any], tuple[Tensor, dict[str, Tensor]]]
@@ -75,7 +76,7 @@ def make_loss_config(name: str, **overrides: Any) -> LossConfig:
 
 def _ensure_losses_loaded() -> None:
     # The loss modules register themselves on import; importing here keeps registry.py free of import cycles.
-    from . import sequence_losses, token_losses  # noqa: F401
+    from . import dppo, sequence_losses, token_losses  # noqa: F401
 
 
 def _resolve_router_shift(name: str, batch: PolicyBatch, cfg: Any) -> RouterShift:
@@ -125,6 +126,8 @@ def compute_policy_loss(
     batch: PolicyBatch,
     config: LossConfig | None = None,
     denominators: GlobalDenominators | None = None,
+    correction: CorrectionConfig | None = None,
+    correction_counts: tuple[float, float] | None = None,
 ) -> LossOutput:
     """Loss and metrics of one micro-batch for the registered loss ``name``.
 
@@ -133,27 +136,44 @@ def compute_policy_loss(
         denominators: global counts of the whole optimizer mini-batch from
             :func:`~mpo.algorithms.aggregation.compute_global_denominators`. ``None`` treats this batch as the whole
             mini-batch (no gradient accumulation, no DP). With the global counts, summing ``loss`` over micro-batches
-            and DP ranks equals the full-batch loss, and so do the gradients.
+            and DP ranks equals the full-batch loss, and so do the gradients. With a rollout correction they must
+            be counted over the correction's ``mask_out`` (the kept tokens).
+        correction: rollout correction (needs ``batch.logp_rollout``): the loss uses the corrected mask and is
+            weighted by the correction's stop-gradient weights. Its mismatch metrics are reported whenever
+            ``batch.logp_rollout`` is given, also without a correction.
+        correction_counts: global (valid, kept) token counts of the mini-batch
+            (:func:`~mpo.algorithms.rollout_correction.correction_counts`); default: this batch's own.
     """
     spec = get_loss(name)
     cfg = config if config is not None else spec.make_config()
     if not isinstance(cfg, spec.config_cls):
         raise ValueError(f"loss {name!r} expects a {spec.config_cls.__name__}, got {type(cfg).__name__}")
+    corrected = None
+    if batch.logp_rollout is not None:
+        corrected = apply_rollout_correction(batch.logp_old, batch.logp_rollout, batch.mask,
+                                             correction or CorrectionConfig(), correction_counts)
+        batch = replace(batch, mask=corrected.mask_out)
+    elif correction is not None and correction.kind != "none":
+        raise ValueError(f"rollout_correction={correction.kind!r} needs the engine's log-probs (logp_rollout)")
     if denominators is None:
         denominators = compute_global_denominators(batch.mask, batch.group_ids, batch.advantages)
     shift = _resolve_router_shift(name, batch, cfg) if spec.router_shift else None
     weights = token_weights(batch.mask, cfg.agg, denominators, batch.group_ids, cfg.norm_const)
+    if corrected is not None:
+        weights = weights * corrected.weights.to(weights.dtype)
     ctx = LossContext.build(batch, weights, denominators, shift)
 
     loss, metrics = spec.fn(ctx, cfg)
     metrics = {**_common_metrics(ctx, batch), **metrics}
+    if corrected is not None:
+        metrics.update({f"rollout_{k}": v for k, v in corrected.metrics.items()})
     if ctx.shift is not None:
         metrics.update(_router_shift_metrics(ctx, cfg))
     if cfg.kl_coef > 0:
         if batch.logp_ref is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs logp_ref in the batch")
         kl_loss, kl_metrics = kl_penalty(batch.logp_new, batch.logp_ref, batch.mask, cfg.kl_estimator, cfg.agg,
-                                         denominators, batch.group_ids, cfg.norm_const)
+                                         denominators, batch.group_ids, cfg.norm_const, logp_old=batch.logp_old)
         loss = loss + cfg.kl_coef * kl_loss
         metrics.update(kl_metrics)
     return LossOutput(loss=loss, metrics=metrics)
