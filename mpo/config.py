@@ -88,9 +88,18 @@ class AlgorithmSection:
     Attributes:
         loss: a registered policy loss (mpo.algorithms.loss_names()): gspo, sapo, rspo, grpo, dapo, ...
         loss_args: overrides of that loss's hyper-parameters (e.g. {eps_high: 0.28}).
-        advantage: grpo | drgrpo | rloo | batchstd.
+        advantage: per-response grpo | drgrpo | rloo | batchstd | maxrl, per-token reinforce_pp |
+            reinforce_pp_baseline (whitened over the step's whole batch), or reinforce_ema (running-mean baseline,
+            kept in checkpoints). gae / vapo need a critic, which mpo does not have yet.
+        advantage_args: the estimator's parameters (reinforce_pp: {gamma}; reinforce_ema: {beta}; eps of the
+            group estimators).
         kl_coef: weight of the KL penalty against the initial (reference) policy; 0 disables it.
-        kl_estimator: k1 | k2 | k3.
+        kl_estimator: k1 | k2 | k3 | k3_unbiased (k3 times pi/pi_old, TRL's bias-corrected KL).
+        rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq: importance weights / masks for the
+            engine-vs-trainer log-prob mismatch (the mismatch metrics are logged every step either way).
+        rollout_correction_args: its bounds ({cap}, {lower, upper}); unset ones take the kind's defaults.
+        positive_nll_coef: VAPO's positive-example LM loss weight (0 disables it); positive_nll_threshold is the
+            reward at which a response counts as positive.
         replay: routing replay: "none", "r2" (old-forward routes replayed in updates) or "r3" (engine routes
             replayed in the old forward and the updates).
         filter_zero_variance: drop prompt groups whose rewards are all equal (DAPO dynamic sampling).
@@ -99,8 +108,13 @@ class AlgorithmSection:
     loss: str = "gspo"
     loss_args: dict = field(default_factory=dict)
     advantage: str = "grpo"
+    advantage_args: dict = field(default_factory=dict)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    rollout_correction: str = "none"
+    rollout_correction_args: dict = field(default_factory=dict)
+    positive_nll_coef: float = 0.0
+    positive_nll_threshold: float = 1.0
     replay: Literal["none", "r2", "r3"] = "none"
     filter_zero_variance: bool = True
 
@@ -290,7 +304,9 @@ def to_dict(config: TrainConfig) -> dict:
 
 def validate(config: TrainConfig) -> None:
     """Cross-field checks, all before any process starts."""
-    from mpo.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, loss_names, make_loss_config
+    from mpo.algorithms import CorrectionConfig, loss_names, make_loss_config
+    from mpo.algorithms.kl import resolve_kl_estimator
+    from mpo.algorithms.step_advantages import AdvantageConfig
     from mpo.models.config import PRESETS
 
     a, r, m, s, d = config.algorithm, config.rollout, config.model, config.schedule, config.data
@@ -300,10 +316,14 @@ def validate(config: TrainConfig) -> None:
         make_loss_config(a.loss, **a.loss_args)
     except ValueError as exc:
         raise ConfigError(f"algorithm.loss_args: {exc}") from None
-    if a.advantage not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(f"algorithm.advantage={a.advantage!r}; valid values: {', '.join(ADVANTAGE_ESTIMATORS)}")
-    if a.kl_estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"algorithm.kl_estimator={a.kl_estimator!r}; valid values: {', '.join(KL_ESTIMATORS)}")
+    try:
+        AdvantageConfig(a.advantage, dict(a.advantage_args))
+        resolve_kl_estimator(a.kl_estimator)
+        CorrectionConfig(a.rollout_correction, **a.rollout_correction_args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"algorithm: {exc}") from None
+    if a.positive_nll_coef < 0:
+        raise ConfigError(f"algorithm.positive_nll_coef={a.positive_nll_coef} must be >= 0")
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
@@ -316,7 +336,7 @@ def validate(config: TrainConfig) -> None:
                         ("schedule.updates_per_step", s.updates_per_step), ("world_size", config.world_size)):
         if value < 1:
             raise ConfigError(f"{name}={value} must be >= 1")
-    if r.samples_per_prompt < 2 and a.advantage != "drgrpo":
+    if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
     if s.steps < 0 or s.sft_steps < 0:
         raise ConfigError("schedule.steps and schedule.sft_steps must be >= 0")

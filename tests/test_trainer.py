@@ -81,6 +81,34 @@ def test_rspo_gamma_under_r3_comes_from_the_replayed_routing(replay_runs):
     assert rspo["gamma_probe_vs_update_maxdiff"] <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def algorithms_v2_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("algorithms_v2")
+    spawn_ranks(2, trainer_worker.algorithms_v2, str(out))
+    return json.loads((out / "algorithms_v2.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(trainer_worker.ALGORITHMS_V2))
+def test_second_wave_algorithms_run_a_step_at_dp2_ep2(algorithms_v2_run, name):
+    metrics = algorithms_v2_run[name]
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["nonfinite_skipped"] == 0
+    # the engine-vs-trainer mismatch is measured every step, with or without a correction
+    assert metrics["rollout_mismatch_k3"] >= 0 and "rollout_is_weight_mean" in metrics
+    if name.startswith("correction") and name != "correction-icepop_token":
+        assert metrics["rollout_is_weight_mean"] != 1.0  # the engine lags: the weights are not all 1
+    if name == "correction-mis_seq-gspo":
+        assert metrics["rollout_masked_frac"] > 0  # a narrow band drops rows
+    if name == "positive_nll":
+        assert metrics["positive_nll"] > 0
+    if name == "kl-k3_unbiased":
+        assert metrics["kl_mean"] > 0
+
+
+def test_reinforce_ema_keeps_its_baseline(algorithms_v2_run):
+    state = algorithms_v2_run["ema_state"]["ema"]
+    assert state["beta"] == 0.9 and 0 < state["baseline"] < 1
+
+
 def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path):
     spawn_ranks(2, trainer_worker.nonfinite, str(tmp_path))
     result = json.loads((tmp_path / "nonfinite.json").read_text())

@@ -50,4 +50,4 @@ def positive_nll(logp_new: Tensor, mask: Tensor, rewards: Tensor, *, coef: float
     dtype = torch.promote_types(logp_new.dtype, torch.float32)
     nll = torch.where(positive, -logp_new.to(dtype), 0.0).sum()
     loss = coef * nll / num_positive_tokens if num_positive_tokens > 0 else nll * 0.0
-    return loss, {"positive_nll": loss.detach(), "positive_tokens_frac": positive.to(dtype).mean()}
+    return loss, {"positive_nll": loss.detach()}  # a partial value: sums over micro-batches and ranks

@@ -19,7 +19,7 @@ class Sample:
         prompt_len: number of prompt tokens; the loss covers positions prompt_len .. len(ids)-1.
         group: global prompt-group id within the step (0..prompts-1).
         reward: scalar reward.
-        advantage: scalar advantage (broadcast to every completion token).
+        advantage: the advantage of each completion token, or one scalar broadcast to all of them.
         rollout_logprobs: the engine's log-probs of the completion tokens.
         routes: the engine's routed experts [len(ids)-1, layers, top_k] (R3), or None.
     """
@@ -28,7 +28,7 @@ class Sample:
     prompt_len: int
     group: int
     reward: float
-    advantage: float = 0.0
+    advantage: float | list[float] = 0.0
     rollout_logprobs: list[float] | None = None
     routes: np.ndarray | None = None
 
@@ -42,8 +42,8 @@ def _pad_sample(length: int) -> Sample:
 def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[MicroBatch]:
     """This DP rank's share of `samples` (round-robin), as micro-batches with loss tensors in `extras`.
 
-    extras: mask [b,s] (1 at completion tokens), advantages [b,s], group_ids [b], rollout_logprobs [b,s] (0 where
-    unknown), n_real (rows that are not padding).
+    extras: mask [b,s] (1 at completion tokens), advantages [b,s], group_ids [b], rewards [b], rollout_logprobs
+    [b,s] (0 where unknown), n_real (rows that are not padding).
     """
     per_rank = -(-len(samples) // dp_size)
     count = -(-per_rank // micro_batch_size)
@@ -62,11 +62,12 @@ def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micr
             n = len(s.ids)
             ids[i, :n] = torch.tensor(s.ids)
             mask[i, s.prompt_len : n] = 1.0
-            adv[i, s.prompt_len : n] = s.advantage
+            adv[i, s.prompt_len : n] = torch.as_tensor(s.advantage, dtype=adv.dtype)
             if s.rollout_logprobs is not None:
                 rollout_lp[i, s.prompt_len : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         out.append(MicroBatch(ids, extras={
             "mask": mask, "advantages": adv, "rollout_logprobs": rollout_lp, "n_real": len(real),
-            "group_ids": torch.tensor([s.group for s in rows]), "samples": rows,
+            "group_ids": torch.tensor([s.group for s in rows]), "rewards": torch.tensor([s.reward for s in rows]),
+            "samples": rows,
         }))
     return out

@@ -19,15 +19,19 @@ import torch
 import torch.distributed as dist
 
 from mpo.algorithms import (
+    CorrectionConfig,
     PolicyBatch,
     all_reduce_metrics,
-    compute_advantages,
+    apply_rollout_correction,
     compute_global_denominators,
     compute_policy_loss,
+    correction_counts,
     get_loss,
     make_loss_config,
     merge_metrics,
+    positive_nll,
 )
+from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
 from mpo.config import TrainConfig, model_config, to_dict
 from mpo.data.toy import task_from_name, toy_reward
 from mpo.models.forward import MicroBatch, run_microbatches
@@ -102,6 +106,8 @@ class Trainer:
         self.loss_spec = get_loss(algorithm.loss)
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
         self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
+        self.correction = CorrectionConfig(algorithm.rollout_correction, **algorithm.rollout_correction_args)
+        self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
         self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
@@ -144,15 +150,16 @@ class Trainer:
         rewards = [toy_reward(r.output_ids, prompts[i // cfg.rollout.samples_per_prompt].answer)
                    for i, r in enumerate(results)]
         groups = torch.arange(len(results)) // cfg.rollout.samples_per_prompt
-        adv = compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups, estimator=cfg.algorithm.advantage)
+        lengths = [len(r.output_ids) for r in results]
+        # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
+        advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups, lengths)
         keep = torch.ones(len(results), dtype=torch.bool)
         if cfg.algorithm.filter_zero_variance:
-            keep = ~adv.zero_variance  # per response: its group's rewards were all equal
+            keep = ~zero_variance  # per response: its group's rewards were all equal
         samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
-                          reward=rewards[i], advantage=float(adv.advantages[i]),
+                          reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts)
                    for i, r in enumerate(results) if keep[i]]
-        lengths = [len(r.output_ids) for r in results]
         metrics = {
             "reward_mean": sum(rewards) / len(rewards),
             "reward_exact_frac": sum(r == 1.0 for r in rewards) / len(rewards),
@@ -245,18 +252,54 @@ class Trainer:
         for mb, old, cur in zip(microbatches, old_records, probe.records):
             mb.extras["router_shift"] = router_shift(old, cur, self.loss_cfg.gamma_min, pp_group=self.pp_group)
 
-    def _loss_fn(self, denominators):
-        name, cfg = self.config.algorithm.loss, self.loss_cfg
+    def _loss_fn(self, denominators, counts: tuple[float, float] | None, positive_tokens: float):
+        """The micro-batch loss: the policy loss (with the rollout correction and its mismatch metrics where the
+        engine's log-probs are known) plus VAPO's positive-example NLL when enabled."""
+        algo, name, cfg = self.config.algorithm, self.config.algorithm.loss, self.loss_cfg
 
         def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
             x = mb.extras
             batch = PolicyBatch(logp_new=logprobs, logp_old=x["logp_old"], advantages=x["advantages"],
                                 mask=x["mask"], group_ids=x["group_ids"], logp_ref=x.get("logp_ref"),
-                                router_shift=x.get("router_shift"), entropy=entropy)
-            out = compute_policy_loss(name, batch, cfg, denominators)
-            return out.loss, {k: v.detach() for k, v in out.metrics.items()}
+                                router_shift=x.get("router_shift"), entropy=entropy,
+                                logp_rollout=x["rollout_logprobs"] if counts is not None else None)
+            out = compute_policy_loss(name, batch, cfg, denominators, correction=self.correction,
+                                      correction_counts=counts)
+            loss, metrics = out.loss, dict(out.metrics)
+            if algo.positive_nll_coef > 0:
+                nll, nll_metrics = positive_nll(logprobs, x["mask"], x["rewards"], coef=algo.positive_nll_coef,
+                                                threshold=algo.positive_nll_threshold,
+                                                num_positive_tokens=positive_tokens)
+                loss = loss + nll
+                metrics.update(nll_metrics)
+            return loss, {k: v.detach() for k, v in metrics.items()}
 
         return loss_fn
+
+    def _loss_denominators(self, microbatches: list[MicroBatch], num_groups: int):
+        """Global denominators of one mini-batch: over the tokens the rollout correction keeps (where the engine's
+        log-probs are known: the last pipeline stage, which computes the loss), the correction's token counts, and
+        the positive-response token count of VAPO's NLL. Collectives over the DP group."""
+        real = [mb.extras["n_real"] for mb in microbatches]
+        masks = [mb.extras["mask"][:n] for mb, n in zip(microbatches, real)]
+        counts = None
+        if all("logp_old" in mb.extras for mb in microbatches):
+            corrections = [apply_rollout_correction(mb.extras["logp_old"][:n], mb.extras["rollout_logprobs"][:n],
+                                                    mask, self.correction)
+                           for mb, n, mask in zip(microbatches, real, masks)]
+            counts = correction_counts(masks, corrections, self.dp_group)
+            masks = [c.mask_out for c in corrections]
+        denominators = compute_global_denominators(
+            masks, [mb.extras["group_ids"][:n] for mb, n in zip(microbatches, real)],
+            [mb.extras["advantages"][:n] for mb, n in zip(microbatches, real)],
+            num_groups=num_groups, process_group=self.dp_group)
+        positive = torch.zeros(1, dtype=torch.float64)
+        if self.config.algorithm.positive_nll_coef > 0:
+            threshold = self.config.algorithm.positive_nll_threshold
+            for mb in microbatches:
+                positive += (mb.extras["mask"].bool() & (mb.extras["rewards"] >= threshold)[:, None]).sum()
+            dist.all_reduce(positive, group=self.dp_group)
+        return denominators, counts, float(positive)
 
     def _grads_finite(self, loss_ok: bool) -> bool:
         flag = torch.tensor([0.0 if loss_ok else 1.0])
@@ -273,11 +316,7 @@ class Trainer:
         from mpo.routing import agreement_metrics, replay_forced_metrics
 
         algo = self.config.algorithm
-        denominators = compute_global_denominators(
-            [mb.extras["mask"][: mb.extras["n_real"]] for mb in microbatches],
-            [mb.extras["group_ids"][: mb.extras["n_real"]] for mb in microbatches],
-            [mb.extras["advantages"][: mb.extras["n_real"]] for mb in microbatches],
-            num_groups=num_groups, process_group=self.dp_group)
+        denominators, counts, positive_tokens = self._loss_denominators(microbatches, num_groups)
         replay = old_records if algo.replay == "r2" else engine_routes if algo.replay == "r3" else None
         if self.loss_spec.router_shift:
             self._router_shifts(microbatches, old_records, replay)
@@ -285,7 +324,7 @@ class Trainer:
         self.optimizer.zero_grad()
         with self.routing.session(replay=replay, gather_at=old_records, backward=True) as current:
             outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size,
-                                    loss_fn=self._loss_fn(denominators))
+                                    loss_fn=self._loss_fn(denominators, counts, positive_tokens))
         metrics: dict[str, float] = {}
         loss_ok = True
         if outs:
@@ -365,6 +404,7 @@ class Trainer:
     def save(self, step: int) -> None:
         state = {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()}
         self.checkpoints.save(step, state, {"step": step, "nonfinite_total": self.nonfinite_total,
+                                            "advantage_state": self.advantages.state_dict(),
                                             "config": to_dict(self.config)})
 
     def resume(self) -> int:
@@ -377,5 +417,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
+        self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
         return int(trainer_state["step"])

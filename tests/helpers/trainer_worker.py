@@ -66,6 +66,32 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
         results["after_engine_crash"] = trainer.train_step(len(losses) + 1)
 
 
+ALGORITHMS_V2 = {  # name -> AlgorithmSection fields (one RL step each)
+    **{f"advantage-{a}": {"advantage": a} for a in ("maxrl", "reinforce_pp", "reinforce_pp_baseline",
+                                                     "reinforce_ema")},
+    **{f"correction-{c}": {"loss": "grpo", "rollout_correction": c}
+       for c in ("tis_token", "tis_seq", "icepop_token", "mis_seq")},
+    "correction-mis_seq-gspo": {"loss": "gspo", "rollout_correction": "mis_seq",
+                                "rollout_correction_args": {"lower": 0.9, "upper": 1.1}},
+    "dppo_kl-anchor_rollout": {"loss": "dppo_kl", "loss_args": {"anchor": "rollout"}},
+    "positive_nll": {"loss": "dapo", "positive_nll_coef": 0.1, "positive_nll_threshold": 1e-6},  # any credit
+    "kl-k3_unbiased": {"loss": "gspo", "kl_coef": 0.1, "kl_estimator": "k3_unbiased"},
+}
+
+
+def algorithms_v2(out_dir: str) -> None:
+    """One RL step per second-wave estimator, rollout correction and loss term (the engine lags one step behind
+    after the first, so the corrections see a real mismatch)."""
+    from mpo.config import AlgorithmSection
+
+    with _worker_run(out_dir, "algorithms_v2") as (trainer, _, _, results):
+        for step, (name, fields) in enumerate(ALGORITHMS_V2.items()):
+            trainer.set_algorithm(AlgorithmSection(filter_zero_variance=False, **fields))
+            results[name] = trainer.train_step(step)
+            if fields.get("advantage") == "reinforce_ema":
+                results["ema_state"] = trainer.advantages.state_dict()
+
+
 def replay_modes(out_dir: str) -> None:
     """An fp32 engine, first in sync (R3 then reproduces its log-probs), then left behind as in one-step off-policy
     (asynchronous) RL: no weight sync between steps, so its routing drifts from the trainer's natural choice. The

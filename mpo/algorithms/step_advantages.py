@@ -1,0 +1,83 @@
+"""The trainer's one entry to every advantage estimator: per-response (group) estimators, per-token ones and the
+running-mean baseline, computed on the whole step's batch (so whitening is over the global batch) from rewards,
+prompt groups and completion lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .advantages import ADVANTAGE_ESTIMATORS, compute_advantages, group_stats
+from .token_advantages import CRITIC_ESTIMATORS, EMABaseline, compute_token_advantages
+
+# estimator -> the parameters it takes from algorithm.advantage_args
+ESTIMATOR_ARGS: dict[str, tuple[str, ...]] = {
+    **{name: ("eps",) for name in ADVANTAGE_ESTIMATORS},
+    "reinforce_pp": ("gamma",),
+    "reinforce_pp_baseline": (),
+    "reinforce_ema": ("beta",),
+}
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """An estimator name and its parameters, validated on construction."""
+
+    name: str = "grpo"
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name in CRITIC_ESTIMATORS:
+            raise ValueError(f"advantage={self.name!r} needs a critic (a value model), which mpo does not have yet; "
+                             f"valid values: {', '.join(ESTIMATOR_ARGS)}")
+        if self.name not in ESTIMATOR_ARGS:
+            raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(ESTIMATOR_ARGS)}")
+        unknown = sorted(set(self.args) - set(ESTIMATOR_ARGS[self.name]))
+        if unknown:
+            raise ValueError(f"advantage_args {unknown} are not parameters of {self.name!r}; valid: "
+                             f"{list(ESTIMATOR_ARGS[self.name])}")
+        for key, value in self.args.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"advantage_args.{key}={value!r} must be a number")
+        if "gamma" in self.args and not 0 < self.args["gamma"] <= 1:
+            raise ValueError(f"advantage_args.gamma={self.args['gamma']} must be in (0, 1]")
+        if "eps" in self.args and self.args["eps"] < 0:
+            raise ValueError(f"advantage_args.eps={self.args['eps']} must be >= 0")
+        if "beta" in self.args:
+            EMABaseline(self.args["beta"])  # validates the range
+
+
+class StepAdvantages:
+    """Advantages of one RL step's responses; holds the running baseline of ``reinforce_ema`` (trainer state)."""
+
+    def __init__(self, config: AdvantageConfig) -> None:
+        self.config = config
+        self.ema = EMABaseline(**config.args) if config.name == "reinforce_ema" else None
+
+    def __call__(self, rewards: Tensor, group_ids: Tensor, lengths: list[int]) -> tuple[list[list[float]], Tensor]:
+        """Per response, the advantage of each completion token, and ``zero_variance [N]`` (its group's rewards
+        are all equal: no learning signal for group baselines)."""
+        name, args = self.config.name, self.config.args
+        rewards = rewards.to(torch.float64)
+        zero_variance = group_stats(rewards, group_ids).std == 0
+        if name in ADVANTAGE_ESTIMATORS:
+            scalar = compute_advantages(rewards, group_ids, estimator=name, **args).advantages
+        elif self.ema is not None:
+            scalar, _ = self.ema(rewards)
+        else:
+            mask = torch.zeros(len(lengths), max(lengths, default=0) or 1, dtype=torch.float64)
+            for i, n in enumerate(lengths):
+                mask[i, :n] = 1.0
+            per_token = compute_token_advantages(name, rewards, mask, group_ids=group_ids, **args).advantages
+            return [per_token[i, :n].tolist() for i, n in enumerate(lengths)], zero_variance
+        return [[float(a)] * n for a, n in zip(scalar, lengths)], zero_variance
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.ema is not None and "ema" in state:
+            self.ema.load_state_dict(state["ema"])
