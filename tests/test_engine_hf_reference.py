@@ -98,9 +98,9 @@ def _named(directory: Path) -> list[tuple[str, torch.Tensor]]:
     return sorted(read_safetensors_dir(directory).items())
 
 
-def _compare_rollouts(engine, directory: Path) -> tuple[float, int, int]:
-    """Sampled rollouts of the engine vs transformers on the same tokens: (max |log-prob diff|, routes agreeing,
-    routes compared), over (token, layer) rows."""
+def _assert_rollouts_match(engine, directory: Path, label: str) -> None:
+    """Sampled rollouts of the engine vs transformers (loaded from `directory`) on the same tokens: output log-probs
+    within LOGPROB_TOL, the same expert set for every (token, layer)."""
     requests = [GenerateRequest(tuple(PROBE[: 3 + 2 * i]), SamplingParams(max_new_tokens=8, sampling_seed=11 + i),
                                 return_routed_experts=True) for i in range(3)]
     results = RolloutPool([EngineHandle(engine.client)]).generate(requests)
@@ -116,18 +116,17 @@ def _compare_rollouts(engine, directory: Path) -> tuple[float, int, int]:
         engine_sets = torch.from_numpy(result.routed_experts).long().sort(-1).values
         agree += (engine_sets == routes[: n - 1].sort(-1).values).all(-1).sum().item()
         total += (n - 1) * CFG.num_layers
-    return worst, agree, total
+    print(f"\n[hf reference] {label}: engine vs transformers max |log-prob diff| {worst:.2e}; routes agree "
+          f"{agree}/{total} (token, layer)", file=sys.stderr)
+    assert worst <= LOGPROB_TOL, f"{label}: engine vs transformers log-prob diff {worst:.3g}"
+    assert agree == total
 
 
 def test_engine_matches_transformers(engine, checkpoints):
     """Rollout log-probs and routed experts of the engine equal transformers' forward of the same tokens."""
     version = engine.client.call("/server_info", method="GET")["weight_version"]
     assert version == "hf0"
-    worst, agree, total = _compare_rollouts(engine, checkpoints[0])
-    print(f"\n[hf reference] engine vs transformers: max |log-prob diff| {worst:.2e}; routes agree {agree}/{total}",
-          file=sys.stderr)
-    assert worst <= LOGPROB_TOL, f"engine vs transformers log-prob diff {worst:.3g}"
-    assert agree == total
+    _assert_rollouts_match(engine, checkpoints[0], "initial weights")
 
 
 def test_engine_matches_transformers_after_weight_sync(engine, checkpoints):
@@ -138,11 +137,7 @@ def test_engine_matches_transformers_after_weight_sync(engine, checkpoints):
     report = sync.push(named, version="hf1")
     sync.verify(named)
     assert report.buckets > 1
-    worst, agree, total = _compare_rollouts(engine, checkpoints[1])
-    print(f"\n[hf reference] after sync: max |log-prob diff| {worst:.2e}; routes agree {agree}/{total}",
-          file=sys.stderr)
-    assert worst <= LOGPROB_TOL, f"after sync, engine vs transformers log-prob diff {worst:.3g}"
-    assert agree == total
+    _assert_rollouts_match(engine, checkpoints[1], "after sync")
 
 
 def test_probe_input_logprobs_and_routes_match_transformers(engine, checkpoints):
