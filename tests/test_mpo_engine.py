@@ -4,6 +4,8 @@ engine with every sample arriving exactly once."""
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 import time
 
@@ -170,3 +172,16 @@ def test_distributed_shape_mismatch_names_engine_and_tensor(engines):
         assert client.healthy()
     finally:
         sync.close()
+
+
+def test_loop_probe_verification_covers_every_expert_and_catches_a_stale_one(tmp_path):
+    """The loop's SGLang-style verification run against mpo's engine (which serves the same probe API): the
+    covering probe passes after a sync, fails once one expert of the last layer is stale, passes when restored."""
+    spawn_ranks(2, engine_worker.covering_probe_in_the_loop, str(tmp_path))
+    results = json.loads((tmp_path / "covering_probe.json").read_text())
+    print(f"\n[mpo engine] loop probe: {results['probe_tokens']} tokens; fresh diff "
+          f"{results['fresh']['sync_probe_logprob_maxdiff']:.1e}; stale: {results['stale_error']}", file=sys.stderr)
+    assert results["fresh"]["sync_probe_logprob_maxdiff"] <= 1e-5
+    assert results["stale_tensors"] == 3
+    assert results["stale_error"] is not None and "probe log-probs differ" in results["stale_error"]
+    assert results["restored"]["sync_probe_logprob_maxdiff"] <= 1e-5

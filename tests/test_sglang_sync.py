@@ -98,3 +98,22 @@ def test_probe_verification_rejects_stale_weights_naming_the_engine(run, server)
     error = run[1]["distributed"]["stale_error"]
     assert error is not None, "verify_by_probe accepted the previous step's log-probs"
     assert server.url in error and "probe log-probs differ" in error, error
+
+
+def test_probe_covering_every_expert_catches_one_stale_expert(run, server):
+    """A sync that skips one expert of the last layer: a 4-token probe that never routes to it accepts the server
+    (what a probe blind to coverage does), the probe covering every expert (built from the server's own routed
+    experts) rejects it naming the server, and after the full step is pushed the covering probe passes."""
+    stats = run[1]["stale_expert"]
+    print(f"\n[sglang] stale layer {stats['layer']} expert {stats['expert']} ({stats['skipped']} tensors skipped): "
+          f"short probe diff {stats['short_diff']:.1e}; covering probe {stats['probe_tokens']} tokens, "
+          f"{stats['stale_hits']} routed to it: {stats['stale_error']}; after full sync diff {stats['full_diff']:.1e}",
+          file=sys.stderr)
+    assert stats["skipped"] == 3  # gate, up, down of that expert
+    assert stats["covered"] == [list(range(8))] * NUM_LAYERS, "the probe does not route to every expert"
+    assert stats["stale_hits"] >= 1
+    assert stats["short_diff"] <= 1e-3, "the short probe was expected to miss the stale expert"
+    error = stats["stale_error"]
+    assert error is not None, "verify_by_probe accepted a server with one stale expert"
+    assert server.url in error and "probe log-probs differ" in error, error
+    assert stats["full_diff"] <= LOGPROB_TOL

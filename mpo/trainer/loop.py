@@ -29,6 +29,7 @@ class EngineSet:
         self.processes: list[LocalEngineProcess] = []
         self.engine, self.transport = r.engine, r.sync
         self._sync = None
+        self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
         # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.
         # Kept only for local (CPU-sized) engines; external engines are restarted by whoever runs them.
         self.last_weights: tuple[list, str] | None = None
@@ -83,45 +84,74 @@ class EngineSet:
             process.stop()
 
 
-PROBE_TOKENS = 16  # length of the fixed probe sequence SGLang engines are verified with
+PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verified with (then extended to coverage)
 
 
 def _probe(vocab_size: int) -> list[int]:
     return [1 + (7 * i) % (vocab_size - 1) for i in range(PROBE_TOKENS)]
 
 
-def _trainer_probe_logprobs(trainer: Trainer, probe: list[int]) -> list[float]:
-    """Collective: the trainer's log-probs of the probe, on every rank (computed by the last pipeline stage)."""
+def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[list[float]]:
+    """Collective: the trainer's log-probs of every probe sequence, on every rank (computed by the last pipeline
+    stage; sequences of one length share a micro-batch)."""
+    by_length: dict[int, list[int]] = {}
+    for j, probe in enumerate(probes):
+        by_length.setdefault(len(probe), []).append(j)
+    scored: list[list[float] | None] = [None] * len(probes)
     with torch.no_grad():
-        outs = run_microbatches(trainer.model, [MicroBatch(torch.tensor([probe]))],
-                                vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
-    box = [outs[0]["logprobs"][0].tolist() if outs else None]
+        for rows in by_length.values():
+            outs = run_microbatches(trainer.model, [MicroBatch(torch.tensor([probes[j] for j in rows]))],
+                                    vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
+            for row, j in enumerate(rows if outs else []):
+                scored[j] = outs[0]["logprobs"][row].tolist()
+    box = [scored]
     dist.broadcast_object_list(box, src=dist.get_world_size() - 1)  # the last global rank is on the last stage
     return box[0]
 
 
+def _verify_by_covering_probe(trainer: Trainer, engines: EngineSet | None) -> dict[str, float]:
+    """Collective, after the push: rank 0 extends the probe until the first engine's routed experts (at the weights
+    just pushed) touch every expert of every MoE layer, so a stale expert changes some log-prob; every rank scores
+    the probe; rank 0 compares every engine's log-probs with the trainer's."""
+    from mpo.rollout.weight_sync import ProbeCoverage, covering_probes
+
+    cfg, r, m = trainer.model_cfg, trainer.config.rollout, trainer.config.model
+    box: list = [None]
+    if engines is not None:
+        coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
+                                 vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=trainer.config.seed)
+        engines.probes = covering_probes(engines.clients[0], engines.probes or [_probe(cfg.vocab_size)], coverage)
+        box = [engines.probes]
+    dist.broadcast_object_list(box, src=0)
+    reference = _trainer_probe_logprobs(trainer, box[0])
+    if engines is None:
+        return {}
+    # a bf16 engine or trainer differs by ~1e-2 in log-probs; fp32 on both sides by ~1e-5
+    tolerance = 1e-3 if (r.engine_dtype or m.dtype) == "fp32" and m.dtype == "fp32" else 0.1
+    sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
+    return {"sync_probe_logprob_maxdiff": sync.verify_by_probe(box[0], reference, tolerance=tolerance),
+            "sync_probe_tokens": float(sum(map(len, box[0])))}
+
+
 def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str, float]:
     """Collective: gather full weights, then rank 0 pushes them to every engine (rollout.sync transport) and
-    verifies: mpo engines by weights checksum, SGLang engines by the log-probs of a fixed probe sequence."""
+    verifies: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
     from checkpoints_tools.mapping import mapping_for
 
     full = trainer._full_state()
     r, m = trainer.config.rollout, trainer.config.model
-    probe = _probe(trainer.model_cfg.vocab_size)
-    reference = _trainer_probe_logprobs(trainer, probe) if r.engine == "sglang" else None
-    if engines is None:
-        return {}
-    named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
-    sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
-    report = sync.push(named, version)
-    engines.remember(named, version)
-    metrics = report.metrics()
-    if r.engine == "mpo":
-        sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,
-                    fp32_names={"lm_head.weight"} if m.fp32_lm_head else set())
-    else:  # a bf16 engine or trainer differs by ~1e-2 in log-probs; fp32 on both sides by ~1e-5
-        tolerance = 1e-3 if (r.engine_dtype or m.dtype) == "fp32" and m.dtype == "fp32" else 0.1
-        metrics["sync_probe_logprob_maxdiff"] = sync.verify_by_probe(probe, reference, tolerance=tolerance)
+    metrics: dict[str, float] = {}
+    if engines is not None:
+        named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
+        sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
+        report = sync.push(named, version)
+        engines.remember(named, version)
+        metrics = report.metrics()
+        if r.engine == "mpo":
+            sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,
+                        fp32_names={"lm_head.weight"} if m.fp32_lm_head else set())
+    if r.engine == "sglang":
+        metrics.update(_verify_by_covering_probe(trainer, engines))
     return metrics
 
 

@@ -78,3 +78,40 @@ def score_perturbed(out_file: str, sequence: list[int]) -> None:
     out = run_microbatches(model, [MicroBatch(torch.tensor([sequence]))], vocab_size=cfg.vocab_size)
     torch.save(out[0]["logprobs"][0], Path(out_file))
     torch.distributed.destroy_process_group()
+
+
+def covering_probe_in_the_loop(out_dir: str) -> None:
+    """The RL loop's probe verification (mpo.trainer.loop._verify_by_covering_probe) on the real Trainer (2 gloo
+    ranks, EP2) against its local mpo engine, which serves SGLang's probe API (input_token_logprobs, routed
+    experts): after the loop's own sync it passes; with one expert of the last layer made stale on the engine it
+    must fail on rank 0 (after every collective, so the ranks stay in step); with that expert restored it passes."""
+    import json
+
+    from checkpoints_tools.mapping import mapping_for
+    from helpers.trainer_worker import _worker_run
+    from mpo.rollout.client import EngineError
+    from mpo.rollout.weight_sync import WeightSync
+    from mpo.trainer.loop import _verify_by_covering_probe
+
+    with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, engines, _, results):
+        results["fresh"] = _verify_by_covering_probe(trainer, engines)
+        full = trainer._full_state()
+        layer, expert = trainer.model_cfg.num_layers - 1, trainer.model_cfg.num_experts - 1
+        if engines is not None:
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+            named = [(n, t) for n, t in mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full)
+                     if n.startswith(prefix)]
+            generator = torch.Generator().manual_seed(7)
+            stale = [(n, t + 0.05 * torch.randn(t.shape, generator=generator)) for n, t in named]
+            WeightSync(engines.clients, engine="mpo").push(stale, version="stale")
+            results["stale_tensors"] = len(stale)
+        try:
+            _verify_by_covering_probe(trainer, engines)
+            results["stale_error"] = None
+        except EngineError as exc:
+            results["stale_error"] = str(exc)
+        if engines is not None:
+            WeightSync(engines.clients, engine="mpo").push(named, version="restored")
+            results["probe_tokens"] = sum(map(len, engines.probes))
+        results["restored"] = _verify_by_covering_probe(trainer, engines)
+        json.dumps(results)

@@ -29,6 +29,7 @@ class _Active:
     sampling: SamplingParams
     want_routes: bool
     generator: torch.Generator | None
+    logprob_start_len: int = -1  # SGLang's: >= 0 returns input_token_logprobs of the prompt from that position
     output: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -76,7 +77,8 @@ class MpoGenerator:
                                 timeout_s=timeout_s)[0]
 
     def submit_many(self, rows: list[list[int]], sampling: list[SamplingParams], *, routed_experts: bool = False,
-                    rid: str | None = None, timeout_s: float | None = None) -> list[dict[str, Any]]:
+                    rid: str | None = None, timeout_s: float | None = None,
+                    logprob_start_len: int = -1) -> list[dict[str, Any]]:
         """Queue rows together, in order (one batched /generate): the schedule, and so the numerics, is then the
         same on every run."""
         requests = []
@@ -90,7 +92,7 @@ class MpoGenerator:
             if params.sampling_seed is not None:
                 generator = torch.Generator().manual_seed(int(params.sampling_seed))
             name = f"{rid}-{i}" if rid and len(rows) > 1 else rid or f"mpo-{next(self._ids)}"
-            requests.append(_Active(name, list(input_ids), params, routed_experts, generator))
+            requests.append(_Active(name, list(input_ids), params, routed_experts, generator, logprob_start_len))
         with self._cv:
             self._pending.extend(requests)
             self._cv.notify_all()
@@ -195,6 +197,10 @@ class MpoGenerator:
         meta["output_token_logprobs"] = [[float(lp), int(tok), None]
                                          for lp, tok in zip(completion_logprobs, request.output)]
         meta["output_token_logprobs_length"] = len(request.output)
+        # SGLang's shape: [logprob, token_id, text] per prompt token from logprob_start_len; position 0 has no logprob.
+        start = request.logprob_start_len
+        meta["input_token_logprobs"] = [[None if p == 0 or not score else float(logprobs[p]), int(request.prompt[p]),
+                                         None] for p in range(max(start, 0), n_prompt)] if start >= 0 else []
         if request.want_routes and routes is not None:
             meta["routed_experts"] = encode_routed_experts(routes)
         request.response = {"text": "", "output_ids": list(request.output), "meta_info": meta}

@@ -86,7 +86,8 @@ class EngineApp:
         if want_routes and not self.info.get("enable_return_routed_experts"):
             want_routes = False  # like SGLang without --enable-return-routed-experts: silently no routes
         try:
-            results = self.generator.submit_many(rows, sampling, routed_experts=want_routes, rid=body.get("rid"))
+            results = self.generator.submit_many(rows, sampling, routed_experts=want_routes, rid=body.get("rid"),
+                                                 logprob_start_len=int(body.get("logprob_start_len", -1)))
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         return results if batch else results[0]
