@@ -72,3 +72,19 @@ def test_gpu_step_parameter_count_matches_transformers():
     router = cfg.num_experts * cfg.hidden_size
     assert counts.active_matmul == cfg.num_layers * (attention + experts + router) + cfg.vocab_size * cfg.hidden_size
     assert train_flops_per_token(cfg, 2048) > 6 * counts.active_matmul
+
+
+def test_cuda_ipc_payload_has_the_fields_of_mpos_flattened_bucket():
+    """tests/gpu/sync_worker builds SGLang's flattened bucket without moving it to the host (for CUDA IPC); on host
+    tensors it must equal mpo.rollout.sglang_wire.flatten_bucket's payload, field for field."""
+    import importlib.util
+
+    from mpo.rollout.sglang_wire import flatten_bucket
+
+    spec = importlib.util.spec_from_file_location("gpu_sync_worker", REPO / "tests" / "gpu" / "sync_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    run = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5)), ("c.weight", torch.randn(2, 2, 2))]
+    ours, reference = worker.cuda_flattened_bucket(run), flatten_bucket(run)
+    assert torch.equal(ours["flattened_tensor"], reference["flattened_tensor"])
+    assert [vars(m) for m in ours["metadata"]] == [vars(m) for m in reference["metadata"]]
