@@ -1,6 +1,8 @@
 """The Docker images cannot be built here (no Docker daemon); these checks keep them honest without building:
 versions live only in docker/versions.env and agree with pyproject.toml and tests/requirements-ci.txt, every
-Dockerfile ARG is provided by versions.env, and every file or directory the Dockerfiles COPY exists."""
+Dockerfile ARG is provided by versions.env and used, the GPU image installs (and asserts) the Transformer Engine
+version it declares, tests/gpu/run.sh takes its versions from versions.env, and every file or directory the
+Dockerfiles COPY exists."""
 
 from __future__ import annotations
 
@@ -77,3 +79,29 @@ def test_dockerfile_args_come_from_versions_env_and_copies_exist(dockerfile):
 
 def test_dockerfiles_exist():
     assert {p.name for p in DOCKERFILES} == {"Dockerfile.gpu", "Dockerfile.cpu"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_declared_arg_is_used(dockerfile):
+    text = dockerfile.read_text()
+    unused = [arg for arg in re.findall(r"^ARG (\w+)", text, flags=re.M) if "${" + arg + "}" not in text]
+    assert not unused, f"{dockerfile.name} declares ARGs it never uses: {unused}"
+
+
+def test_gpu_image_installs_and_asserts_the_declared_transformer_engine():
+    text = (REPO / "docker" / "Dockerfile.gpu").read_text()
+    assert re.search(r'pip install [^\n]*"transformer-engine\[[^\]]*pytorch[^\]]*\]==\$\{TRANSFORMER_ENGINE_VERSION\}"', text), \
+        "Dockerfile.gpu does not pip install transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}"
+    assert "te.__version__.startswith('${TRANSFORMER_ENGINE_VERSION}')" in text, \
+        "Dockerfile.gpu does not check that the installed Transformer Engine is the declared version"
+
+
+def test_ngc_tag_is_a_release_tag():
+    assert re.fullmatch(r"\d{2}\.\d{2}-py3", _versions()["NGC_PYTORCH_TAG"]), _versions()["NGC_PYTORCH_TAG"]
+
+
+def test_gpu_tier_script_reads_its_versions_from_versions_env():
+    text = (REPO / "tests" / "gpu" / "run.sh").read_text()
+    for key in ("TRANSFORMER_ENGINE_VERSION", "SGLANG_VERSION"):
+        assert f"version_of {key}" in text, f"tests/gpu/run.sh does not read {key} from docker/versions.env"
+    assert not re.search(r"==\s*\d", text), "a version is written in tests/gpu/run.sh itself"

@@ -338,6 +338,12 @@ PRESETS: dict[str, MoEModelConfig] = {
         multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, first_k_dense=1, moe_shared_expert_intermediate_size=32, router_score_function="sigmoid",
         router_enable_expert_bias=True, router_num_groups=2, router_group_topk=1, router_topk_scaling_factor=2.5),
+    # One-GPU benchmark and GPU tier (`python -m mpo.bench gpu_step`): a Qwen3-MoE shape with ~1.47B parameters,
+    # ~0.34B active per token (12 layers, 32 experts of width 512, top-4, GQA 16/4 heads of 128, vocab 32768).
+    "gpu_1b": MoEModelConfig(
+        vocab_size=32768, hidden_size=2048, num_layers=12, num_attention_heads=16, num_query_groups=4, head_dim=128,
+        ffn_hidden_size=6144, moe_ffn_hidden_size=512, num_experts=32, router_topk=4, rope_theta=1_000_000.0,
+        max_position_embeddings=4096),
 }
 
 
