@@ -128,11 +128,14 @@ class DataSection:
             {"prompt": ..., "answer": ...} (needs model.hf_dir for the tokenizer).
         prompts_per_step: prompts sampled per RL step (each gets samples_per_prompt responses).
         digits: toy task size (digits per operand).
+        retire_pass_rate: no-positive-resampling (ScaleRL): a prompt whose responses pass (reward 1) at this rate
+            or more is never sampled again (the retired set is checkpointed); None keeps every prompt. ScaleRL: 0.9.
     """
 
     task: str = "toy:reverse"
     prompts_per_step: int = 8
     digits: int = 3
+    retire_pass_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -338,6 +341,8 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"{name}={value} must be >= 1")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
+    if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
+        raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
     if s.steps < 0 or s.sft_steps < 0:
         raise ConfigError("schedule.steps and schedule.sft_steps must be >= 0")
     if not (d.task.startswith("toy:") or d.task.endswith(".jsonl")):

@@ -109,6 +109,20 @@ def test_reinforce_ema_keeps_its_baseline(algorithms_v2_run):
     assert state["beta"] == 0.9 and 0 < state["baseline"] < 1
 
 
+def test_retired_prompts_are_never_sampled_again_also_after_resume(tmp_path):
+    """Threshold 0 retires every prompt once seen (a pass rate >= 0 always holds): no prompt comes back over 6 steps
+    and a resume in between; without retirement, 24 draws from the 100 prompts repeat some (the control, with the
+    run's fixed seeds)."""
+    spawn_ranks(2, trainer_worker.retirement, str(tmp_path), 3)
+    run = json.loads((tmp_path / "retirement.json").read_text())
+    seen = [tuple(p) for step in run["sampled"] for p in step]
+    assert len(run["sampled"]) == 6 and len(seen) == 6 * 4  # 4 prompts per step
+    assert len(set(seen)) == len(seen), "a retired prompt was sampled again"
+    assert run["retired_before_resume"] == 12 and run["retired_after_resume"] == 12
+    control = [tuple(p) for step in run["sampled_without_retirement"] for p in step]
+    assert len(set(control)) < len(control)
+
+
 def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path):
     spawn_ranks(2, trainer_worker.nonfinite, str(tmp_path))
     result = json.loads((tmp_path / "nonfinite.json").read_text())

@@ -33,6 +33,7 @@ from mpo.algorithms import (
 )
 from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
 from mpo.config import TrainConfig, model_config, to_dict
+from mpo.data.retirement import PromptRetirement
 from mpo.data.toy import task_from_name, toy_reward
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
@@ -90,6 +91,8 @@ class Trainer:
         self.routing = attach_routing_hooks(self.model)
         self.set_algorithm(config.algorithm)
         self.task = task_from_name(config.data.task, config.data.digits)
+        retire = config.data.retire_pass_rate
+        self.retirement = PromptRetirement(retire) if retire is not None else None  # rank 0 samples and keeps it
         self.dp_group = parallel_state.get_data_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.engines = engines or []  # rank 0 only: (EngineClient, restart callable or None) pairs
@@ -128,7 +131,10 @@ class Trainer:
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 
         cfg = self.config
-        prompts = self.task.prompts(cfg.seed, step, cfg.data.prompts_per_step)
+        if self.retirement is not None:
+            prompts = self.retirement.sample(self.task, cfg.seed, step, cfg.data.prompts_per_step)
+        else:
+            prompts = self.task.prompts(cfg.seed, step, cfg.data.prompts_per_step)
         want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
         requests = []
         for p_index, prompt in enumerate(prompts):
@@ -151,6 +157,10 @@ class Trainer:
                    for i, r in enumerate(results)]
         groups = torch.arange(len(results)) // cfg.rollout.samples_per_prompt
         lengths = [len(r.output_ids) for r in results]
+        G = cfg.rollout.samples_per_prompt
+        if self.retirement is not None:
+            self.retirement.observe(prompts, [sum(r == 1.0 for r in rewards[p * G:(p + 1) * G]) / G
+                                              for p in range(len(prompts))])
         # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
         advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups, lengths)
         keep = torch.ones(len(results), dtype=torch.bool)
@@ -169,6 +179,8 @@ class Trainer:
             "rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
             "engine_restarts": float(sum(h.restarts for h in pool.engines)),
         }
+        if self.retirement is not None:
+            metrics["retired_prompts"] = float(len(self.retirement.retired))
         return samples, metrics
 
     # -- training ------------------------------------------------------------------------------------------------
@@ -405,6 +417,7 @@ class Trainer:
         state = {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()}
         self.checkpoints.save(step, state, {"step": step, "nonfinite_total": self.nonfinite_total,
                                             "advantage_state": self.advantages.state_dict(),
+                                            "retirement": self.retirement.state_dict() if self.retirement else None,
                                             "config": to_dict(self.config)})
 
     def resume(self) -> int:
@@ -418,5 +431,7 @@ class Trainer:
         set_rng_state(state["rng"])
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
+        if self.retirement is not None and trainer_state.get("retirement"):
+            self.retirement.load_state_dict(trainer_state["retirement"])
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
         return int(trainer_state["step"])

@@ -152,3 +152,36 @@ def nonfinite(out_dir: str) -> None:
         after = trainer.gpt.state_dict()
         results["weights_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
         results["checkpoint"] = str(trainer.checkpoints.latest())
+
+
+def retirement(out_dir: str, steps: int) -> None:
+    """Steps on 2-digit prompts (100 in all) with every seen prompt retired (threshold 0), a checkpoint, the retired
+    set cleared and restored by resume(), more steps; then, as the control, as many steps without retirement. Rank 0
+    records each step's prompts."""
+    overrides = ["data.digits=2", "algorithm.filter_zero_variance=false", "data.retire_pass_rate=0.0"]
+    with _worker_run(out_dir, "retirement", overrides) as (trainer, _, _, results):
+        sampled: list[list[list[int]]] = []
+        collect = trainer.collect
+
+        def collect_and_record(step):
+            samples, metrics = collect(step)
+            sampled.append(sorted({tuple(s.ids[: s.prompt_len]) for s in samples}))
+            return samples, metrics
+
+        trainer.collect = collect_and_record
+        for step in range(steps):
+            trainer.train_step(step)
+        trainer.save(steps)
+        if trainer.retirement is not None:  # rank 0 samples prompts and holds the set
+            results["retired_before_resume"] = len(trainer.retirement.retired)
+            trainer.retirement.retired = set()  # what a new process starts with; resume() must bring it back
+        start = trainer.resume()
+        if trainer.retirement is not None:
+            results["retired_after_resume"] = len(trainer.retirement.retired)
+        for step in range(start, 2 * steps):
+            trainer.train_step(step)
+        results["sampled"], sampled[:] = list(sampled), []
+        trainer.retirement = None
+        for step in range(100, 100 + 2 * steps):
+            trainer.train_step(step)
+        results["sampled_without_retirement"] = sampled
