@@ -168,7 +168,8 @@ def supervised_warm_start(trainer: Trainer) -> float:
         prompts = trainer.task.prompts(cfg.seed + 7919, step, 64)
         samples = [Sample(ids=list(p.ids + p.answer), prompt_len=len(p.ids), group=0, reward=0.0) for p in prompts]
         mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size,
-                                micro_batch_size=cfg.schedule.micro_batch_size)
+                                micro_batch_size=cfg.schedule.micro_batch_size,
+                                seq_len=trainer.uniform_seq_len(samples))
         total = float(sum(len(p.answer) for p in prompts))
 
         def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):

@@ -39,8 +39,23 @@ def _pad_sample(length: int) -> Sample:
     return Sample(ids=[0] * length, prompt_len=length, group=0, reward=0.0)
 
 
-def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[MicroBatch]:
+def uniform_length(samples: list[Sample], multiple: int = 1) -> int:
+    """One padded length for every micro-batch of a step: the longest row, rounded up to `multiple`.
+
+    megatron's pipeline schedule sizes its stage-to-stage buffers from one (seq_length, micro_batch_size) for the
+    whole pass, and sequence parallelism splits the sequence over tensor-parallel ranks, so with PP > 1 or TP > 1
+    every micro-batch of a forward/backward pass must have the same [b, s] with s divisible by TP.
+    """
+    longest = max((len(s.ids) for s in samples), default=2)
+    return -(-longest // multiple) * multiple
+
+
+def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                      seq_len: int | None = None) -> list[MicroBatch]:
     """This DP rank's share of `samples` (round-robin), as micro-batches with loss tensors in `extras`.
+
+    With `seq_len` (see :func:`uniform_length`) every micro-batch is padded to exactly [micro_batch_size, seq_len];
+    without it each is as long as its own longest row (enough without PP and TP).
 
     extras: mask [b,s] (1 at completion tokens), advantages [b,s], group_ids [b], rewards [b], rollout_logprobs
     [b,s] (0 where unknown), n_real (rows that are not padding).
@@ -52,7 +67,9 @@ def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micr
     for m in range(count):
         real = mine[m * micro_batch_size : (m + 1) * micro_batch_size]
         rows = real or [_pad_sample(2)]
-        seq = max(len(s.ids) for s in rows)
+        if seq_len is not None:
+            rows = rows + [_pad_sample(2)] * (micro_batch_size - len(rows))
+        seq = seq_len if seq_len is not None else max(len(s.ids) for s in rows)
         b = len(rows)
         ids = torch.zeros(b, seq, dtype=torch.long)
         mask = torch.zeros(b, seq)

@@ -38,7 +38,7 @@ from mpo.data.toy import task_from_name, toy_reward
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
 from mpo.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
-from mpo.trainer.rows import Sample, rank_microbatches
+from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,13 @@ class Trainer:
         return samples, metrics
 
     # -- training ------------------------------------------------------------------------------------------------
+    def uniform_seq_len(self, samples: list[Sample]) -> int | None:
+        """The one [b, s] shape every micro-batch of a pass needs under PP or TP (see rows.uniform_length)."""
+        tp = self.ps.get_tensor_model_parallel_world_size()
+        if self.ps.get_pipeline_model_parallel_world_size() == 1 and tp == 1:
+            return None
+        return uniform_length(samples, tp)
+
     def _dp(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
 
@@ -376,8 +383,10 @@ class Trainer:
         dp_rank, dp_size = self._dp()
         updates = min(cfg.schedule.updates_per_step, len(samples))
         minis = [samples[u::updates] for u in range(updates)]
+        seq_len = self.uniform_seq_len(samples)
         per_update = [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size,
-                                        micro_batch_size=cfg.schedule.micro_batch_size) for m in minis]
+                                        micro_batch_size=cfg.schedule.micro_batch_size, seq_len=seq_len)
+                      for m in minis]
         flat = [mb for mbs in per_update for mb in mbs]
         old_records, old_metrics = self._old_forward(flat)
         metrics.update(old_metrics)

@@ -185,3 +185,10 @@ def retirement(out_dir: str, steps: int) -> None:
         for step in range(100, 100 + 2 * steps):
             trainer.train_step(step)
         results["sampled_without_retirement"] = sampled
+
+
+def layout_step(out_dir: str, layout: list[str]) -> None:
+    """One RL step at a given layout with variable-length prompts and responses (warm start included)."""
+    with _worker_run(out_dir, "layout", ["parallel.expert_parallel=1", "schedule.sft_steps=2", *layout]) as (
+            trainer, _, _, results):
+        results["step"] = trainer.train_step(0)
