@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient
+from mpo.rollout.engine_command import EngineSettings, engine_command
 
 
 # Variables torchrun sets for its workers. An engine started from a trainer rank must not inherit them: with
@@ -38,16 +40,18 @@ class LocalEngineProcess:
         self.process: subprocess.Popen | None = None
 
     @classmethod
-    def mpo_engine(cls, *, log_path: Path, port: int | None = None, api_key: str | None = None,
-                   extra_args: list[str] = (), num_layers: int | None = None,
+    def mpo_engine(cls, *, log_path: Path, settings: EngineSettings | None = None, port: int | None = None,
+                   api_key: str | None = None, extra_args: list[str] = (), num_layers: int | None = None,
                    topk: int | None = None) -> "LocalEngineProcess":
-        port = port or free_port()
-        command = [sys.executable, "-m", "mpo.rollout.mpo_engine", "--port", str(port), "--exit-with-parent",
-                   *extra_args]
+        """mpo's engine on this host, with the command the launcher would give it (mpo.rollout.engine_command);
+        `api_key` overrides the settings' key, `extra_args` are appended (argparse: the last value wins)."""
+        settings = settings or EngineSettings()
         if api_key:
-            command += ["--api-key", api_key]
-        return cls(command, port=port, log_path=log_path, api_key=api_key, num_layers=num_layers, topk=topk,
-                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+            settings = dataclasses.replace(settings, api_key=api_key)
+        command = engine_command(settings, python=sys.executable, host="127.0.0.1", port=port or free_port())
+        return cls([*command.argv, *extra_args], port=command.port, log_path=log_path, api_key=settings.api_key,
+                   num_layers=num_layers, topk=topk,
+                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **command.env})
 
     @property
     def url(self) -> str:
