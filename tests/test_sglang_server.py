@@ -2,7 +2,8 @@
 
 The server runs from `.venv-sglang` (tests/sglang_harness/setup.sh); these tests run in the main venv and talk to it
 over HTTP and gloo only. Reference numbers come from an HF transformers fp32 forward of the same tokens.
-If sglang cannot be installed or imported, every test here skips with a reason starting "SGLANG TIER SKIPPED:".
+If sglang cannot be installed or imported, every test here skips with a reason starting "SGLANG TIER SKIPPED:" (in
+CI, CI=true, they fail instead: helpers/tiers.py).
 """
 from __future__ import annotations
 

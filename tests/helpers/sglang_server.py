@@ -21,6 +21,7 @@ import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
+from helpers.tiers import tier_unavailable
 from mpo.parallel.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,8 @@ def sglang_available() -> tuple[bool, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"running {py} failed: {exc}"
     if out.returncode != 0:
-        return False, f"`import sglang` failed in {py}: {out.stderr.strip()[-800:]}"
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return False, f"`import sglang` failed in {py}: {last}"
     version = out.stdout.strip().splitlines()[-1]
     if version != SGLANG_VERSION:
         return False, f"{py} has sglang {version}, the harness is written for {SGLANG_VERSION}"
@@ -215,30 +217,12 @@ def start_sglang_server(
     return server
 
 
-def skip_loudly(request, reason: str) -> None:
-    """Skip the calling module's SGLang tier with a banner on the terminal (not captured), a warning in the summary,
-    and the reason, so a missing SGLang never passes silently."""
-    import sys
-    import warnings
-
-    import pytest
-
-    msg = f"SGLANG TIER SKIPPED: {reason}"
-    bar = "!" * 100
-    print(f"\n{bar}\n{msg}\n{bar}", file=sys.stderr)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_sep("!", msg, red=True, bold=True)
-    warnings.warn(msg, pytest.PytestWarning, stacklevel=2)
-    pytest.skip(msg)
-
-
 def serve_module(request, model_dir: Path):
-    """Body of a module-scoped `server` fixture: one real server for the module, or a loud skip without SGLang."""
+    """Body of a module-scoped `server` fixture: one real server for the module; without SGLang a loud skip, or a
+    failure in CI."""
     ok, reason = sglang_available()
     if not ok:
-        skip_loudly(request, reason)
+        tier_unavailable("SGLANG", reason, request)
     with start_sglang_server(model_dir, log_path=model_dir / "server.log") as srv:
         print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
         yield srv
