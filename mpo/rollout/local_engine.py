@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient
-from mpo.rollout.engine_command import EngineSettings, engine_command
+from mpo.rollout.engine_command import API_KEY_ENV, EngineSettings, engine_command
 
 
 # Variables torchrun sets for its workers. An engine started from a trainer rank must not inherit them: with
@@ -22,7 +22,9 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 
 def engine_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    # An inherited MPO_API_KEY would give a keyless engine a key its clients do not know: only `extra` sets it.
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARS and k != API_KEY_ENV and not k.startswith("TORCHELASTIC_")}
     env.update(extra or {})
     return env
 
