@@ -12,7 +12,8 @@ if [ "${MPO_SKIP_SGLANG_SETUP:-0}" != 1 ]; then
     if ! bash tests/sglang_harness/setup.sh; then
         case "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]')" in
             true|1|yes)
-                echo "error: CI=true: the real-SGLang tier's set-up (tests/sglang_harness/setup.sh) failed (see above); in CI the tier must run" >&2
+                echo "error: CI=true: the real-SGLang tier's set-up (tests/sglang_harness/setup.sh) failed" \
+                     "(see above); in CI the tier must run" >&2
                 exit 1 ;;
         esac
         echo "warning: sglang setup failed; the real-SGLang tests will be skipped (see above)" >&2

@@ -215,18 +215,19 @@ def test_sglang_key_launcher_hardening_keeps_key_off_argv(tmp_path):
     fake = tmp_path / "fake" / "sglang"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
+    out = tmp_path / "out.json"
     (fake / "launch_server.py").write_text(
         "import json, sys\n"
         "if __name__ == '__main__':\n"
-        "    cmdline = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
-        f"    json.dump({{'argv': sys.argv[1:], 'cmdline': [a.decode() for a in cmdline]}}, open({str(tmp_path / 'out.json')!r}, 'w'))\n")
+        "    cmdline = [a.decode() for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0')]\n"
+        f"    json.dump({{'argv': sys.argv[1:], 'cmdline': cmdline}}, open({str(out)!r}, 'w'))\n")
     command = engine_command(EngineSettings(engine="sglang", hf_dir="/m", api_key="K3y-s3cret"), python=sys.executable,
                              host="h", port=5)
     env = {**os.environ, **command.env, "PYTHONPATH": str(tmp_path / "fake")}
     subprocess.run(command.argv, env=env, check=True, timeout=60)
     import json
 
-    seen = json.loads((tmp_path / "out.json").read_text())
+    seen = json.loads(out.read_text())
     assert seen["argv"][-2:] == ["--api-key", "K3y-s3cret"]
     assert seen["argv"][:-2] == list(command.argv[3:])  # the rest reaches SGLang unchanged
     assert not any("K3y-s3cret" in arg for arg in seen["cmdline"])

@@ -21,8 +21,9 @@ def test_missing_tier_fails_in_ci_and_skips_loudly_elsewhere(monkeypatch):
     assert str(failed.value) == ("SLURM TIER UNAVAILABLE IN CI (CI=true, so it must run): slurm/local_cluster.sh "
                                  "start failed: need root")
     monkeypatch.delenv("CI")
-    with pytest.warns(pytest.PytestWarning, match="SLURM TIER SKIPPED"), pytest.raises(pytest.skip.Exception) as skipped:
-        tier_unavailable("SLURM", "no slurmctld")
+    with pytest.warns(pytest.PytestWarning, match="SLURM TIER SKIPPED"):
+        with pytest.raises(pytest.skip.Exception) as skipped:
+            tier_unavailable("SLURM", "no slurmctld")
     assert str(skipped.value) == "SLURM TIER SKIPPED: no slurmctld"
 
 

@@ -13,7 +13,10 @@ no such variable, so its command is a short `python -c` launcher that appends `-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from mpo.config import TrainConfig
 
 API_KEY_ENV = "MPO_API_KEY"
 SECRET_ENV = frozenset({API_KEY_ENV})  # environment variables never printed (dry runs, messages) ...
@@ -60,8 +63,8 @@ class EngineSettings:
     mem_fraction: float | None = None
 
     @classmethod
-    def from_config(cls, config, *, mem_fraction: float | None = None) -> "EngineSettings":
-        """The settings of `config`'s engines (a mpo.config.TrainConfig)."""
+    def from_config(cls, config: TrainConfig, *, mem_fraction: float | None = None) -> EngineSettings:
+        """The settings of `config`'s engines."""
         m, r = config.model, config.rollout
         return cls(engine=r.engine, dtype=r.engine_dtype or m.dtype, fp32_lm_head=m.fp32_lm_head, seed=config.seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
