@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides)
         # The sbatch script makes one key per job and exports it to every agent; it then reaches the engines
-        # (--api-key) and the trainer (the resolved config, mode 0600).
+        # (environment variable MPO_API_KEY, never argv) and the trainer (the resolved config, mode 0600).
         key = os.environ.get("MPO_ENGINE_API_KEY")
         if key and not config.rollout.api_key and not config.rollout.urls:
             overrides.append(f"rollout.api_key={key}")

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpo.config import TrainConfig
+from mpo.rollout.engine_command import REDACTED, SECRET_ENV, EngineSettings, engine_command
+from mpo.rollout.weight_sync import group_layout
 
 
 class PlanError(ValueError):
@@ -82,7 +84,7 @@ class Process:
         name: "trainer" or "engine<i>"; messages and the log file use it.
         kind: "trainer" or "engine".
         argv: the exact command line.
-        env: variables set on top of the agent's environment.
+        env: variables set on top of the agent's environment (an engine's key is one: MPO_API_KEY, never argv).
         log: log file (stdout and stderr).
         url: for engines, the URL the trainer uses.
     """
@@ -96,7 +98,7 @@ class Process:
 
     def shell(self) -> str:
         """The command as one shell line (env assignments first), for --dry-run and messages."""
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        prefix = " ".join(f"{k}={REDACTED if k in SECRET_ENV else shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return (prefix + " " if prefix else "") + shlex.join(self.argv)
 
 
@@ -109,6 +111,25 @@ class NodePlan:
     role: str
     processes: tuple[Process, ...]
     log_dir: str
+
+
+@dataclass(frozen=True)
+class WeightSyncGroup:
+    """The process group `rollout.sync: distributed` makes, as this plan places it (mpo.rollout.weight_sync).
+
+    Attributes:
+        master_address: where every engine reaches trainer global rank 0, which hosts the group's rendezvous:
+            trainer node 0's host (the trainer gets it as rollout.sync_master_address). The port is picked free by
+            rank 0 when it makes the group and sent to the engines with /init_weights_update_group.
+        world_size: 1 (trainer rank 0) + every engine's TP ranks.
+        rank_offsets: engine i's first rank (its TP ranks are rank_offsets[i] .. + tp_sizes[i] - 1).
+        tp_sizes: ranks per engine (SGLang's --tp; 1 for mpo's engine).
+    """
+
+    master_address: str
+    world_size: int
+    rank_offsets: tuple[int, ...]
+    tp_sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -125,6 +146,7 @@ class Plan:
         run_dir: the launch directory of this run (resolved config, logs, the trainer's exit marker).
         done_marker: written by trainer node 0's agent with the trainer's exit code; agents that host engines wait for
             it before stopping them, so the last weight sync of rank 0 still finds its engines.
+        weight_sync: the distributed weight-update group of the planned engines (None: external engines).
     """
 
     nodes: tuple[NodePlan, ...]
@@ -135,11 +157,16 @@ class Plan:
     resolved_config_path: str
     run_dir: str
     done_marker: str
+    weight_sync: WeightSyncGroup | None = None
 
     def format(self) -> str:
         """Human-readable plan: per node, its role and the exact commands (what --dry-run prints)."""
         lines = [f"placement: {self.placement}; engines: {', '.join(self.engine_urls) or 'none'}",
                  f"resolved config: {self.resolved_config_path}"]
+        if self.weight_sync is not None:
+            ws = self.weight_sync
+            lines.append(f"weight-update group: master {ws.master_address}, world size {ws.world_size}, engine rank "
+                         f"offsets {', '.join(map(str, ws.rank_offsets))}")
         for node in self.nodes:
             lines.append(f"node {node.node_rank} ({node.host}): {node.role}")
             for proc in node.processes:
@@ -189,37 +216,6 @@ def _engine_nodes(trainer_nodes: int, nnodes: int) -> tuple[list[int], str]:
     return list(range(nnodes - 1, -1, -1)), "colocated"
 
 
-def engine_command(config: TrainConfig, options: LaunchOptions, *, host: str, port: int,
-                   colocated: bool) -> list[str]:
-    """The server command of one engine: SGLang on GPUs, mpo's own engine on CPU.
-
-    Both get routed-experts capture unconditionally (not only for replay=r3): the trainer compares engine and trainer
-    routing every step (routing/rollout_vs_old/* metrics), as mpo's local EngineSet does.
-    """
-    m, r = config.model, config.rollout
-    python = options.engine_python or options.python
-    if r.engine == "sglang":
-        if not m.hf_dir:
-            raise PlanError("rollout.engine='sglang' needs model.hf_dir (the checkpoint SGLang loads)")
-        argv = [python, "-m", "sglang.launch_server", "--model-path", m.hf_dir,
-                "--tp", str(r.tensor_parallel), "--host", host, "--port", str(port),
-                "--dtype", "bfloat16" if m.dtype == "bf16" else "float32", "--enable-return-routed-experts"]
-        if m.fp32_lm_head:
-            argv.append("--enable-fp32-lm-head")
-        mem = options.engine_mem_fraction if options.engine_mem_fraction is not None else (0.4 if colocated else None)
-        if mem is not None:
-            argv += ["--mem-fraction-static", str(mem)]
-    else:
-        argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port),
-                "--preset", m.preset, "--dtype", m.dtype, "--max-batch", "256", "--enable-return-routed-experts",
-                "--fp32-lm-head" if m.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(config.seed)]
-        if m.mcore_dir:
-            argv += ["--mcore-dir", m.mcore_dir]
-    if r.api_key:
-        argv += ["--api-key", r.api_key]
-    return argv
-
-
 def _environment(gpus: int, *, trainer: bool) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if gpus and not trainer:
@@ -261,6 +257,13 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
         gpus_per_engine = r.tensor_parallel if r.engine == "sglang" else 0
         if r.engine == "sglang" and not gpus:
             raise PlanError("rollout.engine='sglang' needs GPU nodes (--gpus-per-node, or a SLURM GPU allocation)")
+        if r.engine == "sglang" and not config.model.hf_dir:
+            raise PlanError("rollout.engine='sglang' needs model.hf_dir (the checkpoint SGLang loads)")
+        # SGLang on GPUs shares them with the trainer when colocated: 0.4 of their memory unless told otherwise.
+        mem = options.engine_mem_fraction
+        if mem is None and placement == "colocated" and gpus_per_engine:
+            mem = 0.4
+        settings = EngineSettings.from_config(config, mem_fraction=mem)
         if gpus_per_engine and gpus % gpus_per_engine:
             raise PlanError(f"rollout.tensor_parallel={gpus_per_engine} does not divide the {gpus} GPUs per node")
         slots = gpus // gpus_per_engine if gpus_per_engine else r.num_engines  # CPU engines are not GPU-bound
@@ -277,14 +280,22 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                 proc_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpus_per_engine))
             url = f"http://{hosts[node]}:{port}"
             urls.append(url)
+            command = engine_command(settings, python=options.engine_python or options.python, host=hosts[node],
+                                     port=port)
             engines[node].append(Process(
-                name=f"engine{i}", kind="engine",
-                argv=tuple(engine_command(config, options, host=hosts[node], port=port,
-                                          colocated=placement == "colocated")),
-                env=proc_env, log=f"{run_dir}/node{node}-{hosts[node]}/engine{i}.log", url=url))
+                name=f"engine{i}", kind="engine", argv=command.argv, env={**proc_env, **command.env},
+                log=f"{run_dir}/node{node}-{hosts[node]}/engine{i}.log", url=url))
 
     # -- trainer -----------------------------------------------------------------------------------------------------
-    trainer_overrides = (f"rollout.urls=[{','.join(urls)}]",) if urls else ()
+    # Engines reach trainer global rank 0 (trainer node 0) for the distributed weight-update group.
+    weight_sync = None
+    trainer_overrides: tuple[str, ...] = ()
+    if urls:
+        tp_sizes = (settings.tensor_parallel,) * len(urls)
+        world_size, offsets = group_layout(tp_sizes)
+        weight_sync = WeightSyncGroup(master_address=hosts[0], world_size=world_size, rank_offsets=tuple(offsets),
+                                      tp_sizes=tp_sizes)
+        trainer_overrides = (f"rollout.urls=[{','.join(urls)}]", f"rollout.sync_master_address={hosts[0]}")
     resolved = load_config(options.config_path, [*options.overrides, *trainer_overrides])
     resolved_text = yaml.safe_dump(to_dict(resolved), sort_keys=False)
     resolved_path = f"{run_dir}/config.yaml"
@@ -305,4 +316,5 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                               log_dir=log_dir))
     return Plan(nodes=tuple(nodes), placement=placement, engine_urls=tuple(urls),
                 trainer_overrides=trainer_overrides, resolved_config=resolved_text,
-                resolved_config_path=resolved_path, run_dir=run_dir, done_marker=f"{run_dir}/trainer.exit")
+                resolved_config_path=resolved_path, run_dir=run_dir, done_marker=f"{run_dir}/trainer.exit",
+                weight_sync=weight_sync)

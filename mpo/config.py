@@ -63,6 +63,9 @@ class RolloutSection:
             the usual train/inference mismatch that R3 and RSPO exist for.
         tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
             tensor_parallel engines on each rollout node.
+        sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
+            weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
+            sets trainer node 0's host.
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -79,6 +82,7 @@ class RolloutSection:
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
     tensor_parallel: int = 1
+    sync_master_address: str | None = None
 
 
 @dataclass(frozen=True)

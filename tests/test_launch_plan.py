@@ -7,6 +7,7 @@ allocations this machine does not have (4 nodes x 8 GPUs) without starting anyth
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,16 +26,19 @@ RUN = "runs/qwen3_30b_a3b_gspo/launch/1234"
 TRAINER = ("PY -m torch.distributed.run --nnodes 2 --node-rank {k} --nproc-per-node 8 --master-addr gpu1 "
            "--master-port 29400 --max-restarts 0 --log-dir " + RUN + "/node{k}-gpu{n}/ranks --redirects 3 --tee 3 "
            "-m mpo.trainer --config " + RUN + "/config.yaml")
-ENGINE = ("SGPY -m sglang.launch_server --model-path mpo/recipes/hf_configs/qwen3_30b_a3b --tp 4 --host gpu{n} "
-          "--port {port} --dtype bfloat16 --enable-return-routed-experts --enable-fp32-lm-head --api-key KEY")
+# With a key SGLang starts through a `python -c LAUNCHER` that adds the key from MPO_API_KEY (never argv); the
+# launcher's own text is checked by running it (test_sglang_key_launcher_hardening_keeps_key_off_argv).
+ENGINE = ("SGPY -c LAUNCHER --model-path mpo/recipes/hf_configs/qwen3_30b_a3b --tp 4 --host gpu{n} "
+          "--port {port} --dtype bfloat16 --enable-return-routed-experts --enable-fp32-lm-head")
+KEY_ENV = {"MPO_API_KEY": "KEY"}
 TRAINER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 EXPECTED_GPU_PLAN = [
     ("gpu1", "trainer", [("trainer", TRAINER.format(k=0, n=1), TRAINER_ENV)]),
     ("gpu2", "trainer", [("trainer", TRAINER.format(k=1, n=2), TRAINER_ENV)]),
-    ("gpu3", "rollout", [("engine0", ENGINE.format(n=3, port=30000), {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
-                         ("engine1", ENGINE.format(n=3, port=30001), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})]),
-    ("gpu4", "rollout", [("engine2", ENGINE.format(n=4, port=30002), {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
-                         ("engine3", ENGINE.format(n=4, port=30003), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})]),
+    ("gpu3", "rollout", [("engine0", ENGINE.format(n=3, port=30000), {"CUDA_VISIBLE_DEVICES": "0,1,2,3", **KEY_ENV}),
+                         ("engine1", ENGINE.format(n=3, port=30001), {"CUDA_VISIBLE_DEVICES": "4,5,6,7", **KEY_ENV})]),
+    ("gpu4", "rollout", [("engine2", ENGINE.format(n=4, port=30002), {"CUDA_VISIBLE_DEVICES": "0,1,2,3", **KEY_ENV}),
+                         ("engine3", ENGINE.format(n=4, port=30003), {"CUDA_VISIBLE_DEVICES": "4,5,6,7", **KEY_ENV})]),
 ]
 
 
@@ -51,15 +55,23 @@ def _plan(path, overrides=(), hosts=("gpu1", "gpu2", "gpu3", "gpu4"), gpus=8, **
                      LaunchOptions(**{**defaults, **options}))
 
 
+def _command(process) -> str:
+    """The command line, with SGLang's key launcher (`-c <code>`) shown as `-c LAUNCHER`."""
+    argv = list(process.argv)
+    if argv[1] == "-c":
+        argv[2] = "LAUNCHER"
+    return " ".join(argv)
+
+
 def test_four_node_gpu_plan_matches_expected():
     plan = _plan(GSPO, ["rollout.api_key=KEY"])
-    got = [(n.host, n.role, [(p.name, " ".join(p.argv), {k: v for k, v in p.env.items() if k != "PYTHONUNBUFFERED"}
+    got = [(n.host, n.role, [(p.name, _command(p), {k: v for k, v in p.env.items() if k != "PYTHONUNBUFFERED"}
                                if p.kind == "engine" else p.env) for p in n.processes]) for n in plan.nodes]
     assert got == EXPECTED_GPU_PLAN
     assert plan.placement == "disaggregated"
     urls = ["http://gpu3:30000", "http://gpu3:30001", "http://gpu4:30002", "http://gpu4:30003"]
     assert list(plan.engine_urls) == urls
-    assert plan.trainer_overrides == (f"rollout.urls=[{','.join(urls)}]",)
+    assert plan.trainer_overrides == (f"rollout.urls=[{','.join(urls)}]", "rollout.sync_master_address=gpu1")
     import yaml
 
     data = yaml.safe_load(plan.resolved_config)  # what every trainer rank reads: the config plus the engine URLs
@@ -76,15 +88,20 @@ def test_dry_run_prints_exact_commands_per_node():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     expected = ["placement: disaggregated; engines: http://gpu3:30000, http://gpu3:30001, http://gpu4:30002, "
-                "http://gpu4:30003", f"resolved config: {RUN}/config.yaml"]
+                "http://gpu4:30003", f"resolved config: {RUN}/config.yaml",
+                "weight-update group: master gpu1, world size 17, engine rank offsets 1, 5, 9, 13"]
     for k, (host, role, procs) in enumerate(EXPECTED_GPU_PLAN):
         expected.append(f"node {k} ({host}): {role}")
         for name, command, penv in procs:
-            full_env = {**penv, "PYTHONUNBUFFERED": "1"}
+            full_env = {**penv, "PYTHONUNBUFFERED": "1", **({"MPO_API_KEY": "<redacted>"} if "MPO_API_KEY" in penv
+                                                            else {})}
             prefix = " ".join(f"{key}={value}" for key, value in sorted(full_env.items()))
             expected.append(f"  [{name}] {prefix} {command}")
             expected.append(f"      log: {RUN}/node{k}-{host}/{name}.log")
-    assert lines == expected
+    # The key never appears (the engine gets it in its environment), and SGLang's launcher is one quoted argument.
+    assert "KEY" not in out.stdout.replace("MPO_API_KEY", "")
+    shown = [re.sub(r"-c '[^']*'", "-c LAUNCHER", line) for line in lines]
+    assert shown == expected
 
 
 def test_cpu_demo_on_two_nodes_is_colocated_with_engine_on_last_node():
@@ -126,3 +143,92 @@ def test_ports_derive_from_job_id_and_agree():
 def test_plan_errors_name_the_problem(overrides, hosts, gpus, message):
     with pytest.raises(PlanError, match=message):
         _plan(GSPO, overrides, hosts=tuple(f"g{i}" for i in range(hosts)), gpus=gpus)
+
+
+def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
+    """rollout.sync=distributed with 4 SGLang engines of TP4 on gpu3/gpu4 and trainer rank 0 on gpu1: the group has
+    1 + 16 ranks, each engine its own block of ranks, and a rendezvous the other nodes can route to. The trainer's
+    EngineSet, built from the resolved config its ranks read, must make exactly that group."""
+    from mpo.trainer.loop import EngineSet
+
+    plan = _plan(GSPO, ["rollout.api_key=KEY"])
+    group = plan.weight_sync
+    assert group.world_size == 17 and group.tp_sizes == (4, 4, 4, 4)
+    blocks = [set(range(offset, offset + tp)) for offset, tp in zip(group.rank_offsets, group.tp_sizes)]
+    assert all(a.isdisjoint(b) for i, a in enumerate(blocks) for b in blocks[i + 1:])
+    assert set().union(*blocks) == set(range(1, 17))  # rank 0 is the trainer's
+    assert group.master_address == "gpu1"  # engines run on gpu3/gpu4: 127.0.0.1 would be their own node
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(plan.resolved_config)
+    config = load_config(resolved)
+    assert config.rollout.sync == "distributed"
+    sync = EngineSet(config, tmp_path).weight_sync(bucket_bytes=1 << 20)  # external URLs: nothing starts
+    assert sync.master_address == "gpu1" and sync.tp_sizes == [4, 4, 4, 4]
+    # One local node: engines and trainer share it, loopback is right.
+    local = _plan(DEMO, ["rollout.num_engines=2"], hosts=("127.0.0.1",), gpus=0)
+    assert local.weight_sync.master_address == "127.0.0.1" and local.weight_sync.world_size == 3
+    assert local.weight_sync.rank_offsets == (1, 2)
+
+
+def test_engine_set_refuses_distributed_sync_with_loopback_master_and_remote_engines(tmp_path):
+    from mpo.trainer.loop import EngineSet
+
+    config = load_config(DEMO, ["rollout.urls=[http://engine-host:30000]", "rollout.sync=distributed"])
+    with pytest.raises(ValueError, match="rollout.sync_master_address"):
+        EngineSet(config, tmp_path).weight_sync(bucket_bytes=1 << 20)
+
+
+def _without_host_port(argv) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--host", "--port"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def test_plan_and_engine_set_start_the_same_engine(tmp_path):
+    """The launcher's engine and the trainer's local EngineSet engine for one config: same command up to host and
+    port, same key in the environment. The settings that drifted before (engine_dtype, seed, mcore_dir) are set."""
+    from mpo.trainer.loop import EngineSet
+
+    overrides = ["rollout.api_key=KEY", "rollout.engine_dtype=bf16", "seed=7", f"model.mcore_dir={tmp_path}/ckpt"]
+    plan = _plan(DEMO, overrides, hosts=("n1",), gpus=0, engine_python=sys.executable)
+    planned = [p for p in plan.nodes[0].processes if p.kind == "engine"][0]
+    local = EngineSet.local_processes(load_config(DEMO, overrides), tmp_path)[0]
+    assert _without_host_port(planned.argv) == _without_host_port(local.command)
+    command = " ".join(planned.argv)
+    assert "--dtype bf16" in command and "--seed 7" in command and f"--mcore-dir {tmp_path}/ckpt" in command
+    assert planned.env["MPO_API_KEY"] == local.env["MPO_API_KEY"] == "KEY"
+    assert "KEY" not in planned.argv and "KEY" not in local.command
+
+
+def test_sglang_key_launcher_hardening_keeps_key_off_argv(tmp_path):
+    """SGLang's command with a key: the key reaches sglang.launch_server's sys.argv (as `--api-key K`) but not the
+    process's real argv (/proc/self/cmdline, what `ps` shows). SGLang itself is faked by a module that records both
+    (the real server with a key runs in tests/test_sglang_server.py when the SGLang tier is available)."""
+    from mpo.rollout.engine_command import EngineSettings, engine_command
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    out = tmp_path / "out.json"
+    (fake / "launch_server.py").write_text(
+        "import json, sys\n"
+        "if __name__ == '__main__':\n"
+        "    cmdline = [a.decode() for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0')]\n"
+        f"    json.dump({{'argv': sys.argv[1:], 'cmdline': cmdline}}, open({str(out)!r}, 'w'))\n")
+    command = engine_command(EngineSettings(engine="sglang", hf_dir="/m", api_key="K3y-s3cret"), python=sys.executable,
+                             host="h", port=5)
+    env = {**os.environ, **command.env, "PYTHONPATH": str(tmp_path / "fake")}
+    subprocess.run(command.argv, env=env, check=True, timeout=60)
+    import json
+
+    seen = json.loads(out.read_text())
+    assert seen["argv"][-2:] == ["--api-key", "K3y-s3cret"]
+    assert seen["argv"][:-2] == list(command.argv[3:])  # the rest reaches SGLang unchanged
+    assert not any("K3y-s3cret" in arg for arg in seen["cmdline"])
+    assert not any("K3y-s3cret" in arg for arg in command.argv)

@@ -8,6 +8,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,64 @@ def test_http_400_names_the_engine_and_the_reason(engines):
 def test_api_key_is_required(engines):
     with pytest.raises(EngineError, match="HTTP 401"):
         EngineClient(engines[1].url).call("/server_info", method="GET")
+
+
+def test_hardening_api_key_reaches_the_engine_by_environment_not_argv(engines):
+    """`ps` shows argv to every user: the key must be only in the engine's environment (readable by its owner)."""
+    pid = engines[1].process.pid
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"--api-key" not in argv and b"k" not in argv
+    assert b"MPO_API_KEY=k" in environ
+    with pytest.raises(EngineError, match="HTTP 401"):  # a wrong key is refused like a missing one
+        EngineClient(engines[1].url, api_key="kk").call("/server_info", method="GET")
+
+
+def test_hardening_engine_cli_refuses_key_on_argv_and_reads_key_file(tmp_path, capsys):
+    from mpo.rollout.mpo_engine.__main__ import api_key, main, parse_args
+
+    assert main(["--port", "1", "--api-key", "K3y"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "MPO_API_KEY" in err and "--api-key-file" in err and "K3y" not in err
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert api_key(parse_args(["--port", "1", "--api-key-file", str(key_file)]), {}) == "from-file"
+    assert api_key(parse_args(["--port", "1"]), {"MPO_API_KEY": "from-env"}) == "from-env"
+    assert api_key(parse_args(["--port", "1"]), {}) is None
+    assert main(["--port", "1", "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "--api-key-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host, key, header, status", [
+    ("0.0.0.0", None, None, 403),            # no key, reachable from other hosts: weight routes refused
+    ("127.0.0.1", None, None, 200),          # no key on loopback: only this host's users reach it
+    ("0.0.0.0", "K3y", "Bearer K3y", 200),   # a key: authenticated requests pass anywhere
+    ("0.0.0.0", "K3y", "Bearer K3z", 401),   # same length, wrong key
+])
+def test_hardening_keyless_engine_serves_weight_routes_only_on_loopback(host, key, header, status):
+    """The HTTP layer alone (mpo_engine.server): the generator is not needed for these routes (None), and the disk
+    route is a stand-in that records it was reached."""
+    import httpx
+
+    from mpo.rollout.mpo_engine.server import EngineApp, serve
+
+    app = EngineApp(None, info={})
+    reached = []
+    app.add("POST", "/update_weights_from_disk", lambda body: reached.append(body) or {"success": True})
+    port = free_port()
+    server = serve(app, host, port, key)
+    try:
+        headers = {"Authorization": header} if header else {}
+        got = httpx.post(f"http://127.0.0.1:{port}/update_weights_from_disk", json={"model_path": "/x"},
+                            headers=headers, timeout=30)
+        assert got.status_code == status, got.text
+        assert bool(reached) == (status == 200)
+        if status == 403:
+            assert "MPO_API_KEY" in got.json()["message"]
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # others serve
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_weight_sync_tensor_path_checksum_and_logprobs_follow(engines, tmp_path):

@@ -2,11 +2,13 @@
 
 The server runs from `.venv-sglang` (tests/sglang_harness/setup.sh); these tests run in the main venv and talk to it
 over HTTP and gloo only. Reference numbers come from an HF transformers fp32 forward of the same tokens.
-If sglang cannot be installed or imported, every test here skips with a reason starting "SGLANG TIER SKIPPED:".
+If sglang cannot be installed or imported, every test here skips with a reason starting "SGLANG TIER SKIPPED:" (in
+CI, CI=true, they fail instead: helpers/tiers.py).
 """
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from pathlib import Path
@@ -31,6 +33,7 @@ TOP_K = 2
 PROMPT = [1, 10, 11, 12, 13, 14, 15]
 LOGPROB_TOL = 1e-4
 TIMEOUT = 120
+API_KEY = "mpo-sglang-test-K3y"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest, model_dir: Path):
-    yield from serve_module(request, model_dir)
+    # With a key: the server starts through the launcher's key-in-environment command (hardening test below).
+    yield from serve_module(request, model_dir, api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +206,20 @@ def test_update_weights_from_tensor_flattened_bucket(server, hf_model):
     assert any(changed), "layer-0 routing of the prompt did not change after the router update"
     print(f"\n[sglang] flattened_bucket update: logprob max |diff| vs HF {diff:.2e}, routed experts agreement "
           f"{agree:.0%}", file=sys.stderr)
+
+
+def test_hardening_sglang_key_is_required_and_never_on_argv(server: SGLangServer):
+    """The launcher's SGLang command passes the key in MPO_API_KEY: no process of the server (its process group:
+    the HTTP server and its schedulers) shows it on argv, and SGLang enforces it."""
+    group = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == server.proc.pid:
+                group.append((entry / "cmdline").read_bytes())
+        except (OSError, ProcessLookupError):
+            continue
+    assert group, "no process found in the server's process group"
+    assert not any(API_KEY.encode() in cmdline for cmdline in group)
+    status, _ = http_json(server.url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}},
+                          {}, TIMEOUT)
+    assert status == 401

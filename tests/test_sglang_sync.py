@@ -6,7 +6,7 @@ hf_to_mcore) of the very HF checkpoint the server serves, run in a spawned gloo 
   routed experts equal to the trainer's own router top-k (mpo.routing hooks) for every token and layer.
 * After WeightSync pushes perturbed trainer weights over each transport (tensor = flattened_bucket, distributed =
   gloo broadcasts), the server's probe log-probs follow the new weights: they moved, and equal the trainer's.
-One server for the module; if SGLang is unavailable every test skips with "SGLANG TIER SKIPPED: ...".
+One server for the module; if SGLang is unavailable every test skips with "SGLANG TIER SKIPPED: ..." (fails in CI).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient
+from mpo.rollout.engine_command import API_KEY_ENV, EngineSettings, engine_command
 
 
 # Variables torchrun sets for its workers. An engine started from a trainer rank must not inherit them: with
@@ -20,7 +22,9 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 
 def engine_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    # An inherited MPO_API_KEY would give a keyless engine a key its clients do not know: only `extra` sets it.
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARS and k != API_KEY_ENV and not k.startswith("TORCHELASTIC_")}
     env.update(extra or {})
     return env
 
@@ -38,16 +42,18 @@ class LocalEngineProcess:
         self.process: subprocess.Popen | None = None
 
     @classmethod
-    def mpo_engine(cls, *, log_path: Path, port: int | None = None, api_key: str | None = None,
-                   extra_args: list[str] = (), num_layers: int | None = None,
+    def mpo_engine(cls, *, log_path: Path, settings: EngineSettings | None = None, port: int | None = None,
+                   api_key: str | None = None, extra_args: list[str] = (), num_layers: int | None = None,
                    topk: int | None = None) -> "LocalEngineProcess":
-        port = port or free_port()
-        command = [sys.executable, "-m", "mpo.rollout.mpo_engine", "--port", str(port), "--exit-with-parent",
-                   *extra_args]
+        """mpo's engine on this host, with the command the launcher would give it (mpo.rollout.engine_command);
+        `api_key` overrides the settings' key, `extra_args` are appended (argparse: the last value wins)."""
+        settings = settings or EngineSettings()
         if api_key:
-            command += ["--api-key", api_key]
-        return cls(command, port=port, log_path=log_path, api_key=api_key, num_layers=num_layers, topk=topk,
-                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+            settings = dataclasses.replace(settings, api_key=api_key)
+        command = engine_command(settings, python=sys.executable, host="127.0.0.1", port=port or free_port())
+        return cls([*command.argv, *extra_args], port=command.port, log_path=log_path, api_key=settings.api_key,
+                   num_layers=num_layers, topk=topk,
+                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **command.env})
 
     @property
     def url(self) -> str:

@@ -103,6 +103,13 @@ class SyncReport:
 
 
 
+def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of the distributed weight-update group: the trainer is rank 0, engine
+    i's TP ranks follow the engines before it. The launcher's plan states the same layout (launch/plan.py)."""
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+    return 1 + sum(tp_sizes), offsets
+
+
 class _Calls:
     """HTTP calls to several engines in threads, so the trainer can take part in a collective meanwhile."""
 
@@ -226,8 +233,7 @@ class WeightSync:
     def connect(self) -> None:
         """Create the weight-update group: trainer rank 0 plus every engine rank (engine i from rank_offset)."""
         port = free_port()
-        world_size = 1 + sum(self.tp_sizes)
-        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.clients))]
+        world_size, offsets = group_layout(self.tp_sizes)
         by_url = dict(zip((c.url for c in self.clients), offsets))
         calls = _Calls(self.clients, lambda c: c.init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=by_url[c.url], world_size=world_size,

@@ -28,6 +28,9 @@ class EngineSet:
         model = model_config(config)
         self.processes: list[LocalEngineProcess] = []
         self.engine, self.transport = r.engine, r.sync
+        # The distributed weight-update group: one rank per engine TP rank, rendezvous at trainer rank 0.
+        self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1
+        self.sync_master_address = r.sync_master_address or "127.0.0.1"
         self._sync = None
         self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
         # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.
@@ -41,13 +44,22 @@ class EngineSet:
         if r.engine != "mpo":
             raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
                              "are started by the launcher (launch/) and passed as rollout.urls")
-        args = ["--preset", config.model.preset, "--dtype", r.engine_dtype or config.model.dtype, "--max-batch", "256",
-                "--enable-return-routed-experts", "--fp32-lm-head" if config.model.fp32_lm_head else "--no-fp32-lm-head"]
-        for i in range(r.num_engines):
-            self.processes.append(LocalEngineProcess.mpo_engine(
-                log_path=out_dir / "logs" / f"engine{i}.log", api_key=r.api_key, extra_args=args,
-                num_layers=model.num_layers, topk=model.router_topk).start())
+        for process in self.local_processes(config, out_dir):
+            self.processes.append(process.start())
         self.handles = [(p.client, functools.partial(self._restart, p)) for p in self.processes]
+
+    @staticmethod
+    def local_processes(config: TrainConfig, out_dir: Path) -> list:
+        """The `rollout.num_engines` local mpo engines of `config`, not started yet. Their command comes from the
+        same builder as the launcher's (mpo.rollout.engine_command), so both start the same engine."""
+        from mpo.rollout.engine_command import EngineSettings
+        from mpo.rollout.local_engine import LocalEngineProcess
+
+        model = model_config(config)
+        settings = EngineSettings.from_config(config)
+        return [LocalEngineProcess.mpo_engine(log_path=out_dir / "logs" / f"engine{i}.log", settings=settings,
+                                              num_layers=model.num_layers, topk=model.router_topk)
+                for i in range(config.rollout.num_engines)]
 
     def _restart(self, process) -> None:
         from mpo.rollout.weight_sync import WeightSync
@@ -67,11 +79,22 @@ class EngineSet:
 
     def weight_sync(self, bucket_bytes: int):
         """The set's one WeightSync (its distributed group, if any, is made once and reused every step)."""
+        from urllib.parse import urlsplit
+
+        from mpo.parallel.ports import is_loopback
         from mpo.rollout.weight_sync import WeightSync
 
         if self._sync is None:
+            master = self.sync_master_address
+            if self.transport == "distributed" and is_loopback(master):
+                remote = [c.url for c in self.clients if not is_loopback(urlsplit(c.url).hostname or "")]
+                if remote:
+                    raise ValueError(f"rollout.sync='distributed': engine {remote[0]} cannot reach trainer rank 0 at "
+                                     f"{master}; set rollout.sync_master_address to an address of this host that "
+                                     f"the engines can route to (the launcher sets it)")
             self._sync = WeightSync(self.clients, engine=self.engine, transport=self.transport,
-                                    bucket_bytes=bucket_bytes)
+                                    bucket_bytes=bucket_bytes, tp_sizes=[self.tp_size] * len(self.clients),
+                                    master_address=master)
         return self._sync
 
     def stop(self) -> None:

@@ -6,7 +6,7 @@ Tests run in the main venv, which has no sglang; the server runs in the separate
 build on PyPI) and a `sitecustomize.py` import hook that skips CUDA host-memory pinning. See their docstrings.
 
 Usage:
-    with start_sglang_server(model_dir) as server:
+    with start_sglang_server(model_dir, api_key="k") as server:
         requests.post(server.url + "/generate", json={...})
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
+from helpers.tiers import tier_unavailable
 from mpo.parallel.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,8 @@ def sglang_available() -> tuple[bool, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"running {py} failed: {exc}"
     if out.returncode != 0:
-        return False, f"`import sglang` failed in {py}: {out.stderr.strip()[-800:]}"
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return False, f"`import sglang` failed in {py}: {last}"
     version = out.stdout.strip().splitlines()[-1]
     if version != SGLANG_VERSION:
         return False, f"{py} has sglang {version}, the harness is written for {SGLANG_VERSION}"
@@ -166,42 +168,38 @@ def start_sglang_server(
     model_dir: Path,
     *,
     port: int | None = None,
-    dtype: str = "float32",
-    routed_experts: bool = True,
+    dtype: str = "fp32",
     fp32_lm_head: bool = False,
     api_key: str | None = None,
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
     ready_timeout: float = 240.0,
 ) -> SGLangServer:
-    """Launch `python -m sglang.launch_server` from `.venv-sglang` on CPU and wait until it serves generations."""
+    """Start SGLang from `.venv-sglang` with the launcher's own engine command (mpo.rollout.engine_command: routed
+    experts on, the key in MPO_API_KEY rather than argv) plus the flags a CPU needs, and wait until it generates."""
+    from mpo.rollout.engine_command import EngineSettings, engine_command
+
     ok, reason = sglang_available()
     if not ok:
         raise RuntimeError(f"sglang is not available: {reason}")
     port = port or free_port()
     log_path = Path(log_path or Path(model_dir) / f"sglang-server-{port}.log")
+    command = engine_command(EngineSettings(engine="sglang", hf_dir=str(model_dir), dtype=dtype,
+                                            fp32_lm_head=fp32_lm_head, api_key=api_key),
+                             python=str(sglang_python()), host="127.0.0.1", port=port)
     cmd = [
-        str(sglang_python()), "-m", "sglang.launch_server",
-        "--model-path", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype,
+        *command.argv,
         "--device", "cpu",
         "--attention-backend", "torch_native",
         "--sampling-backend", "pytorch",
         "--disable-overlap-schedule",
         "--max-total-tokens", "4096",
+        *(extra_args or []),
     ]
-    if routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    if fp32_lm_head:
-        cmd.append("--enable-fp32-lm-head")
-    if api_key:
-        cmd += ["--api-key", api_key]
-    cmd += extra_args or []
     log = open(log_path, "ab")
     try:
         proc = subprocess.Popen(
-            cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            cmd, env=server_env(command.env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=str(model_dir),
         )
     finally:
@@ -215,31 +213,13 @@ def start_sglang_server(
     return server
 
 
-def skip_loudly(request, reason: str) -> None:
-    """Skip the calling module's SGLang tier with a banner on the terminal (not captured), a warning in the summary,
-    and the reason, so a missing SGLang never passes silently."""
-    import sys
-    import warnings
-
-    import pytest
-
-    msg = f"SGLANG TIER SKIPPED: {reason}"
-    bar = "!" * 100
-    print(f"\n{bar}\n{msg}\n{bar}", file=sys.stderr)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_sep("!", msg, red=True, bold=True)
-    warnings.warn(msg, pytest.PytestWarning, stacklevel=2)
-    pytest.skip(msg)
-
-
-def serve_module(request, model_dir: Path):
-    """Body of a module-scoped `server` fixture: one real server for the module, or a loud skip without SGLang."""
+def serve_module(request, model_dir: Path, api_key: str | None = None):
+    """Body of a module-scoped `server` fixture: one real server for the module; without SGLang a loud skip, or a
+    failure in CI."""
     ok, reason = sglang_available()
     if not ok:
-        skip_loudly(request, reason)
-    with start_sglang_server(model_dir, log_path=model_dir / "server.log") as srv:
+        tier_unavailable("SGLANG", reason, request)
+    with start_sglang_server(model_dir, log_path=model_dir / "server.log", api_key=api_key) as srv:
         print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
         yield srv
     print(f"\n[sglang] server stopped in {srv.stop_seconds:.1f} s", file=sys.stderr)

@@ -8,8 +8,11 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
+
+from mpo.rollout.engine_command import API_KEY_ENV
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -19,7 +22,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234, help="init seed when no checkpoint is given")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key-file", default=None,
+                        help=f"file holding the bearer token clients must send (default: ${API_KEY_ENV}; never on "
+                             f"argv, where `ps` shows it to every user)")
+    parser.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused with a message, see main()
     parser.add_argument("--enable-return-routed-experts", action="store_true")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True)
@@ -30,8 +36,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def api_key(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """The engine's key: --api-key-file's contents, else $MPO_API_KEY, else None (no auth). Raises ValueError with
+    one line for a key given on argv or an unreadable file."""
+    if args.api_key is not None:
+        raise ValueError(f"--api-key is refused: the command line is visible to every user (ps); set {API_KEY_ENV} "
+                         f"or pass --api-key-file PATH")
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return env.get(API_KEY_ENV) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        key = api_key(args, dict(os.environ))
+    except ValueError as exc:
+        print(f"mpo engine: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mpo-engine %(levelname)s %(message)s")
     torch.set_num_threads(1)
     from mpo.rollout.mpo_engine.model_runner import EngineModel
@@ -48,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "vocab_size": runner.vocab_size, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
     })
     runner.add_weight_routes(app)
-    server = serve(app, args.host, args.port, args.api_key)
+    server = serve(app, args.host, args.port, key)
     logging.info("mpo engine serving on http://%s:%d", args.host, args.port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -6,6 +6,7 @@ Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -13,6 +14,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from mpo.parallel.ports import is_loopback
 from mpo.rollout.mpo_engine.generator import MpoGenerator
 from mpo.rollout.protocol import SamplingParams
 
@@ -118,7 +120,21 @@ class EngineApp:
         return {"success": True, "message": "Success"}
 
 
-def make_handler(app: EngineApp, api_key: str | None) -> type[BaseHTTPRequestHandler]:
+# Routes that replace the served weights or join process groups. An engine without a key serves them only on a
+# loopback address: anyone who can reach it could otherwise swap its weights.
+KEYLESS_LOOPBACK_ONLY = frozenset({"/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor",
+                                   "/update_weights_from_disk", "/update_weights_from_distributed",
+                                   "/init_weights_update_group", "/destroy_weights_update_group"})
+
+
+def authorized(headers: Any, api_key: str | None) -> bool:
+    """The request carries `Bearer <api_key>` (constant-time comparison), or the engine has no key."""
+    if not api_key:
+        return True
+    return hmac.compare_digest(str(headers.get("Authorization") or "").encode(), f"Bearer {api_key}".encode())
+
+
+def make_handler(app: EngineApp, api_key: str | None, *, loopback: bool = True) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -137,8 +153,12 @@ def make_handler(app: EngineApp, api_key: str | None) -> type[BaseHTTPRequestHan
             path = self.path.split("?", 1)[0]
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
-            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+            if not authorized(self.headers, api_key):
                 return self._reply(HTTPStatus.UNAUTHORIZED, {"success": False, "message": "Unauthorized"})
+            if not api_key and not loopback and path in KEYLESS_LOOPBACK_ONLY:
+                return self._reply(HTTPStatus.FORBIDDEN, {"success": False, "message": (
+                    f"{path} refused: this engine has no API key and listens on a non-loopback address; start it "
+                    f"with MPO_API_KEY set (or --api-key-file), or bind it to 127.0.0.1")})
             route = app.routes.get((method, path)) or app.routes.get(("POST" if method == "GET" else "GET", path))
             if route is None:
                 return self._reply(HTTPStatus.NOT_FOUND, {"success": False, "message": f"no route {method} {path}"})
@@ -167,7 +187,7 @@ def make_handler(app: EngineApp, api_key: str | None) -> type[BaseHTTPRequestHan
 
 def serve(app: EngineApp, host: str, port: int, api_key: str | None = None) -> ThreadingHTTPServer:
     """Start serving in a background thread; returns the server (call .shutdown() to stop)."""
-    server = ThreadingHTTPServer((host, port), make_handler(app, api_key))
+    server = ThreadingHTTPServer((host, port), make_handler(app, api_key, loopback=is_loopback(host)))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="mpo-engine-http", daemon=True).start()
     return server

@@ -1,0 +1,119 @@
+"""The one builder of an engine's command line and environment.
+
+The launcher (launch/plan.py) and the trainer's local EngineSet (mpo/trainer/loop.py via
+mpo.rollout.local_engine) both start engines; both call `engine_command`, so dtype, seed, checkpoint, routed
+experts and the key cannot drift between them.
+
+The API key never goes on the command line (any user on the node can read argv with `ps`): it travels in the
+environment variable `MPO_API_KEY` (readable only by the process's owner). mpo's engine reads it there; SGLang has
+no such variable, so its command is a short `python -c` launcher that appends `--api-key` to SGLang's in-process
+`sys.argv` (which `ps` does not show) and then runs `sglang.launch_server` as `python -m` would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from mpo.config import TrainConfig
+
+API_KEY_ENV = "MPO_API_KEY"
+SECRET_ENV = frozenset({API_KEY_ENV})  # environment variables never printed (dry runs, messages) ...
+REDACTED = "<redacted>"  # ... but shown as this
+
+# Runs `python -m sglang.launch_server ARGS --api-key $MPO_API_KEY` without the key on the real argv. Imports only
+# the standard library, so it needs nothing of mpo in SGLang's (separate) environment.
+SGLANG_KEY_LAUNCHER = (
+    'import os, runpy, sys; '
+    f'key = os.environ.get("{API_KEY_ENV}"); '
+    'sys.argv += ["--api-key", key] if key else []; '
+    'runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)'
+)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine serves, independent of where it runs (the fields of TrainConfig an engine depends on).
+
+    Attributes:
+        engine: "mpo" (mpo's own engine, CPU) or "sglang".
+        dtype: "fp32" or "bf16": rollout.engine_dtype, else model.dtype.
+        fp32_lm_head: keep the LM head in fp32 (model.fp32_lm_head).
+        seed: init seed of an mpo engine without a checkpoint (config.seed, so it starts as the trainer does).
+        preset: mpo engine's model preset (model.preset).
+        hf_dir: the checkpoint SGLang loads (model.hf_dir).
+        mcore_dir: the torch_dist checkpoint an mpo engine loads (model.mcore_dir; None: seeded init).
+        tensor_parallel: GPUs per SGLang engine (rollout.tensor_parallel; mpo's engine runs at TP1).
+        api_key: bearer token the engine requires (rollout.api_key); passed in the environment, never on argv.
+        max_batch: mpo engine's largest decode batch.
+        mem_fraction: SGLang --mem-fraction-static (None: SGLang's default).
+    """
+
+    engine: Literal["mpo", "sglang"] = "mpo"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    fp32_lm_head: bool = True
+    seed: int = 1234
+    preset: str = "tiny"
+    hf_dir: str | None = None
+    mcore_dir: str | None = None
+    tensor_parallel: int = 1
+    api_key: str | None = None
+    max_batch: int = 256
+    mem_fraction: float | None = None
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, *, mem_fraction: float | None = None) -> EngineSettings:
+        """The settings of `config`'s engines."""
+        m, r = config.model, config.rollout
+        return cls(engine=r.engine, dtype=r.engine_dtype or m.dtype, fp32_lm_head=m.fp32_lm_head, seed=config.seed,
+                   preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
+                   tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,
+                   mem_fraction=mem_fraction)
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """An engine's exact command line and the environment variables it needs on top of its parent's.
+
+    Attributes:
+        argv: the command line (never holds the key).
+        env: variables to set (MPO_API_KEY when a key is set).
+        host: the address the engine binds.
+        port: its HTTP port.
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
+def engine_command(settings: EngineSettings, *, python: str, host: str, port: int) -> EngineCommand:
+    """The server command of one engine: SGLang (GPUs) or mpo's own engine (CPU).
+
+    Both get routed-experts capture unconditionally (not only for replay=r3): the trainer compares engine and trainer
+    routing every step (routing/rollout_vs_old/* metrics). mpo's engine also gets --exit-with-parent: whoever
+    started it (a launch agent, a trainer rank, a test) takes it down by dying, even by SIGKILL.
+    """
+    s = settings
+    env = {API_KEY_ENV: s.api_key} if s.api_key else {}
+    if s.engine == "sglang":
+        if not s.hf_dir:
+            raise ValueError("rollout.engine='sglang' needs model.hf_dir (the checkpoint SGLang loads)")
+        entry = ["-c", SGLANG_KEY_LAUNCHER] if s.api_key else ["-m", "sglang.launch_server"]
+        argv = [python, *entry, "--model-path", s.hf_dir, "--tp", str(s.tensor_parallel), "--host", host,
+                "--port", str(port), "--dtype", "bfloat16" if s.dtype == "bf16" else "float32",
+                "--enable-return-routed-experts"]
+        if s.fp32_lm_head:
+            argv.append("--enable-fp32-lm-head")
+        if s.mem_fraction is not None:
+            argv += ["--mem-fraction-static", str(s.mem_fraction)]
+        return EngineCommand(tuple(argv), env, host, port)
+    argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port), "--preset", s.preset,
+            "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--enable-return-routed-experts",
+            "--fp32-lm-head" if s.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(s.seed)]
+    if s.mcore_dir:
+        argv += ["--mcore-dir", s.mcore_dir]
+    argv.append("--exit-with-parent")
+    return EngineCommand(tuple(argv), env, host, port)
