@@ -100,7 +100,7 @@ class SGLangServer:
     def log_tail(self, n: int = 60) -> str:
         return _tail(self.log_path, n)
 
-    def wait_ready(self, timeout: float = 240.0) -> float:
+    def wait_ready(self, timeout: float = 600.0) -> float:
         """Poll /health_generate until 200; raise RuntimeError with the log tail on exit or timeout."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
@@ -173,7 +173,7 @@ def start_sglang_server(
     api_key: str | None = None,
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
-    ready_timeout: float = 240.0,
+    ready_timeout: float = 600.0,
 ) -> SGLangServer:
     """Start SGLang from `.venv-sglang` with the launcher's own engine command (mpo.rollout.engine_command: routed
     experts on, the key in MPO_API_KEY rather than argv) plus the flags a CPU needs, and wait until it generates."""
