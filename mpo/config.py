@@ -331,6 +331,10 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"algorithm: {exc}") from None
     if a.positive_nll_coef < 0:
         raise ConfigError(f"algorithm.positive_nll_coef={a.positive_nll_coef} must be >= 0")
+    if config.parallel.context_parallel > 1:
+        raise ConfigError(f"parallel.context_parallel={config.parallel.context_parallel}: the RL loop does not support "
+                          "context parallelism yet (routing capture and the log-prob gather need megatron's zigzag "
+                          "sequence split); valid values: 1")
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")

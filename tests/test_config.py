@@ -25,6 +25,15 @@ from mpo.config import ConfigError, load_config
     (["schedule.lr=fast"], "schedule.lr='fast': expected float"),
     (["algorithm.loss=grpo", "algorithm.loss_args={eps_low: -1}"], "eps_low"),
     (["data.task=toy:sort"], "valid toy tasks"),
+    (["parallel.context_parallel=2", "parallel.expert_parallel=1"],
+     "parallel.context_parallel=2: the RL loop does not support context parallelism yet"),
+    (["algorithm.advantage=gae"], "advantage='gae' needs a critic"),
+    (["algorithm.advantage=grpo", "algorithm.advantage_args={beta: 0.9}"], "advantage_args ['beta']"),
+    (["algorithm.rollout_correction=tis"], "unknown rollout_correction 'tis'"),
+    (["algorithm.rollout_correction=icepop_token", "algorithm.rollout_correction_args={cap: 2}"],
+     "has no bound 'cap'"),
+    (["algorithm.kl_estimator=k9"], "unknown kl_estimator 'k9'"),
+    (["data.retire_pass_rate=1.5"], "data.retire_pass_rate=1.5 must be in [0, 1]"),
 ])
 def test_bad_config_fails_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
