@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
+from mpo.lifecycle import exit_with_parent
 
-import torch
+if __name__ == "__main__":
+    exit_with_parent()  # before the heavy imports: a rank must not outlive torchrun, even while it loads
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from mpo.lifecycle import REPORTED_FAILURE_EXIT, NoSpaceLeft, peer_reported_failure, stop_rank_with_one_line  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     from mpo.config import load_config
     from mpo.trainer.loop import run
 
-    run(load_config(args.config, args.overrides))
+    try:
+        run(load_config(args.config, args.overrides))
+    except NoSpaceLeft as exc:  # the last complete checkpoint is still selected: the run can resume once there is room
+        stop_rank_with_one_line(str(exc))
+    except Exception:
+        if peer_reported_failure():  # our error is that rank leaving; its one line is the run's
+            os._exit(REPORTED_FAILURE_EXIT)
+        raise
     return 0
 
 
