@@ -68,11 +68,10 @@ def exit_with_parent(*, signal_by_default: bool = True) -> None:
     if use_signal:
         set_parent_death_signal()
     parent = os.getppid()
-    # The parent may have died between our fork and the prctl above: then the signal will never come.
+    # The parent may have died between our fork and the prctl above: then the signal will never come. Without
+    # MPO_PARENT that window stays open (a parent of pid 1 proves nothing: in a container the launcher may be pid 1).
     if pid_text.isdigit() and parent != int(pid_text):
         _die(f"parent process {pid_text} exited before this process started")
-    if parent == 1:
-        _die("parent process exited before this process started")
 
     def watch() -> None:
         while threading.main_thread().is_alive():
