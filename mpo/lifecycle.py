@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 # Set by a parent for a child it starts: "<pid>:signal" or "<pid>:poll" (see child_env). Consumed by the child, so a
 # grandchild started with an inherited environment never mistakes its grandparent for its parent.
@@ -74,21 +74,27 @@ def exit_with_parent(*, signal_by_default: bool = True) -> None:
         _die(f"parent process {pid_text} exited before this process started")
 
     def watch() -> None:
-        while threading.main_thread().is_alive():
+        while True:
             if os.getppid() != parent:
                 _die(f"parent process {parent} is gone")
-            threading.Event().wait(WATCHDOG_PERIOD_S)
+            time.sleep(WATCHDOG_PERIOD_S)
 
     threading.Thread(target=watch, name="mpo-parent-watchdog", daemon=True).start()
 
 
-def preexec_die_with_parent() -> None:
-    """`subprocess.Popen(preexec_fn=...)` for children that are not mpo code (torchrun run directly, SGLang): the
-    death signal is set between fork and exec. Only for single-threaded parents (preexec_fn is unsafe with threads)."""
-    parent = os.getppid()
-    set_parent_death_signal()
-    if os.getppid() != parent:
-        os._exit(1)
+def preexec_exit_with_this_process() -> Callable[[], None]:
+    """A `subprocess.Popen(preexec_fn=...)` for children that are not mpo code (torchrun run directly, SGLang): the
+    death signal is set between fork and exec, and survives the exec. Call it in the thread that starts the child and
+    lives as long as this process (the signal fires when that thread exits); only in single-threaded parents:
+    preexec_fn is unsafe with threads."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        set_parent_death_signal()
+        if os.getppid() != parent:  # died before the prctl: the signal will never come
+            os._exit(1)
+
+    return preexec
 
 
 class RunDirInUse(Exception):

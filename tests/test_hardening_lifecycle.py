@@ -63,7 +63,8 @@ def _assert_all_gone(run_id: str, after: str) -> None:
 
 def _roles(run_id: str) -> tuple[list[int], list[int]]:
     procs = live_processes_with_env(MARKER, run_id)
-    ranks = [pid for pid, cmd in procs.items() if "-m mpo.trainer" in cmd and "torchrun" not in cmd]
+    ranks = [pid for pid, cmd in procs.items()
+             if "-m mpo.trainer" in cmd and not any(launcher in cmd for launcher in ("torchrun", "distributed.run"))]
     engines = [pid for pid, cmd in procs.items() if "-m mpo.rollout.mpo_engine" in cmd]
     return ranks, engines
 
@@ -94,6 +95,38 @@ def test_hardening_kill9_of_demo_process_group_leaves_no_process(tmp_path):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+_AGENT = """
+import sys
+from launch.agent import Agent
+from launch.plan import NodePlan, Plan, Process
+tmp = sys.argv[1]
+sleeper = (sys.executable, "-c", "import time; time.sleep(600)")
+parts = (Process(name="trainer", kind="trainer", argv=sleeper, log=tmp + "/trainer.log"),
+         Process(name="engine0", kind="engine", argv=sleeper, log=tmp + "/engine0.log"))
+node = NodePlan(node_rank=0, host="127.0.0.1", role="trainer+rollout", processes=parts, log_dir=tmp)
+plan = Plan(nodes=(node,), placement="external", engine_urls=(), trainer_overrides=(), resolved_config="a: 1\\n",
+            resolved_config_path=tmp + "/config.yaml", run_dir=tmp, done_marker=tmp + "/trainer.exit")
+sys.exit(Agent(plan, 0, poll_s=0.1).run())
+"""
+
+
+def test_hardening_kill9_of_launch_agent_leaves_no_process(tmp_path):
+    """The multi-node agent (launch/agent.py) killed with SIGKILL runs no teardown: its trainer and engine, each in
+    its own session, must still die with it. Fake: both are sleeping Python processes (the real commands run in
+    tests/test_slurm_cluster.py)."""
+    run_id = uuid.uuid4().hex
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(tmp_path)], env=_marked_env(run_id),
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(live_processes_with_env(MARKER, run_id)) == 3, 60, "the agent's two processes")
+        agent.kill()
+        agent.wait()
+        _assert_all_gone(run_id, "kill -9 of the launch agent")
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 # -- 2. the engine's starter dies while the engine loads -------------------------------------------------------------
@@ -193,7 +226,6 @@ def test_hardening_resume_drops_torn_metrics_tail(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     whole = "".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(5))
     path.write_text(whole + '{"step": 5, "reward_me')
-    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4]
     log = MetricsLog(tmp_path, tensorboard=False, total_steps=10, progress=False, start_step=4)
     with caplog.at_level(logging.WARNING):
         log.truncate_after(3)
@@ -201,6 +233,8 @@ def test_hardening_resume_drops_torn_metrics_tail(tmp_path, caplog):
     log.log(4, {"reward_mean": 0.5})
     log.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    path.write_text(whole + '{"step": 5, "rew')  # the demo's summary reads the same file
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4]
     assert "demo.png" in mpo.cli.summarize_demo(tmp_path)
 
 
