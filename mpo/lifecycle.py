@@ -162,6 +162,29 @@ def writing(path: str | Path) -> Iterator[None]:
         raise
 
 
+def first_no_space(exc: NoSpaceLeft) -> NoSpaceLeft:
+    """The earliest NoSpaceLeft behind `exc`: a full disk met first by a checkpoint is met again by the clean-up
+    that runs while it propagates (closing the TensorBoard writer); the first write is the one to name."""
+    first, seen, current = exc, 0, exc.__cause__ or exc.__context__
+    while current is not None and seen < 16:
+        if isinstance(current, NoSpaceLeft):
+            first = current
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return first
+
+
+def quiet_no_space_in_threads() -> None:
+    """A background writer thread (TensorBoard's) that hits a full disk dies without printing its traceback: the
+    main thread meets the same error at its next write and ends the run with one line."""
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not _no_space_error(args.exc_value):
+            default(args)
+
+    threading.excepthook = hook
+
+
 # Exit code of a rank that stopped on a failure it described in one line (the line is in torchrun's error file).
 REPORTED_FAILURE_EXIT = 3
 _ONE_LINE_PREFIX = "mpo: "

@@ -72,10 +72,11 @@ class MetricsLog:
         with writing(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, float) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+            with writing(self.writer.get_logdir()):  # its writer thread fails first; this re-raises the OSError
+                for key, value in record.items():
+                    if isinstance(value, float) and math.isfinite(value):
+                        self.writer.add_scalar(key, value, step)
+                self.writer.flush()
         if self.bar is not None:
             self.bar.update(1)
             loss = metrics.get("loss")
@@ -83,7 +84,8 @@ class MetricsLog:
                                  loss="skipped (no signal)" if loss is None else f"{loss:.4f}")
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
         if self.bar is not None:
             self.bar.close()
+        if self.writer is not None:
+            with writing(self.writer.get_logdir()):
+                self.writer.close()
