@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             overrides.append(f"algorithm.replay={args.replay}")
         code = run_local(str(RECIPES / "demo_cpu.yaml"), overrides)
-        print(summarize_demo(Path(args.out)))
+        if code == 0:  # a failed run has said why in one line; its plot could not be written to a full disk anyway
+            print(summarize_demo(Path(args.out)))
         return code
     except ConfigError as exc:
         print(f"mpo: config error: {exc}", file=sys.stderr)

@@ -107,8 +107,9 @@ def lock_run_dir(out_dir: str | Path) -> IO[str]:
     flock is released by the kernel when the holder dies, however it dies, so a crashed run never blocks the next.
     The file is opened close-on-exec, so children do not keep the lock alive after the holder has gone."""
     path = Path(out_dir) / ".lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")  # not "w": truncating would erase the holder's line before we know we may
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")  # not "w": truncating would erase the holder's line before we know we may
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -116,10 +117,11 @@ def lock_run_dir(out_dir: str | Path) -> IO[str]:
         holder = handle.read().strip() or "pid ? on host ?"
         handle.close()
         raise RunDirInUse(f"run directory {out_dir} is in use by {holder}") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-    handle.flush()
+    with writing(path):
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        handle.flush()
     return handle
 
 
