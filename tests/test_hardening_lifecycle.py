@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from helpers.procs import live_processes_with_env
 
 import mpo.cli
-from mpo.lifecycle import NoSpaceLeft, lock_run_dir
+from mpo.lifecycle import NoSpaceLeft
 from mpo.trainer.checkpoint import CheckpointManager
 from mpo.trainer.metrics_log import MetricsLog, read_metrics
 
@@ -87,7 +86,8 @@ def test_hardening_kill9_of_demo_process_group_leaves_no_process(tmp_path):
 
         _wait_for(all_up, 300, "2 trainer ranks and an engine")
         time.sleep(random.uniform(0.0, 3.0))
-        assert job.poll() is None, f"the run ended before it could be killed:\n{(tmp_path / 'demo.log').read_text()[-2000:]}"
+        log_tail = (tmp_path / "demo.log").read_text()[-2000:]
+        assert job.poll() is None, f"the run ended before it could be killed:\n{log_tail}"
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
         _assert_all_gone(run_id, "kill -9 of the launcher's process group")

@@ -57,7 +57,7 @@ class LocalEngineProcess:
     def start(self) -> "LocalEngineProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            # Own session (stop() signals the group) and MPO_PARENT: the engine dies with this process (--exit-with-parent).
+            # Own session: stop() signals the group. MPO_PARENT: the engine dies with this process (--exit-with-parent).
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             env={**self.env, **child_env()}, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout_s
