@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch.plan import NodePlan, Plan, Process
+from mpo.lifecycle import preexec_exit_with_this_process
 
 
 class Stopped(Exception):
@@ -76,9 +77,11 @@ class Agent:
     def _start(self, spec: Process) -> Running:
         Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log, "ab") as log:
-            # Own session: teardown signals the whole process group (torchrun's workers, SGLang's schedulers).
+            # Own session: teardown signals the whole process group (torchrun's workers, SGLang's schedulers). The
+            # death signal: a SIGKILLed agent runs no teardown, yet its processes must not outlive it.
             popen = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **spec.env}, start_new_session=True)
+                                     env={**os.environ, **spec.env}, start_new_session=True,
+                                     preexec_fn=preexec_exit_with_this_process())
         say(self.node, f"started {spec.name} (pid {popen.pid}); log: {spec.log}")
         running = Running(spec, popen)
         self.running.append(running)

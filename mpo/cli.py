@@ -8,13 +8,14 @@ jobs go through `python -m launch` (see slurm/), which starts the same trainer m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from mpo.lifecycle import NoSpaceLeft, RunDirInUse, child_env, lock_run_dir, writing
 from mpo.parallel.ports import free_port
+from mpo.trainer.metrics_log import read_metrics
 
 RECIPES = Path(__file__).parent / "recipes"
 
@@ -33,23 +34,24 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
     """Validate, write the resolved config into the run directory, start world_size ranks here with torchrun."""
     config, text = resolve_config(config_path, overrides)
     out_dir = Path(config.logging.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = out_dir / "config.yaml"
-    resolved.write_text(text)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config.world_size}",
-               f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
-    return subprocess.call(command, env=env)
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    lock = lock_run_dir(out_dir)  # held until torchrun returns; first, so a refused run writes nothing here
+    try:
+        resolved = out_dir / "config.yaml"
+        with writing(resolved):
+            resolved.write_text(text)
+        # mpo.torchrun: torchrun that dies with this process, its ranks with it, and reports a full disk in one line.
+        command = [sys.executable, "-m", "mpo.torchrun", f"--nproc_per_node={config.world_size}",
+                   f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"), **child_env()}
+        return subprocess.call(command, env=env)
+    finally:
+        lock.close()
 
 
 def summarize_demo(out_dir: Path) -> str:
     """Reward before/after table and a PNG of reward and routing agreement over steps."""
-    rows = _read_metrics(out_dir / "metrics.jsonl")
+    rows = read_metrics(out_dir / "metrics.jsonl")
     if not rows:
         return "no metrics were written"
     window = max(1, min(5, len(rows) // 4 or 1))
@@ -129,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             overrides.append(f"algorithm.replay={args.replay}")
         code = run_local(str(RECIPES / "demo_cpu.yaml"), overrides)
-        print(summarize_demo(Path(args.out)))
+        if code == 0:  # a failed run has said why in one line; its plot could not be written to a full disk anyway
+            print(summarize_demo(Path(args.out)))
         return code
     except ConfigError as exc:
         print(f"mpo: config error: {exc}", file=sys.stderr)
         return 2
+    except (RunDirInUse, NoSpaceLeft) as exc:
+        print(f"mpo: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.procs import live_processes_with_env
 from helpers.tiers import tier_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,18 +56,7 @@ def cluster(request: pytest.FixtureRequest):
 
 def _job_processes(job_id: str) -> dict[int, str]:
     """Live (non-zombie) processes of a Slurm job, found by SLURM_JOB_ID in their environment: pid -> cmdline."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            if f"SLURM_JOB_ID={job_id}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-    return found
+    return live_processes_with_env("SLURM_JOB_ID", job_id)
 
 
 def _env_of(pid: int) -> dict[str, str]:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from mpo.lifecycle import child_env
 from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient
 from mpo.rollout.engine_command import API_KEY_ENV, EngineSettings, engine_command
@@ -62,8 +63,9 @@ class LocalEngineProcess:
     def start(self) -> "LocalEngineProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+            # Own session: stop() signals the group. MPO_PARENT: the engine dies with this process (--exit-with-parent).
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**self.env, **child_env()}, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import torch
+from mpo.lifecycle import (
+    REPORTED_FAILURE_EXIT,
+    NoSpaceLeft,
+    exit_with_parent,
+    first_no_space,
+    peer_reported_failure,
+    quiet_no_space_in_threads,
+    stop_rank_with_one_line,
+)
+
+if __name__ == "__main__":
+    exit_with_parent()  # before torch is imported: a rank must not outlive torchrun, even while it loads
+
+import torch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,10 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    quiet_no_space_in_threads()
     from mpo.config import load_config
     from mpo.trainer.loop import run
 
-    run(load_config(args.config, args.overrides))
+    try:
+        run(load_config(args.config, args.overrides))
+    except NoSpaceLeft as exc:  # the last complete checkpoint is still selected: the run can resume once there is room
+        stop_rank_with_one_line(str(first_no_space(exc)))
+    except Exception:
+        if peer_reported_failure():  # our error is that rank leaving; its one line is the run's
+            os._exit(REPORTED_FAILURE_EXIT)
+        raise
     return 0
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpo.lifecycle import writing
+
 
 def _barrier() -> None:
     if dist.is_initialized():
@@ -41,18 +43,27 @@ class CheckpointManager:
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            for stale in self.root.glob("step_*.tmp"):  # partial saves of a crashed run (a full disk): free the space
+                shutil.rmtree(stale, ignore_errors=True)
+            with writing(tmp):
+                tmp.mkdir(parents=True)
         _barrier()
-        torch.save(rank_state, tmp / f"rank{rank}.pt")
+        rank_file = tmp / f"rank{rank}.pt"
+        # A full disk stops the run here (NoSpaceLeft) with `latest` still naming the previous checkpoint; the partial
+        # step_<k>.tmp is removed by the next save (not now: other ranks may still be writing into it).
+        with writing(rank_file), open(rank_file, "wb") as f:
+            torch.save(rank_state, f)  # an open file, not a path: see mpo.lifecycle.writing
         if rank == 0:
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+            state_file = tmp / "trainer_state.json"
+            with writing(state_file):
+                state_file.write_text(json.dumps(trainer_state, indent=1))
         _barrier()
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer_tmp = self.root / "latest.tmp"
-            pointer_tmp.write_text(final.name)
+            with writing(pointer_tmp):
+                pointer_tmp.write_text(final.name)
             os.replace(pointer_tmp, self.root / "latest")
             self._prune(keep_name=final.name)
         _barrier()

@@ -3,9 +3,39 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from mpo.lifecycle import writing
+
+log = logging.getLogger(__name__)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl; a line cut short (a crash or a full disk mid-append) is dropped with a warning.
+
+    Only whole lines are ever appended, so an unreadable line is the remains of an interrupted write: its step is
+    recomputed on resume."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict) or "step" not in row:
+            log.warning("%s line %d is torn (%d characters, not a whole JSON record); dropped", path, number,
+                        len(line))
+            continue
+        rows.append(row)
+    return rows
 
 
 class MetricsLog:
@@ -31,18 +61,22 @@ class MetricsLog:
         """On resume: drop lines of steps after the checkpoint (they will be recomputed)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [row for row in read_metrics(self.path) if row["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with writing(tmp):  # replaced whole: a crash here leaves the old file, never a half-written one
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
+        with writing(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, float) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+            with writing(self.writer.get_logdir()):  # its writer thread fails first; this re-raises the OSError
+                for key, value in record.items():
+                    if isinstance(value, float) and math.isfinite(value):
+                        self.writer.add_scalar(key, value, step)
+                self.writer.flush()
         if self.bar is not None:
             self.bar.update(1)
             loss = metrics.get("loss")
@@ -50,7 +84,8 @@ class MetricsLog:
                                  loss="skipped (no signal)" if loss is None else f"{loss:.4f}")
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
         if self.bar is not None:
             self.bar.close()
+        if self.writer is not None:
+            with writing(self.writer.get_logdir()):
+                self.writer.close()

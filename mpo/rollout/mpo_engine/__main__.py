@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
+from mpo.lifecycle import exit_with_parent
+
+if __name__ == "__main__" and "--exit-with-parent" in sys.argv:
+    exit_with_parent(signal_by_default=False)  # before torch and the model load: a starter dying mid-load ends us
+
 import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 
