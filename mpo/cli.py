@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mpo: config error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. logging.out_dir is read-only or a file: the environment, one line
+        print(f"mpo: error: {exc.strerror or exc}{f' | file={exc.filename}' if exc.filename else ''}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
