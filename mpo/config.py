@@ -386,7 +386,7 @@ def _check_ranges(config: TrainConfig) -> None:
         value: Any = config
         for part in name.split("."):
             value = getattr(value, part)
-        if not (math.isfinite(value) and ok(value)):
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
             raise ConfigError(f"{name}={value!r}; valid values: {valid}")
 
 
