@@ -185,16 +185,15 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, ep: int = 
 
     Inputs are checked before any rank starts (ConversionError, one line): both directories, both config files,
     the torch_dist metadata and stored objects (read safely, mpo.safe_load), and the layout against the model."""
-    _, model_cfg = check_inputs(hf_dir, mcore_dir, tp=tp, ep=ep, pp=pp, etp=etp)
+    model_cfg = check_inputs(hf_dir, mcore_dir, tp=tp, ep=ep, pp=pp, etp=etp)
     prompts = prompts or default_prompts(model_cfg.vocab_size)
     mcore = run_mcore(mcore_dir, prompts, tp=tp, ep=ep, pp=pp, etp=etp)
     hf = hf_reference(hf_dir, prompts)
     return compare(hf, mcore, dict(tp=tp, ep=ep, pp=pp, etp=etp), tolerance)
 
 
-def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int, pp: int,
-                 etp: int | None) -> tuple[dict, object]:
-    """The HF config.json and its model config, after checking everything verify needs (see `verify`)."""
+def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int, pp: int, etp: int | None):
+    """The model config of the HF config.json, after checking everything verify needs (see `verify`)."""
     from checkpoints_tools.convert import HF_CONFIG_NAME
     from checkpoints_tools.mapping import model_config_from_hf
     from checkpoints_tools.torch_dist_io import TorchDistReader
@@ -204,8 +203,7 @@ def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int,
     for name, directory in (("--hf-dir", hf_dir), ("--mcore-dir", mcore_dir)):
         if not directory.is_dir():
             raise ConversionError(f"{name}: directory does not exist", file=str(directory))
-    config = read_json(hf_dir / "config.json")
-    model_cfg = model_config_from_hf(config, file=str(hf_dir / "config.json"))
+    model_cfg = model_config_from_hf(read_json(hf_dir / "config.json"), file=str(hf_dir / "config.json"))
     model_config_from_hf(read_json(mcore_dir / HF_CONFIG_NAME), file=str(mcore_dir / HF_CONFIG_NAME))
     TorchDistReader(mcore_dir).check_objects()
     try:
@@ -216,4 +214,4 @@ def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int,
                         num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
     except LayoutError as exc:
         raise ConversionError(f"layout: {exc}") from None
-    return config, model_cfg
+    return model_cfg

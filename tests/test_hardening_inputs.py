@@ -276,6 +276,17 @@ def _case_corrupt_distcp(tiny, tmp_path):
     return ["mcore-to-hf", "--mcore-dir", str(mc), "--out-dir", str(tmp_path / "out")], data_file.name
 
 
+def _case_verify_corrupt_distcp(tiny, tmp_path):
+    """Tensor data is only read inside verify's megatron ranks: the one line comes back from a spawned rank."""
+    mc = shutil.copytree(tiny / "mc", tmp_path / "mc")
+    metadata = pickle.loads((mc / ".metadata").read_bytes())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "embedding.word_embeddings.weight")
+    with open(mc / info.relative_path, "r+b") as handle:  # garble one tensor chunk, keep the stored objects
+        handle.seek(info.offset)
+        handle.write(b"\x00" * info.length)
+    return ["verify", "--hf-dir", str(tiny / "hf"), "--mcore-dir", str(mc)], "corrupt or unreadable torch_dist data"
+
+
 def _case_output_is_a_file(tiny, tmp_path):
     (tmp_path / "out").write_text("not a directory")
     return ["hf-to-mcore", "--hf-dir", str(tiny / "hf"), "--out-dir", str(tmp_path / "out")], "not a directory"
@@ -312,6 +323,7 @@ CONVERTER_CASES = {
     "hidden-size-string": _case_hidden_size_string,
     "corrupt-metadata": _case_corrupt_metadata,
     "corrupt-distcp": _case_corrupt_distcp,
+    "verify-corrupt-distcp": _case_verify_corrupt_distcp,
     "output-is-a-file": _case_output_is_a_file,
     "output-under-a-file": _case_output_under_a_file,
     "read-only-output": _case_read_only_output_parent,
