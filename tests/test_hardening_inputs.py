@@ -364,21 +364,29 @@ def _bad_utf8(tmp_path: Path) -> list[str]:
     return ["--config", str(path)]
 
 
+def _out_dir_is_a_file(tmp_path: Path) -> list[str]:
+    """`mpo train` with logging.out_dir naming a file: creating the run directory fails before torchrun starts."""
+    (tmp_path / "runs").write_text("a file")
+    return ["--config", str(RECIPE), f"logging.out_dir={tmp_path / 'runs'}"]
+
+
 CONFIG_CASES = {
-    "override-not-yaml": (lambda tmp: ["--config", str(RECIPE), "schedule.steps=[1"], "schedule.steps=[1"),
-    "non-utf8-config": (_bad_utf8, "not UTF-8"),
-    "loss-args-type": (lambda tmp: ["--config", str(RECIPE), "algorithm.loss_args={eps_high: abc}"],
-                       "algorithm.loss_args.eps_high='abc': expected float"),
+    "override-not-yaml": ("check-config", lambda tmp: ["--config", str(RECIPE), "schedule.steps=[1"],
+                          "mpo: config error: override 'schedule.steps=[1': the value is not valid YAML"),
+    "non-utf8-config": ("check-config", _bad_utf8, "mpo: config error: config file", "latin1.yaml: not UTF-8"),
+    "loss-args-type": ("check-config", lambda tmp: ["--config", str(RECIPE), "algorithm.loss_args={eps_high: abc}"],
+                       "mpo: config error: algorithm.loss_args.eps_high='abc': expected float"),
+    "train-out-dir-is-a-file": ("train", _out_dir_is_a_file, "mpo: error: File exists"),
 }
 
 
 @pytest.mark.parametrize("case", list(CONFIG_CASES))
 def test_hardening_16_config_bad_input_is_one_line(tmp_path, capsys, case):
-    make_args, expected = CONFIG_CASES[case]
-    code, err = _main(capsys, "mpo.cli", "check-config", *make_args(tmp_path))
+    command, make_args, prefix, *more = CONFIG_CASES[case]
+    code, err = _main(capsys, "mpo.cli", command, *make_args(tmp_path))
     line = _one_line(err)
     assert code == 2, err
-    assert line.startswith("mpo: config error: ") and expected in line, line
+    assert line.startswith(prefix) and all(text in line for text in more), line
 
 
 # -- 17: values out of range are rejected up front ------------------------------------------------------------------
