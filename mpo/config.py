@@ -286,7 +286,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
 
 
 def _read_yaml(path: Path) -> dict:
-    """A config file's top-level mapping; unreadable, non-UTF-8, invalid, empty or non-mapping files fail in one line."""
+    """A config file's top-level mapping; unreadable, non-UTF-8, invalid, empty or non-mapping files fail in one
+    line."""
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as exc:
