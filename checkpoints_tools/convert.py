@@ -1,25 +1,24 @@
 """hf-to-mcore and mcore-to-hf: whole-checkpoint conversions, streamed one unit (layer or expert slice) at a time.
 
 Both write into a temporary directory next to the target and rename it at the end, so a failure never leaves a
-partial checkpoint behind. The megatron directory also keeps the HF config.json (`hf_config.json`) and the HF
-tokenizer / generation files (`hf_assets/`) so that mcore-to-hf can produce a servable HF directory on its own.
+partial checkpoint behind; the target is locked against a second converter (checkpoints_tools.files). The megatron
+directory also keeps the HF config.json (`hf_config.json`) and the HF tokenizer / generation files (`hf_assets/`)
+so that mcore-to-hf can produce a servable HF directory on its own.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.files import atomic_directory, read_json
 from checkpoints_tools.hf_source import INDEX_NAME, HFCheckpoint
 from checkpoints_tools.hf_writer import StreamingSafetensorsWriter
 from checkpoints_tools.mapping import ModelMapping, Spec, Unit, mapping_for, model_config_from_hf
@@ -52,26 +51,6 @@ class ConversionReport:
     bytes: int
     seconds: float
     skipped: tuple[str, ...] = ()
-
-
-@contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
-    """A fresh temporary directory next to `target`, renamed to `target` only if the body succeeds."""
-    target = Path(target)
-    if target.exists() and any(target.iterdir()):
-        raise ConversionError("output directory exists and is not empty", file=str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if target.exists():
-        target.rmdir()
-    tmp.rename(target)
 
 
 def _copy_assets(src: Path, dst: Path) -> None:
@@ -113,7 +92,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, spec: Spec = "both",
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     with HFCheckpoint.open(hf_dir) as source:
-        model_config = model_config_from_hf(source.config)
+        model_config = model_config_from_hf(source.config, file=str(hf_dir / "config.json"))
         mapping = mapping_for(model_config, spec=spec)
         source.fused_experts  # raises on a mix of layouts before anything is written
         skipped = _check_coverage(source, mapping)
@@ -190,8 +169,8 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
     config_path = Path(hf_config) if hf_config else mcore_dir / HF_CONFIG_NAME
     if not config_path.is_file():
         raise ConversionError("no HF config (pass --hf-config)", file=str(config_path))
-    config = json.loads(config_path.read_text())
-    model_config = model_config_from_hf(config)
+    config = read_json(config_path)
+    model_config = model_config_from_hf(config, file=str(config_path))
     reader = TorchDistReader(mcore_dir)
     mapping = mapping_for(model_config, spec="both")
     units = list(mapping.units())

@@ -10,7 +10,6 @@ FP8 block-scaled tensors (`W` float8 with `W_scale_inv`, 128x128 blocks) are deq
 
 from __future__ import annotations
 
-import json
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.files import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -52,19 +52,24 @@ class HFCheckpoint:
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise ConversionError("HF directory has no config.json", file=str(config_path))
-        config = json.loads(config_path.read_text())
+        config = read_json(config_path)
+        if not isinstance(config, dict):
+            raise ConversionError("config.json is not a JSON object", file=str(config_path))
         index_path = directory / INDEX_NAME
         if index_path.is_file():
-            weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+            index = read_json(index_path)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConversionError("index has no weight_map object of tensor name -> shard file",
+                                      file=str(index_path))
+            weight_map = dict(weight_map)
             for shard in sorted(set(weight_map.values())):
                 if not (directory / shard).is_file():
                     tensor = next(name for name, s in weight_map.items() if s == shard)
                     raise ConversionError("shard named in the index is missing", file=str(directory / shard),
                                           tensor=tensor)
         elif (directory / SINGLE_NAME).is_file():
-            from safetensors import safe_open
-
-            with safe_open(directory / SINGLE_NAME, "pt") as handle:
+            with _open_safetensors(directory / SINGLE_NAME) as handle:
                 weight_map = {name: SINGLE_NAME for name in handle.keys()}
         else:
             raise ConversionError(f"no {INDEX_NAME} or {SINGLE_NAME}", file=str(directory))
@@ -101,17 +106,12 @@ class HFCheckpoint:
     # -- reading ----------------------------------------------------------------------------------------------
 
     def _handle(self, file_name: str):
-        from safetensors import safe_open
-
         handle = self._handles.get(file_name)
         if handle is None:
             path = self.directory / file_name
             if not path.is_file():
                 raise ConversionError("shard is missing", file=str(path))
-            try:
-                handle = self._stack.enter_context(safe_open(path, "pt"))
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise ConversionError(f"cannot open safetensors file ({exc})", file=str(path)) from exc
+            handle = self._stack.enter_context(_open_safetensors(path))
             self._handles[file_name] = handle
         return handle
 
@@ -127,7 +127,11 @@ class HFCheckpoint:
         if name not in handle.keys():
             raise ConversionError("the index names a tensor the shard does not contain",
                                   file=str(self.directory / file_name), tensor=name)
-        tensor = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
+        try:
+            tensor = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
+        except Exception as exc:  # safetensors' own error types (e.g. a data range past the end of the file)
+            raise ConversionError(f"cannot read tensor data ({_first_line(exc)})",
+                                  file=str(self.directory / file_name), tensor=name) from None
         scale_name = f"{name}_scale_inv"
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale_name in self.weight_map:
             if index is not None:
@@ -222,6 +226,21 @@ class HFCheckpoint:
             if match:
                 covered.add(f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}")
         return covered
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _open_safetensors(path: Path):
+    """safe_open(path) whose failures (truncated file, corrupt header) are one-line ConversionErrors."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ConversionError(f"cannot open safetensors file ({_first_line(exc)})", file=str(path)) from None
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,

@@ -397,18 +397,22 @@ MAPPINGS: dict[str, Callable[..., ModelMapping]] = {
 }
 
 
-def model_config_from_hf(hf_config: Mapping) -> "object":
-    """mpo's MoEModelConfig for an HF config.json dict; unsupported architectures raise ConversionError."""
+def model_config_from_hf(hf_config: Mapping, file: str = "config.json") -> "object":
+    """mpo's MoEModelConfig for an HF config.json dict; unsupported architectures and missing or mistyped fields
+    raise ConversionError naming `file`."""
     from mpo.models.config import from_hf_config
 
+    if not isinstance(hf_config, Mapping):
+        raise ConversionError(f"expected a JSON object, got {type(hf_config).__name__}", file=file)
     arch = (hf_config.get("architectures") or [hf_config.get("model_type", "?")])[0]
     if arch not in MAPPINGS:
-        raise ConversionError(f"unsupported architecture {arch!r}; supported: {', '.join(MAPPINGS)}",
-                              file="config.json")
+        raise ConversionError(f"unsupported architecture {arch!r}; supported: {', '.join(MAPPINGS)}", file=file)
     try:
         return from_hf_config(hf_config)
-    except (ValueError, KeyError) as exc:
-        raise ConversionError(f"config.json not convertible: {exc}", file="config.json") from exc
+    except KeyError as exc:
+        raise ConversionError(f"not convertible: missing field {exc}", file=file) from None
+    except (ValueError, TypeError) as exc:
+        raise ConversionError(f"not convertible: {exc}", file=file) from None
 
 
 def mapping_for(model_config, *, spec: Spec = "both") -> ModelMapping:

@@ -8,17 +8,17 @@ Sequence parallelism is off: every TP rank's router sees all tokens (allowed for
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 
 def load_checkpoint(model: torch.nn.Module, mcore_dir: str | Path) -> None:
-    """megatron's own loader: dist_checkpointing.load(model.sharded_state_dict(), dir) + load_state_dict."""
-    from megatron.core import dist_checkpointing
+    """megatron's own loader (dist_checkpointing.load, through mpo.safe_load: no code runs from the files) +
+    load_state_dict."""
+    from mpo.safe_load import load_sharded
 
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(mcore_dir))
+    state = load_sharded(model.sharded_state_dict(), mcore_dir)
     model.load_state_dict(state)
 
 
@@ -42,12 +42,13 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
     from megatron.core import parallel_state
 
     from checkpoints_tools.convert import HF_CONFIG_NAME
+    from checkpoints_tools.files import read_json
     from checkpoints_tools.mapping import model_config_from_hf
     from mpo.models.builder import PrecisionConfig, build_model, unwrap
     from mpo.models.forward import MicroBatch, run_microbatches
     from mpo.parallel import ParallelConfig, initialize_parallel
 
-    hf_config = json.loads((Path(mcore_dir) / HF_CONFIG_NAME).read_text())
+    hf_config = read_json(Path(mcore_dir) / HF_CONFIG_NAME)
     model_cfg = model_config_from_hf(hf_config)
     parallel = ParallelConfig(sequence_parallel=False, **layout)
     ctx = initialize_parallel(parallel, num_layers=model_cfg.num_layers, num_experts=model_cfg.num_experts,

@@ -7,9 +7,10 @@ memory stays near one unit (the largest is the vocabulary embedding). The result
 `dist_checkpointing.save` writes at TP1 (checked by the tests): `.metadata`, `__0_0.distcp`, `metadata.json`, the
 `common_state` object (an empty common dict) and the `_extra_state` objects of the local spec's linear layers.
 
-Reading: DCP metadata says which chunks (file, byte range) hold which region of each global tensor; a region is
-assembled from the overlapping chunks, each deserialised with `torch.load(weights_only=True)` (DCP stores every
-tensor chunk with torch.save). Works for checkpoints written by megatron at any layout and by this module.
+Reading: DCP metadata (unpickled with mpo.safe_load's allow-list, never plain pickle) says which chunks (file, byte
+range) hold which region of each global tensor; a region is assembled from the overlapping chunks, each deserialised
+with `torch.load(weights_only=True)` (DCP stores every tensor chunk with torch.save). Works for checkpoints written
+by megatron at any layout and by this module.
 """
 
 from __future__ import annotations
@@ -129,20 +130,28 @@ class TorchDistReader:
     """Region reads from a torch_dist checkpoint directory without megatron or a process group."""
 
     def __init__(self, directory: str | Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        from checkpoints_tools.files import read_json
+        from mpo.safe_load import CheckpointFileError, read_dcp_metadata
 
         self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ConversionError("torch_dist checkpoint directory does not exist", file=str(self.directory))
         if not (self.directory / ".metadata").is_file():
             raise ConversionError("not a torch_dist checkpoint (no .metadata)", file=str(self.directory))
         metadata_json = self.directory / "metadata.json"
         if metadata_json.is_file():
-            backend = json.loads(metadata_json.read_text()).get("sharded_backend")
+            backend = read_json(metadata_json).get("sharded_backend")
             if backend != "torch_dist":
                 raise ConversionError(f"sharded_backend={backend!r}, expected torch_dist", file=str(metadata_json))
-        self.metadata = FileSystemReader(str(self.directory)).read_metadata()
+        try:  # never plain pickle: .metadata is untrusted (mpo.safe_load)
+            self.metadata = read_dcp_metadata(self.directory / ".metadata")
+        except CheckpointFileError as exc:
+            raise ConversionError(str(exc)) from None
         self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
                         if isinstance(v, TensorStorageMetadata)}
+        self.objects = [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
         self._storage: dict[str, list] = {}
         for index, info in self.metadata.storage_data.items():
             self._storage.setdefault(index.fqn, []).append((index, info))
@@ -184,7 +193,18 @@ class TorchDistReader:
         if not match:
             raise ConversionError("chunk listed in .metadata has no storage entry", file=str(self.directory),
                                   tensor=key)
-        info = match[0]
+        data = self._stored_bytes(key, match[0])
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # truncated or garbled chunk: torch raises many types
+            raise ConversionError(f"corrupt torch_dist data ({type(exc).__name__})",
+                                  file=str(self.directory / match[0].relative_path), tensor=key) from None
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes):
+            raise ConversionError(f"corrupt torch_dist data: chunk is not a tensor of shape {tuple(chunk.sizes)}",
+                                  file=str(self.directory / match[0].relative_path), tensor=key)
+        return tensor
+
+    def _stored_bytes(self, key: str, info) -> bytes:
         if getattr(info, "transform_descriptors", None):
             raise ConversionError(f"storage transforms {info.transform_descriptors} are not supported",
                                   file=str(self.directory / info.relative_path), tensor=key)
@@ -194,4 +214,20 @@ class TorchDistReader:
         with open(path, "rb") as handle:
             handle.seek(info.offset)
             payload = handle.read(info.length)
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        if len(payload) != info.length:
+            raise ConversionError(f"torch_dist data file is truncated ({len(payload)} of {info.length} bytes at "
+                                  f"offset {info.offset})", file=str(path), tensor=key)
+        return payload
+
+    def check_objects(self) -> None:
+        """Every stored object (megatron common_state, _extra_state) must be plain data: the weights-only unpickler
+        must accept it. megatron's loader unpickles these without restrictions, so check before handing it the
+        directory (they are small)."""
+        from mpo.safe_load import CheckpointFileError, check_object_bytes
+
+        for key in self.objects:
+            for index, info in self._storage.get(key, []):
+                try:
+                    check_object_bytes(self._stored_bytes(key, info), str(self.directory / info.relative_path))
+                except CheckpointFileError as exc:
+                    raise ConversionError(str(exc), tensor=key) from None

@@ -7,7 +7,6 @@ that never imported megatron's CPU shims; HF's rotary `inv_freq` is still checke
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.files import read_json
 from mpo.parallel.ports import free_port
 
 DEFAULT_TOLERANCE = 1e-4
@@ -109,24 +109,56 @@ def _rank_entry(rank: int, world: int, port: int, args: tuple) -> None:
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from checkpoints_tools.mcore_runner import run_rank
+    from mpo.safe_load import CheckpointFileError
 
-    run_rank(*args)
+    try:
+        run_rank(*args)
+    except (ConversionError, CheckpointFileError) as exc:
+        # One line for the parent (which raises it as a ConversionError) instead of a traceback per rank.
+        Path(_error_file(args[3], rank)).write_text(str(exc).replace("\n", " "))
+        os._exit(2)
+    except Exception as exc:  # megatron's own load errors (missing keys, shape mismatch) and anything else
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        Path(_error_file(args[3], rank)).write_text(
+            f"megatron rank {rank} failed: {type(exc).__name__}: {lines[0] if lines else ''}")
+        os._exit(2)
 
 
-def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, ep: int = 1, pp: int = 1,
-              etp: int | None = None, resave_dir: str | Path | None = None) -> dict:
-    """Megatron outputs for the prompts at a layout, on the smallest world size that fits it."""
-    import torch.multiprocessing as mp
+def _error_file(out_file: str, rank: int) -> str:
+    return f"{out_file}.error-rank{rank}"
 
-    layout = dict(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, expert_tensor_parallel=etp)
+
+def world_size_for(tp: int, ep: int, pp: int, etp: int | None) -> int:
+    """The smallest world size that fits the layout (dense grid tp*pp, expert grid etp*ep*pp)."""
     expert_grid = (etp or tp) * ep * pp
     world = max(tp * pp, expert_grid)
     if world % (tp * pp) or world % expert_grid:
         raise ConversionError(f"layout tp={tp} ep={ep} pp={pp} etp={etp} has no common world size")
+    return world
+
+
+def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, ep: int = 1, pp: int = 1,
+              etp: int | None = None, resave_dir: str | Path | None = None) -> dict:
+    """Megatron outputs for the prompts at a layout, on the smallest world size that fits it.
+
+    A rank that fails raises ConversionError here with its one-line reason."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    layout = dict(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, expert_tensor_parallel=etp)
+    world = world_size_for(tp, ep, pp, etp)
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "mcore.pt")
-        mp.start_processes(_rank_entry, args=(world, free_port(), (str(mcore_dir), prompts, layout, out_file, str(resave_dir) if resave_dir else None)),
-                           nprocs=world, join=True, start_method="spawn")
+        try:
+            mp.start_processes(_rank_entry, args=(world, free_port(), (str(mcore_dir), prompts, layout, out_file,
+                                                                       str(resave_dir) if resave_dir else None)),
+                               nprocs=world, join=True, start_method="spawn")
+        except (ProcessExitedException, ProcessRaisedException) as exc:
+            errors = sorted(Path(tmp).glob("mcore.pt.error-rank*"))
+            if errors:
+                raise ConversionError(errors[0].read_text().strip(), file=str(mcore_dir)) from None
+            raise ConversionError(f"a megatron rank failed: {str(exc).strip().splitlines()[0]}",
+                                  file=str(mcore_dir)) from None
         return torch.load(out_file, weights_only=True)
 
 
@@ -149,9 +181,37 @@ def compare(hf: dict, mcore: dict, layout: dict, tolerance: float = DEFAULT_TOLE
 def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, ep: int = 1, pp: int = 1,
            etp: int | None = None, prompts: list[list[int]] | None = None,
            tolerance: float = DEFAULT_TOLERANCE) -> VerifyReport:
-    """Run both models on the same prompts and compare (see VerifyReport)."""
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    prompts = prompts or default_prompts(config["vocab_size"])
+    """Run both models on the same prompts and compare (see VerifyReport).
+
+    Inputs are checked before any rank starts (ConversionError, one line): both directories, both config files,
+    the torch_dist metadata and stored objects (read safely, mpo.safe_load), and the layout against the model."""
+    model_cfg = check_inputs(hf_dir, mcore_dir, tp=tp, ep=ep, pp=pp, etp=etp)
+    prompts = prompts or default_prompts(model_cfg.vocab_size)
     mcore = run_mcore(mcore_dir, prompts, tp=tp, ep=ep, pp=pp, etp=etp)
     hf = hf_reference(hf_dir, prompts)
     return compare(hf, mcore, dict(tp=tp, ep=ep, pp=pp, etp=etp), tolerance)
+
+
+def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int, pp: int, etp: int | None):
+    """The model config of the HF config.json, after checking everything verify needs (see `verify`)."""
+    from checkpoints_tools.convert import HF_CONFIG_NAME
+    from checkpoints_tools.mapping import model_config_from_hf
+    from checkpoints_tools.torch_dist_io import TorchDistReader
+    from mpo.parallel.config import LayoutError, ParallelConfig
+
+    hf_dir, mcore_dir = Path(hf_dir), Path(mcore_dir)
+    for name, directory in (("--hf-dir", hf_dir), ("--mcore-dir", mcore_dir)):
+        if not directory.is_dir():
+            raise ConversionError(f"{name}: directory does not exist", file=str(directory))
+    model_cfg = model_config_from_hf(read_json(hf_dir / "config.json"), file=str(hf_dir / "config.json"))
+    model_config_from_hf(read_json(mcore_dir / HF_CONFIG_NAME), file=str(mcore_dir / HF_CONFIG_NAME))
+    TorchDistReader(mcore_dir).check_objects()
+    try:
+        layout = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
+                                expert_tensor_parallel=etp, sequence_parallel=False)
+        layout.validate(world_size_for(tp, ep, pp, etp), num_layers=model_cfg.num_layers,
+                        num_attention_heads=model_cfg.num_attention_heads,
+                        num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
+    except LayoutError as exc:
+        raise ConversionError(f"layout: {exc}") from None
+    return model_cfg

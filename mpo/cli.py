@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RunDirInUse, NoSpaceLeft) as exc:
         print(f"mpo: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # e.g. logging.out_dir is read-only or a file: the environment, one line
+        print(f"mpo: error: {exc.strerror or exc}{f' | file={exc.filename}' if exc.filename else ''}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

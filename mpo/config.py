@@ -4,6 +4,7 @@ line, validated before any process starts. Unknown fields and bad values fail wi
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -269,8 +270,13 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix or 'config'}: {exc}") from None
 
 
-def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text) if text else ""
+def _parse_scalar(item: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as exc:
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({reason}); quote strings, close "
+                          f"brackets") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -285,7 +291,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = _parse_scalar(raw)
+        node[parts[-1]] = _parse_scalar(item, raw)
     return data
 
 
@@ -293,16 +299,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     """Read YAML (optional), apply overrides, build and validate the config."""
     data: dict = {}
     if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path}: invalid YAML: {exc}") from None
+        data = _read_yaml(Path(path))
     data = apply_overrides(data, list(overrides))
     config = _build(TrainConfig, data, "")
     validate(config)
     return config
+
+
+def _read_yaml(path: Path) -> dict:
+    """A config file's top-level mapping; unreadable, non-UTF-8, invalid, empty or non-mapping files fail in one
+    line."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})"
+                          ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path}:{where}: invalid YAML: {reason}") from None
+    if data is None:
+        raise ConfigError(f"config file {path} is empty; expected sections such as model:, rollout:, algorithm:")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def to_dict(config: TrainConfig) -> dict:
@@ -316,12 +341,14 @@ def validate(config: TrainConfig) -> None:
     from mpo.algorithms.step_advantages import AdvantageConfig
     from mpo.models.config import PRESETS
 
-    a, r, m, s, d = config.algorithm, config.rollout, config.model, config.schedule, config.data
+    a, r, m, d = config.algorithm, config.rollout, config.model, config.data
+    _check_ranges(config)
     if a.loss not in loss_names():
         raise ConfigError(f"algorithm.loss={a.loss!r}; valid values: {', '.join(loss_names())}")
+    loss_args = _typed_loss_args(a.loss, a.loss_args)
     try:
-        make_loss_config(a.loss, **a.loss_args)
-    except ValueError as exc:
+        make_loss_config(a.loss, **loss_args)
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"algorithm.loss_args: {exc}") from None
     try:
         AdvantageConfig(a.advantage, dict(a.advantage_args))
@@ -329,8 +356,6 @@ def validate(config: TrainConfig) -> None:
         CorrectionConfig(a.rollout_correction, **a.rollout_correction_args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"algorithm: {exc}") from None
-    if a.positive_nll_coef < 0:
-        raise ConfigError(f"algorithm.positive_nll_coef={a.positive_nll_coef} must be >= 0")
     if config.parallel.context_parallel > 1:
         raise ConfigError(f"parallel.context_parallel={config.parallel.context_parallel}: the RL loop does not support "
                           "context parallelism yet (routing capture and the log-prob gather need megatron's zigzag "
@@ -340,25 +365,18 @@ def validate(config: TrainConfig) -> None:
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
-    for name, value in (("rollout.samples_per_prompt", r.samples_per_prompt), ("rollout.num_engines", r.num_engines),
-                        ("rollout.tensor_parallel", r.tensor_parallel),
-                        ("rollout.max_new_tokens", r.max_new_tokens), ("data.prompts_per_step", d.prompts_per_step),
-                        ("schedule.micro_batch_size", s.micro_batch_size),
-                        ("schedule.updates_per_step", s.updates_per_step), ("world_size", config.world_size)):
-        if value < 1:
-            raise ConfigError(f"{name}={value} must be >= 1")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
     if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
         raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
-    if s.steps < 0 or s.sft_steps < 0:
-        raise ConfigError("schedule.steps and schedule.sft_steps must be >= 0")
     if not (d.task.startswith("toy:") or d.task.endswith(".jsonl")):
         raise ConfigError(f"data.task={d.task!r}; valid values: toy:reverse, toy:add, or a path to a .jsonl file")
     if d.task.startswith("toy:") and d.task not in ("toy:reverse", "toy:add"):
         raise ConfigError(f"data.task={d.task!r}; valid toy tasks: toy:reverse, toy:add")
     if d.task.endswith(".jsonl") and m.hf_dir is None:
         raise ConfigError("data.task is a jsonl of text prompts: set model.hf_dir (its tokenizer encodes them)")
+    if m.mcore_dir is not None:
+        _check_mcore_dir(m.mcore_dir)
     model_cfg = model_config(config)
     try:
         config.parallel.validate(config.world_size, num_layers=model_cfg.num_layers,
@@ -366,6 +384,65 @@ def validate(config: TrainConfig) -> None:
                                  num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
     except LayoutError as exc:
         raise ConfigError(f"parallel: {exc}") from None
+
+
+# Valid ranges of numeric fields: (test, what the message says is valid). Floats must also be finite (no nan/inf).
+_RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
+    "rollout.num_engines": (lambda v: v >= 1, ">= 1"),
+    "rollout.samples_per_prompt": (lambda v: v >= 1, ">= 1"),
+    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "rollout.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),
+    "rollout.bucket_mb": (lambda v: v >= 1, ">= 1"),
+    "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
+    "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
+    "algorithm.positive_nll_coef": (lambda v: v >= 0, ">= 0 (0 disables VAPO's positive-example NLL)"),
+    "data.prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    "data.digits": (lambda v: v >= 1, ">= 1"),
+    "schedule.steps": (lambda v: v >= 0, ">= 0"),
+    "schedule.updates_per_step": (lambda v: v >= 1, ">= 1"),
+    "schedule.micro_batch_size": (lambda v: v >= 1, ">= 1"),
+    "schedule.lr": (lambda v: v > 0, "> 0"),
+    "schedule.clip_grad": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    "schedule.sft_steps": (lambda v: v >= 0, ">= 0"),
+    "schedule.sft_lr": (lambda v: v > 0, "> 0"),
+    "schedule.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
+    "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "seed": (lambda v: v >= 0, ">= 0"),
+    "world_size": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def _check_ranges(config: TrainConfig) -> None:
+    for name, (ok, valid) in _RANGES.items():
+        value: Any = config
+        for part in name.split("."):
+            value = getattr(value, part)
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            raise ConfigError(f"{name}={value!r}; valid values: {valid}")
+
+
+def _typed_loss_args(loss: str, loss_args: dict) -> dict:
+    """loss_args coerced to the loss config's field types, so `{eps_high: abc}` fails naming the field."""
+    from mpo.algorithms import get_loss
+
+    hints = typing.get_type_hints(get_loss(loss).config_cls)
+    return {key: _coerce(value, hints[key], f"algorithm.loss_args.{key}") if key in hints else value
+            for key, value in loss_args.items()}
+
+
+def _check_mcore_dir(mcore_dir: str) -> None:
+    """model.mcore_dir is a torch_dist checkpoint whose metadata loads safely (mpo.safe_load) before any rank starts."""
+    from mpo.safe_load import CheckpointFileError, read_dcp_metadata
+
+    metadata = Path(mcore_dir) / ".metadata"
+    if not metadata.is_file():
+        raise ConfigError(f"model.mcore_dir={mcore_dir!r}: not a torch_dist checkpoint (no .metadata)")
+    try:
+        read_dcp_metadata(metadata)
+    except CheckpointFileError as exc:
+        raise ConfigError(f"model.mcore_dir: {exc}") from None
 
 
 def model_config(config: TrainConfig):
@@ -377,9 +454,14 @@ def model_config(config: TrainConfig):
     if config.model.hf_dir:
         path = Path(config.model.hf_dir) / "config.json"
         try:
-            return from_hf_config(json.loads(path.read_text()))
+            return from_hf_config(json.loads(path.read_bytes().decode("utf-8")))
         except OSError:
             raise ConfigError(f"model.hf_dir: {path} not found") from None
-        except ValueError as exc:
-            raise ConfigError(f"model.hf_dir: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"model.hf_dir: {path} is not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model.hf_dir: {path} line {exc.lineno} column {exc.colno}: invalid JSON: "
+                              f"{exc.msg}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"model.hf_dir: {path}: {exc}") from None
     return preset(config.model.preset)

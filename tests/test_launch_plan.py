@@ -193,8 +193,13 @@ def _without_host_port(argv) -> list[str]:
 def test_plan_and_engine_set_start_the_same_engine(tmp_path):
     """The launcher's engine and the trainer's local EngineSet engine for one config: same command up to host and
     port, same key in the environment. The settings that drifted before (engine_dtype, seed, mcore_dir) are set."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     from mpo.trainer.loop import EngineSet
 
+    # validation reads model.mcore_dir's metadata: a real (one-tensor) torch_dist checkpoint
+    dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     overrides = ["rollout.api_key=KEY", "rollout.engine_dtype=bf16", "seed=7", f"model.mcore_dir={tmp_path}/ckpt"]
     plan = _plan(DEMO, overrides, hosts=("n1",), gpus=0, engine_python=sys.executable)
     planned = [p for p in plan.nodes[0].processes if p.kind == "engine"][0]

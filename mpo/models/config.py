@@ -135,9 +135,30 @@ class MoEModelConfig:
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
+# config.json fields read as integers / numbers: a wrong type fails here, naming the field, not deep in arithmetic.
+_HF_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                  "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "max_position_embeddings",
+                  "decoder_sparse_step", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "num_nextn_predict_layers")
+_HF_NUMBER_FIELDS = ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "router_aux_loss_coef")
+
+
+def _check_hf_field_types(cfg: Mapping[str, Any]) -> None:
+    for key in _HF_INT_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"config.json {key}={value!r}: expected an integer")
+    for key in _HF_NUMBER_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"config.json {key}={value!r}: expected a number")
+
+
 def from_hf_config(hf: Mapping[str, Any] | Any) -> MoEModelConfig:
     """MoEModelConfig from a Hugging Face config (a `PretrainedConfig` or the dict of its config.json)."""
     cfg = hf if isinstance(hf, Mapping) else hf.to_dict()
+    _check_hf_field_types(cfg)
     architectures = cfg.get("architectures") or [cfg.get("model_type", "?")]
     arch = architectures[0]
     if arch == "DeepseekV3ForCausalLM" or cfg.get("model_type") == "deepseek_v3":

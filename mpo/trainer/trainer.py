@@ -79,10 +79,10 @@ class Trainer:
         model = build_model(self.model_cfg, config.parallel, self.ctx.device, precision, seed=config.seed,
                             recompute=config.model.recompute)
         if config.model.mcore_dir:
-            from megatron.core import dist_checkpointing
+            from mpo.safe_load import load_sharded  # dist_checkpointing.load that runs no code from the files
 
             gpt = unwrap(model)
-            gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), config.model.mcore_dir))
+            gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), config.model.mcore_dir))
         self.model = wrap_ddp(model)
         self.gpt = unwrap(model)
         self.optimizer = get_megatron_optimizer(
