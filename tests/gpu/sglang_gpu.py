@@ -13,7 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from helpers.sglang_server import REPO_ROOT, SGLANG_VERSION, SGLangServer
+from helpers.sglang_server import REPO_ROOT, SGLANG_VERSION, SGLangServer, launch_server
 from mpo.parallel.ports import free_port
 
 
@@ -53,16 +53,8 @@ def start_gpu_sglang_server(model_dir: Path, *, mem_fraction: float = 0.25, dumm
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enable-fp32-lm-head",
            "--enable-return-routed-experts", "--mem-fraction-static", str(mem_fraction), "--disable-cuda-graph",
            *(["--load-format", "dummy"] if dummy_weights else []), *extra_args]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, env=_server_env(), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=str(model_dir))
-    server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, api_key=None)
-    try:
-        server.wait_ready(ready_timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return launch_server(cmd, _server_env(), port=port, log_path=log_path, cwd=Path(model_dir), api_key=None,
+                         ready_timeout=ready_timeout)
 
 
 def write_hf_config_dir(model_cfg, out_dir: Path) -> Path:

@@ -196,14 +196,17 @@ def start_sglang_server(
         "--max-total-tokens", "4096",
         *(extra_args or []),
     ]
-    log = open(log_path, "ab")
-    try:
-        proc = subprocess.Popen(
-            cmd, env=server_env(command.env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=str(model_dir),
-        )
-    finally:
-        log.close()  # the child holds its own descriptor
+    return launch_server(cmd, server_env(command.env), port=port, log_path=log_path, cwd=Path(model_dir),
+                         api_key=api_key, ready_timeout=ready_timeout)
+
+
+def launch_server(cmd: list[str], env: dict[str, str], *, port: int, log_path: Path, cwd: Path,
+                  api_key: str | None, ready_timeout: float) -> SGLangServer:
+    """Start a server command in its own session (stop() takes its children), logging to `log_path`, and wait until
+    it generates on 127.0.0.1:`port`; a server that never gets ready is stopped before the error propagates."""
+    with open(log_path, "ab") as log:  # the child holds its own descriptor
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=str(cwd))
     server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, api_key)
     try:
         server.wait_ready(ready_timeout)
