@@ -2,19 +2,27 @@
 
 Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 2): errors are HTTP 400 with
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
+
+One request harms no one else (ServerLimits): the API key and the declared body size are checked from the headers
+before the body is read (401, 413), idle connections time out, connection threads are bounded (503 beyond), every
+/generate field is validated before anything is queued (400 naming the field), and the generator isolates a failure
+to the request it belongs to.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
+from dataclasses import dataclass
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from mpo.rollout.mpo_engine.generator import MpoGenerator
-from mpo.rollout.protocol import SamplingParams
+from mpo.rollout.protocol import SamplingParams, parse_generate_request
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +31,14 @@ Route = Callable[[dict[str, Any]], Any]
 
 class RequestError(Exception):
     """The request is wrong: answered with HTTP 400 and this message."""
+
+
+class RefusedRequest(Exception):
+    """Answered before the body is read, then the connection is closed (its unread body makes it unusable)."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineUnhealthy(Exception):
@@ -71,25 +87,20 @@ class EngineApp:
         return {"status": "ok"}
 
     def _generate(self, body: dict[str, Any]) -> Any:
-        if "input_ids" not in body:
-            raise RequestError("mpo engine needs input_ids (it has no tokenizer); text input is not supported")
-        ids = body["input_ids"]
-        batch = ids and isinstance(ids[0], list)
-        rows = ids if batch else [ids]
-        params = body.get("sampling_params") or {}
-        params_list = params if isinstance(params, list) else [params] * len(rows)
+        # Everything is checked before anything is queued: a bad request is refused alone and never joins a batch.
         try:
-            sampling = [SamplingParams.from_json(p) for p in params_list]
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"bad sampling_params: {exc}") from exc
-        want_routes = bool(body.get("return_routed_experts"))
-        if want_routes and not self.info.get("enable_return_routed_experts"):
-            want_routes = False  # like SGLang without --enable-return-routed-experts: silently no routes
-        try:
-            results = self.generator.submit_many(rows, sampling, routed_experts=want_routes, rid=body.get("rid"))
+            request = parse_generate_request(body, vocab_size=self.generator.vocab_size,
+                                             context_length=self.info.get("context_length"))
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
-        return results if batch else results[0]
+        # Like SGLang without --enable-return-routed-experts: silently no routes.
+        want_routes = request.return_routed_experts and bool(self.info.get("enable_return_routed_experts"))
+        try:
+            results = self.generator.submit_many(request.rows, request.sampling, routed_experts=want_routes,
+                                                 rids=request.rids)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        return results if request.batch else results[0]
 
     def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"success": True, "aborted": self.generator.abort_all()}
@@ -117,34 +128,118 @@ class EngineApp:
         return {"success": True, "message": "Success"}
 
 
-def make_handler(app: EngineApp, api_key: str | None) -> type[BaseHTTPRequestHandler]:
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client can take from the engine's HTTP server, so a bad or hostile request harms no one else.
+
+    Attributes:
+        max_body_bytes: largest request body. A larger declared Content-Length is answered 413 before any of the
+            body is read. The default fits a weight bucket of rollout.bucket_mb=64 after base64 (x4/3) with room
+            to spare; raise it (--max-body-mb) together with a larger bucket_mb.
+        idle_timeout_s: a connection that sends nothing for this long is closed (the socket timeout; also bounds a
+            stalled body upload between two reads).
+        max_connections: connections served at once, one thread each. One more is answered 503 and closed, so
+            idle or slow clients cannot make the engine grow threads without bound.
+        listen_backlog: connections the kernel queues before they are accepted. It must cover a rollout pool's burst
+            of concurrent connections (a backlog of 5 reset the 6th of 20 parallel clients).
+    """
+
+    max_body_bytes: int = 256 << 20
+    idle_timeout_s: float = 60.0
+    max_connections: int = 128
+    listen_backlog: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "idle_timeout_s", "max_connections", "listen_backlog"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"server limits: {name}={getattr(self, name)} must be > 0")
+
+
+# A refused request's body is drained (not parsed) up to this size before the connection closes: closing a socket
+# with unread input makes the kernel send a reset, which can destroy the answer before the client reads it. Larger
+# bodies are not read at all; the client then sees the answer or a reset, both of which say "not accepted".
+_DRAIN_LIMIT = 64 << 10
+
+
+def _authorized(headers: Message, api_key: str | None) -> bool:
+    """The API-key check. It sees only the headers: it runs before a byte of the body is read."""
+    return not api_key or headers.get("Authorization") == f"Bearer {api_key}"
+
+
+def _declared_length(headers: Message, limit: int) -> int:
+    """The body size the client declared; RefusedRequest if it is unusable or over the limit."""
+    if headers.get("Transfer-Encoding"):
+        raise RefusedRequest(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length (chunked transfer "
+                                                         "encoding is not supported)")
+    text = (headers.get("Content-Length") or "0").strip()
+    if not text.isdigit():
+        raise RefusedRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {text!r} is not a byte count")
+    length = int(text)
+    if length > limit:
+        raise RefusedRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"request body of {length} bytes exceeds the engine's limit of {limit} bytes "
+                             f"(--max-body-mb {limit / (1 << 20):g}); weight updates: lower rollout.bucket_mb or "
+                             f"start the engine with a larger --max-body-mb")
+    return length
+
+
+def make_handler(app: EngineApp, api_key: str | None,
+                 limits: ServerLimits = ServerLimits()) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = limits.idle_timeout_s  # socket timeout: an idle connection is closed, its thread freed
 
         def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
             log.debug("%s - " + fmt, self.address_string(), *args)
 
-        def _reply(self, status: int, payload: Any) -> None:
+        def _reply(self, status: int, payload: Any, *, close: bool = False) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
 
+        def _refuse(self, exc: RefusedRequest) -> None:
+            self._reply(exc.status, {"success": False, "message": str(exc)}, close=True)
+            text = (self.headers.get("Content-Length") or "").strip()
+            if text.isdigit() and int(text) <= _DRAIN_LIMIT:
+                try:
+                    self.rfile.read(int(text))
+                except OSError:
+                    pass
+
         def _dispatch(self, method: str) -> None:
             path = self.path.split("?", 1)[0]
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
-                return self._reply(HTTPStatus.UNAUTHORIZED, {"success": False, "message": "Unauthorized"})
-            route = app.routes.get((method, path)) or app.routes.get(("POST" if method == "GET" else "GET", path))
-            if route is None:
-                return self._reply(HTTPStatus.NOT_FOUND, {"success": False, "message": f"no route {method} {path}"})
+            try:
+                if not _authorized(self.headers, api_key):
+                    raise RefusedRequest(HTTPStatus.UNAUTHORIZED, "Unauthorized")
+                route = app.routes.get((method, path)) or app.routes.get(("POST" if method == "GET" else "GET", path))
+                if route is None:
+                    raise RefusedRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+                length = _declared_length(self.headers, limits.max_body_bytes)
+            except RefusedRequest as exc:
+                return self._refuse(exc)
+            try:
+                raw = self.rfile.read(length) if length else b""
+            except OSError:  # idle past the timeout mid-body, or reset: nothing to answer
+                raw = b""
+            if len(raw) < length:  # the client stalled or went away mid-body
+                self.close_connection = True
+                return
             try:
                 body = json.loads(raw) if raw else {}
+            except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
+                return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": f"body is not JSON: {exc}"})
+            if not isinstance(body, dict):
+                return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": "the request body must be a "
+                                                            f"JSON object, got {type(body).__name__}"})
+            try:
                 return self._reply(HTTPStatus.OK, route(body))
-            except (RequestError, json.JSONDecodeError) as exc:
+            except RequestError as exc:
                 return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)})
             except EngineUnhealthy as exc:
                 return self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)})
@@ -164,9 +259,50 @@ def make_handler(app: EngineApp, api_key: str | None) -> type[BaseHTTPRequestHan
     return Handler
 
 
-def serve(app: EngineApp, host: str, port: int, api_key: str | None = None) -> ThreadingHTTPServer:
+class EngineHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bounded number of connection threads and a listen backlog sized by ServerLimits."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: ServerLimits) -> None:
+        self.request_queue_size = limits.listen_backlog  # read by server_activate (listen) inside __init__
+        self.limits = limits
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._answer_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _answer_busy(self, request: socket.socket) -> None:
+        """503 (retryable for mpo's pool) without a thread: written by the accept loop, then closed."""
+        body = json.dumps({"success": False, "message": f"engine busy: {self.limits.max_connections} connections "
+                                                        f"open (--max-connections); retry later"}).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.settimeout(1.0)  # a client that does not read must not stall the accept loop
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
+def serve(app: EngineApp, host: str, port: int, api_key: str | None = None,
+          limits: ServerLimits = ServerLimits()) -> ThreadingHTTPServer:
     """Start serving in a background thread; returns the server (call .shutdown() to stop)."""
-    server = ThreadingHTTPServer((host, port), make_handler(app, api_key))
-    server.daemon_threads = True
+    server = EngineHTTPServer((host, port), make_handler(app, api_key, limits), limits)
     threading.Thread(target=server.serve_forever, name="mpo-engine-http", daemon=True).start()
     return server
