@@ -335,6 +335,7 @@ def test_hardening_group_init_at_a_dead_address_is_bounded_and_other_routes_answ
 _WIRE_PROBE = textwrap.dedent("""
     import json, os, pickle, base64, sys, types
     import torch
+    import megatron.core  # as in the trainer: it replaces torch.storage._load_from_bytes
     from mpo.rollout.sglang_wire import flatten_bucket, serialize_for_sglang
 
     r, w = os.pipe()
@@ -358,14 +359,40 @@ _WIRE_PROBE = textwrap.dedent("""
 """)
 
 
+# The globals sglang 0.5.23's SafeUnpickler admits that a CPU bucket needs (its ALLOWED_GLOBALS, plus
+# torch.storage._load_from_bytes, which it maps to a weights_only load); any other global crashes its scheduler.
+SGLANG_ADMITTED = {("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes"),
+                   ("collections", "OrderedDict"), ("types", "SimpleNamespace"), ("torch", "Size"),
+                   ("torch", "float32")}
+
+
+def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
+    import pickletools
+
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            found.add((strings[-2], strings[-1]))
+        if isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
 def test_hardening_sglang_wire_pickling_leaves_stdio_and_descriptors_alone(tmp_path):
-    """Serializing a bucket neither redirects stdout/stderr, nor changes a descriptor's inheritance, nor the sharing
-    strategy (observed from inside the pickler); the payload unpickles in another process after the sender exited."""
+    """Serializing a bucket (megatron imported, as in the trainer) neither redirects stdout/stderr, nor changes a
+    descriptor's inheritance, nor the sharing strategy (observed from inside the pickler); the payload names only
+    globals sglang admits, and unpickles in another process after the sender exited."""
+    import base64
+
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", _WIRE_PROBE], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["during"] == [report["before"]] and report["after"] == report["before"], report
+    extra = _pickle_globals(base64.b64decode(report["payload"])) - SGLANG_ADMITTED
+    assert not extra, f"globals sglang refuses: {extra}"
     load = ("import base64, sys, torch\nfrom multiprocessing.reduction import ForkingPickler\n"
             "obj = ForkingPickler.loads(base64.b64decode(sys.stdin.read()))\n"
             "print(obj['flattened_tensor'].tolist(), [m.name for m in obj['metadata']])")

@@ -19,9 +19,10 @@
 from __future__ import annotations
 
 import base64
+import io
 import pickle
 from datetime import timedelta
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -83,9 +84,27 @@ def flatten_bucket(named_tensors: NamedTensors) -> dict:
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
+class _SGLangPickler(pickle._Pickler):  # the pure-Python pickler: the only one whose save_global can be extended
+    """A plain pickler (CPU tensors travel with their bytes) that names torch's storage loader the way sglang's
+    SafeUnpickler admits it. megatron.core replaces `torch.storage._load_from_bytes` with its own
+    `safe_load_from_bytes` at import, so plain pickle would name megatron's function, which sglang refuses
+    ("Blocked unsafe global") and crashes on. Both load the same bytes, so the payload names torch's."""
+
+    def save_global(self, obj: object, name: str | None = None) -> None:
+        if obj is torch.storage._load_from_bytes:
+            self.write(pickle.GLOBAL + b"torch.storage\n_load_from_bytes\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    # The base class dispatches functions to its own save_global through this table, not by attribute lookup.
+    dispatch = {**pickle._Pickler.dispatch, FunctionType: save_global}
+
+
 def serialize_for_sglang(obj: object) -> str:
-    """A payload sglang's `MultiprocessingSerializer.deserialize` reads: base64 of a pickle that its
-    `SafeUnpickler` admits (torch's tensor and storage rebuilders, `types.SimpleNamespace`, `collections`).
+    """A payload sglang's `MultiprocessingSerializer.deserialize` reads: base64 of a pickle whose globals its
+    `SafeUnpickler` admits (torch's `_rebuild_tensor_v2`, `torch.storage._load_from_bytes`, which it loads with
+    weights_only, `types.SimpleNamespace`, `collections.OrderedDict`, torch dtypes and Size).
 
     sglang's own serializer pickles CPU tensors with ForkingPickler as shared-memory handles. Doing that here needed
     process-wide changes while pickling: the file_system sharing strategy (the fd strategy fails on the server with
@@ -95,9 +114,10 @@ def serialize_for_sglang(obj: object) -> str:
     payload instead: no strategy, no manager, no shared-memory file to leak, no effect outside this call, and the
     payload stays valid after the sender exits. The cost is the bytes in the HTTP body (x4/3 for base64), like mpo's
     own engine's safetensors payload; CPU buckets only (flatten_bucket moves them to the CPU)."""
-    # The plain pickler, not ForkingPickler: importing torch.multiprocessing registers shared-memory tensor
-    # reductions on ForkingPickler (for everyone in the process); plain pickle keeps torch's inline reduction.
-    return base64.b64encode(pickle.dumps(obj)).decode("ascii")
+    buf = io.BytesIO()
+    # Not ForkingPickler: importing torch.multiprocessing registers shared-memory tensor reductions on it.
+    _SGLangPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def flattened_bucket_payload(named_tensors: NamedTensors) -> str:
