@@ -90,6 +90,9 @@ def test_hardening_huge_declared_body_is_refused_from_the_headers(engine):
     with_key = _raw_exchange(engine.port, head + f"Authorization: Bearer {KEY}\r\n\r\n")
     assert with_key.startswith(b"HTTP/1.1 413"), with_key[:200]
     assert b"--max-body-mb" in with_key
+    # A client that asks before sending ("Expect: 100-continue") is told no, not invited to send 8 GB.
+    asked = _raw_exchange(engine.port, head + "Expect: 100-continue\r\n\r\n")
+    assert asked.startswith(b"HTTP/1.1 401"), asked[:200]
     assert time.monotonic() - started < 10.0
     grown_kb = _proc_status(pid, "VmSize") - before
     assert grown_kb < 512 << 10, f"engine grew by {grown_kb} kB of virtual memory"

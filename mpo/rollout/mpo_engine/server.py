@@ -203,24 +203,39 @@ def make_handler(app: EngineApp, api_key: str | None,
             self.end_headers()
             self.wfile.write(data)
 
-        def _refuse(self, exc: RefusedRequest) -> None:
+        def _refuse(self, exc: RefusedRequest, *, drain: bool = True) -> None:
             self._reply(exc.status, {"success": False, "message": str(exc)}, close=True)
             text = (self.headers.get("Content-Length") or "").strip()
-            if text.isdigit() and int(text) <= _DRAIN_LIMIT:
+            if drain and text.isdigit() and int(text) <= _DRAIN_LIMIT:
                 try:
                     self.rfile.read(int(text))
                 except OSError:
                     pass
 
+        def _admit(self, method: str) -> tuple[Route, int]:
+            """The route and body length, judged from the request line and headers alone (RefusedRequest)."""
+            if not _authorized(self.headers, api_key):
+                raise RefusedRequest(HTTPStatus.UNAUTHORIZED, "Unauthorized")
+            path = self.path.split("?", 1)[0]
+            route = app.routes.get((method, path)) or app.routes.get(("POST" if method == "GET" else "GET", path))
+            if route is None:
+                raise RefusedRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+            return route, _declared_length(self.headers, limits.max_body_bytes)
+
+        def handle_expect_100(self) -> bool:
+            # "Expect: 100-continue" asks whether to send the body: only after the same checks (the base class
+            # says yes to everyone). Refused: the client sends no body, so there is nothing to drain.
+            try:
+                self._admit("GET" if self.command == "GET" else "POST")
+            except RefusedRequest as exc:
+                self._refuse(exc, drain=False)
+                return False
+            return super().handle_expect_100()
+
         def _dispatch(self, method: str) -> None:
             path = self.path.split("?", 1)[0]
             try:
-                if not _authorized(self.headers, api_key):
-                    raise RefusedRequest(HTTPStatus.UNAUTHORIZED, "Unauthorized")
-                route = app.routes.get((method, path)) or app.routes.get(("POST" if method == "GET" else "GET", path))
-                if route is None:
-                    raise RefusedRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
-                length = _declared_length(self.headers, limits.max_body_bytes)
+                route, length = self._admit(method)
             except RefusedRequest as exc:
                 return self._refuse(exc)
             try:
