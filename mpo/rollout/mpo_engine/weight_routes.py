@@ -122,14 +122,22 @@ class WeightRoutes:
             raise RequestError(f"update_weights_from_distributed: load_format {body['load_format']!r} is not "
                                f"supported by mpo's engine (one broadcast per tensor)")
         names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+        if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
+            raise RequestError("update_weights_from_distributed: names, dtypes and shapes must be lists")
         if not len(names) == len(dtypes) == len(shapes):
             raise RequestError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes and "
                                f"{len(shapes)} shapes")
-        try:
-            specs = [(name, dtype_from_name(dtype), tuple(int(d) for d in shape))
-                     for name, dtype, shape in zip(names, dtypes, shapes)]
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"update_weights_from_distributed: {exc}") from exc
+        specs = []
+        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise RequestError(f"update_weights_from_distributed: names[{i}] and dtypes[{i}] must be strings")
+            if not isinstance(shape, list) or not all(is_json_int(d) and d >= 0 for d in shape):
+                raise RequestError(f"update_weights_from_distributed: shapes[{i}]={shape!r} must be a list of "
+                                   f"integers >= 0")
+            try:
+                specs.append((name, dtype_from_name(dtype), tuple(shape)))
+            except ValueError as exc:
+                raise RequestError(f"update_weights_from_distributed: dtypes[{i}]: {exc}") from exc
         received: dict[str, torch.Tensor] = {}
         with self._group_lock:
             for name, dtype, shape in specs:  # the sender broadcasts in this order
