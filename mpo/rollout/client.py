@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from mpo.rollout.protocol import GenerateRequest, GenerateResult
+from mpo.rollout.protocol import GenerateRequest, GenerateResult, parse_generate_request
 
 
 class EngineError(RuntimeError):
@@ -84,8 +84,17 @@ class EngineClient:
             self._async = None
 
     # -- generation --------------------------------------------------------------------------------------------
+    def _checked(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The engine's own /generate validator, run before sending: a bad request fails here, naming the field,
+        without a round trip (and never reaches an engine that might accept it, as SGLang does some)."""
+        try:
+            parse_generate_request(body)
+        except ValueError as exc:
+            raise EngineError(self.url, "/generate", f"invalid request, not sent: {exc}", retryable=False) from exc
+        return body
+
     async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResult:
-        body = await self.acall("/generate", request.to_json(), timeout_s=timeout_s)
+        body = await self.acall("/generate", self._checked(request.to_json()), timeout_s=timeout_s)
         try:
             return GenerateResult.from_json(request, body, num_layers=self.num_layers, topk=self.topk)
         except ValueError as exc:
@@ -104,7 +113,7 @@ class EngineClient:
         body = {**first.to_json(), "input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [r.sampling.to_json() for r in requests]}
         body.pop("rid", None)
-        answers = await self.acall("/generate", body, timeout_s=timeout_s)
+        answers = await self.acall("/generate", self._checked(body), timeout_s=timeout_s)
         if not isinstance(answers, list) or len(answers) != len(requests):
             raise EngineError(self.url, "/generate", f"batch of {len(requests)} answered with "
                               f"{len(answers) if isinstance(answers, list) else type(answers).__name__}",

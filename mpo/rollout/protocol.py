@@ -10,20 +10,29 @@ Both engines behind the API (real SGLang and mpo's own) produce and consume exac
 from __future__ import annotations
 
 import base64
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 
+# Temperatures below this sample greedily, as in SGLang (its _SAMPLING_EPS): dividing logits by a tiny positive
+# temperature overflows (1e-320 gives inf/NaN probabilities), and the limit of sampling as T -> 0 is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-6
+# Per-request seeds feed torch.Generator.manual_seed; keep them in the range every engine accepts.
+MAX_SAMPLING_SEED = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """The sampling_params fields an RL rollout uses.
+    """The sampling_params fields an RL rollout uses. Construction validates every field (check_sampling_fields).
 
     Attributes:
-        temperature: 0 means greedy.
-        top_p: nucleus sampling mass.
-        max_new_tokens: generation budget.
+        temperature: 0 (or anything below GREEDY_BELOW_TEMPERATURE) means greedy.
+        top_p: nucleus sampling mass, in (0, 1].
+        top_k: keep only the k most likely tokens; -1 keeps all (SGLang's convention).
+        max_new_tokens: generation budget, >= 1; an engine also caps it by its context length minus the prompt.
         stop_token_ids: generation ends after emitting any of these.
         sampling_seed: per-request seed for reproducible sampling (None: engine's own stream).
     """
@@ -33,14 +42,14 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     sampling_seed: int | None = None
+    top_k: int = -1
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+        check_sampling_fields(asdict(self), where="sampling")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -50,9 +59,154 @@ class SamplingParams:
         return out
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "SamplingParams":
-        known = {k: obj[k] for k in ("temperature", "top_p", "max_new_tokens", "sampling_seed") if k in obj}
+    def from_json(cls, obj: Any, *, where: str = "sampling_params") -> "SamplingParams":
+        """Parse a wire `sampling_params` object; ValueError naming the field (`where`.field) if anything is wrong.
+        Fields mpo does not use (SGLang has many) are ignored."""
+        if obj is None:
+            obj = {}
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where} must be a JSON object, got {_json_type(obj)}")
+        check_sampling_fields(obj, where=where)
+        known = {k: obj[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed")
+                 if obj.get(k) is not None}
         return cls(**known, stop_token_ids=tuple(obj.get("stop_token_ids") or ()))
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             tuple: "a list", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def is_json_int(value: Any) -> bool:
+    """An integer as JSON means it: not a boolean (bool is an int in Python) and not a float like 5.7."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_sampling_fields(values: dict[str, Any], *, where: str) -> None:
+    """The one validator of sampling parameters (engine server, client, SamplingParams): types (integers are not
+    booleans or floats), finiteness and ranges. Absent or null fields take their defaults and are not checked.
+    Raises ValueError "<where>.<field>=<value> must ...", naming the field and its valid values."""
+
+    def bad(field: str, rule: str) -> ValueError:
+        return ValueError(f"{where}.{field}={values[field]!r} must be {rule}")
+
+    def given(field: str) -> bool:
+        return values.get(field) is not None
+
+    if given("temperature"):
+        t = values["temperature"]
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} means greedy)")
+    if given("top_p"):
+        p = values["top_p"]
+        if not _is_number(p) or not math.isfinite(p) or not 0 < p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+    if given("top_k"):
+        k = values["top_k"]
+        if not is_json_int(k) or not (k == -1 or k >= 1):
+            raise bad("top_k", "an integer >= 1, or -1 for no limit")
+    if given("max_new_tokens"):
+        n = values["max_new_tokens"]
+        if not is_json_int(n) or n < 1:
+            raise bad("max_new_tokens", "an integer >= 1")
+    if given("sampling_seed"):
+        s = values["sampling_seed"]
+        if not is_json_int(s) or not 0 <= s <= MAX_SAMPLING_SEED:
+            raise bad("sampling_seed", f"an integer in [0, {MAX_SAMPLING_SEED}]")
+    if given("stop_token_ids"):
+        ids = values["stop_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not all(is_json_int(i) and i >= 0 for i in ids):
+            raise bad("stop_token_ids", "a list of integers >= 0")
+
+
+def check_token_ids(ids: Any, *, where: str, vocab_size: int | None = None) -> list[int]:
+    """A non-empty list of token ids (integers, not booleans or floats; inside the vocabulary when it is known)."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"{where} must be a non-empty list of token ids, got {_json_type(ids)}"
+                         f"{' (empty)' if isinstance(ids, (list, tuple)) else ''}")
+    for i, token in enumerate(ids):
+        if not is_json_int(token):
+            raise ValueError(f"{where}[{i}]={token!r} must be an integer token id, got {_json_type(token)}")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{where}[{i}]={token} is outside the vocabulary {limit}")
+    return list(ids)
+
+
+def check_context_budget(prompt_tokens: int, max_new_tokens: int, context_length: int, *, row: int | None = None,
+                         ) -> None:
+    """prompt + completion must fit the model's context length (positions past it do not exist): like SGLang, a
+    request that asks for more is refused rather than silently cut. `row`: the row of a batch, for the message."""
+    where = "" if row is None else f"[{row}]"
+    if prompt_tokens >= context_length:
+        raise ValueError(f"input_ids{where} has {prompt_tokens} tokens; the model's context length is "
+                         f"{context_length}, which leaves no room for a new token")
+    if prompt_tokens + max_new_tokens > context_length:
+        raise ValueError(f"sampling_params{where}.max_new_tokens={max_new_tokens} must be at most "
+                         f"{context_length - prompt_tokens}: the model's context length {context_length} minus the "
+                         f"prompt's {prompt_tokens} tokens")
+
+
+@dataclass(frozen=True)
+class ParsedGenerate:
+    """A validated /generate request body: one or more rows, each with its own sampling parameters."""
+
+    rows: list[list[int]]
+    sampling: list[SamplingParams]
+    batch: bool  # the body used the batch form (input_ids: list of lists): answer with a list
+    rids: list[str] | None
+    return_logprob: bool
+    return_routed_experts: bool
+
+
+def parse_generate_request(body: Any, *, vocab_size: int | None = None,
+                           context_length: int | None = None) -> ParsedGenerate:
+    """Validate a /generate body (SGLang's GenerateReqInput, the subset mpo serves); ValueError naming the field.
+
+    The mpo engine calls it before anything is queued, so one bad request is refused alone (HTTP 400) and never
+    reaches a batch; EngineClient calls it before sending, so a bad request fails in the caller with the same message.
+    """
+    if not isinstance(body, dict):
+        raise ValueError(f"the /generate body must be a JSON object, got {_json_type(body)}")
+    if "input_ids" not in body:
+        raise ValueError("input_ids is required (token ids; mpo sends no text)")
+    ids = body["input_ids"]
+    batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], (list, tuple))
+    rows = ([check_token_ids(row, where=f"input_ids[{i}]", vocab_size=vocab_size) for i, row in enumerate(ids)]
+            if batch else [check_token_ids(ids, where="input_ids", vocab_size=vocab_size)])
+    params = body.get("sampling_params")
+    if isinstance(params, list):
+        if not batch or len(params) != len(rows):
+            raise ValueError(f"sampling_params is a list of {len(params)}; a list needs the batch form of input_ids "
+                             f"with as many rows ({len(rows)} given{'' if batch else ', not a batch'})")
+        sampling = [SamplingParams.from_json(p, where=f"sampling_params[{i}]") for i, p in enumerate(params)]
+    else:
+        sampling = [SamplingParams.from_json(params)] * len(rows)
+    if context_length is not None:
+        for i, (row, params_i) in enumerate(zip(rows, sampling)):
+            check_context_budget(len(row), params_i.max_new_tokens, context_length, row=i if batch else None)
+    rid = body.get("rid")
+    if rid is None:
+        rids = None
+    elif isinstance(rid, str):
+        rids = [f"{rid}-{i}" for i in range(len(rows))] if batch else [rid]
+    elif batch and isinstance(rid, list) and len(rid) == len(rows) and all(isinstance(r, str) for r in rid):
+        rids = list(rid)
+    else:
+        raise ValueError(f"rid must be a string{' or a list of one string per row' if batch else ''}, got "
+                         f"{_json_type(rid)}")
+    flags = {}
+    for flag in ("return_logprob", "return_routed_experts"):
+        value = body.get(flag)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{flag}={value!r} must be true or false")
+        flags[flag] = bool(value)
+    return ParsedGenerate(rows, sampling, batch, rids, **flags)
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@
   _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, ...)`. We make the same torch
   calls, so the trainer (rank 0, which hosts the TCP store), SGLang's ranks and mpo's engine meet in one group.
 * `flatten_bucket` + `serialize_for_sglang`: the `load_format="flattened_bucket"` payload of
-  `/update_weights_from_tensor`, i.e. base64 of a `ForkingPickler` pickle of `{"flattened_tensor": t, "metadata":
-  [...]}`. sglang builds the metadata with its `FlattenedTensorMetadata` dataclass, but the server does not need
-  that class: it unpickles with `SafeUnpickler` (an allow-list that admits `types.SimpleNamespace` and torch's
-  tensor/storage rebuilders) and `WeightUpdater._update_weights_from_flattened_bucket` reads only the attributes
-  `name, shape, dtype, start_idx, end_idx, numel` of each item. So we send `SimpleNamespace`s with those fields.
+  `/update_weights_from_tensor`, i.e. base64 of a pickle of `{"flattened_tensor": t, "metadata": [...]}` (sglang
+  pickles with ForkingPickler; serialize_for_sglang says why the tensor bytes travel inline here). sglang builds
+  the metadata with its `FlattenedTensorMetadata` dataclass, but the server does not need that class: it unpickles
+  with `SafeUnpickler` (an allow-list that admits `types.SimpleNamespace` and torch's tensor/storage rebuilders)
+  and `WeightUpdater._update_weights_from_flattened_bucket` reads only the attributes `name, shape, dtype,
+  start_idx, end_idx, numel` of each item. So we send `SimpleNamespace`s with those fields.
   (Pickling a reference to the real class is not possible without sglang: pickle must import a class to save it.)
 * `dtype_name`: the dtype strings `/update_weights_from_distributed` resolves with `getattr(torch, name)`.
 """
@@ -19,16 +20,13 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-from contextlib import contextmanager
+import pickle
 from datetime import timedelta
-from multiprocessing.reduction import ForkingPickler
-from types import SimpleNamespace
-from typing import Iterator, Sequence
+from types import FunctionType, SimpleNamespace
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing  # noqa: F401 - registers the tensor reductions with ForkingPickler
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
@@ -86,52 +84,39 @@ def flatten_bucket(named_tensors: NamedTensors) -> dict:
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
-@contextmanager
-def _shm_manager_inherits_nothing() -> Iterator[None]:
-    """Sharing a CPU tensor with the file_system strategy may start `torch_shm_manager`, which outlives us (it
-    stays while the engine holds the shared storages). It would inherit our stdout/stderr (a caller piping our
-    output would hang) and every inheritable descriptor, e.g. the pipe whose closing tells a multiprocessing parent
-    that we exited (its join would hang). So while it may start: stdio goes to /dev/null and no descriptor is
-    inheritable; both are restored afterwards."""
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    made_private = []
-    try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        for fd in map(int, os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else ():
-            try:
-                if fd > 2 and os.get_inheritable(fd):
-                    os.set_inheritable(fd, False)
-                    made_private.append(fd)
-            except OSError:  # the listing's own descriptor, already closed
-                pass
-        yield
-    finally:
-        for fd in made_private:
-            try:
-                os.set_inheritable(fd, True)
-            except OSError:
-                pass
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
-            os.close(fd)
+class _SGLangPickler(pickle._Pickler):  # the pure-Python pickler: the only one whose save_global can be extended
+    """A plain pickler (CPU tensors travel with their bytes) that names torch's storage loader the way sglang's
+    SafeUnpickler admits it. megatron.core replaces `torch.storage._load_from_bytes` with its own
+    `safe_load_from_bytes` at import, so plain pickle would name megatron's function, which sglang refuses
+    ("Blocked unsafe global") and crashes on. Both load the same bytes, so the payload names torch's."""
+
+    def save_global(self, obj: object, name: str | None = None) -> None:
+        if obj is torch.storage._load_from_bytes:
+            self.write(pickle.GLOBAL + b"torch.storage\n_load_from_bytes\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    # The base class dispatches functions to its own save_global through this table, not by attribute lookup.
+    dispatch = {**pickle._Pickler.dispatch, FunctionType: save_global}
 
 
 def serialize_for_sglang(obj: object) -> str:
-    """What sglang's `MultiprocessingSerializer.serialize(obj, output_str=True)` produces: base64 of ForkingPickler
-    bytes. CPU tensors travel as shared-memory files (file_system strategy: with the default fd strategy the server
-    fails with `AuthenticationError: digest sent was rejected`). The strategy is set only while pickling; each
-    shared storage is incref'd by torch for the receiver, so the payload stays valid after `obj` is dropped."""
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
+    """A payload sglang's `MultiprocessingSerializer.deserialize` reads: base64 of a pickle whose globals its
+    `SafeUnpickler` admits (torch's `_rebuild_tensor_v2`, `torch.storage._load_from_bytes`, which it loads with
+    weights_only, `types.SimpleNamespace`, `collections.OrderedDict`, torch dtypes and Size).
+
+    sglang's own serializer pickles CPU tensors with ForkingPickler as shared-memory handles. Doing that here needed
+    process-wide changes while pickling: the file_system sharing strategy (the fd strategy fails on the server with
+    `AuthenticationError`), and the torch_shm_manager it may start outlives us and inherited our stdout/stderr and
+    inheritable descriptors (a caller piping our output, or a multiprocessing parent joining us, would hang), so
+    stdio was redirected and descriptors made private meanwhile, for every thread. Here the tensor bytes ride in the
+    payload instead: no strategy, no manager, no shared-memory file to leak, no effect outside this call, and the
+    payload stays valid after the sender exits. The cost is the bytes in the HTTP body (x4/3 for base64), like mpo's
+    own engine's safetensors payload; CPU buckets only (flatten_bucket moves them to the CPU)."""
     buf = io.BytesIO()
-    try:
-        with _shm_manager_inherits_nothing():
-            ForkingPickler(buf).dump(obj)
-    finally:
-        torch.multiprocessing.set_sharing_strategy(previous)
+    # Not ForkingPickler: importing torch.multiprocessing registers shared-memory tensor reductions on it.
+    _SGLangPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -15,10 +15,25 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from mpo.rollout.engine_command import API_KEY_ENV
+from mpo.rollout.mpo_engine.server import ServerLimits
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not value > 0 or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite value > 0")
+        return value
+
+    return parse
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,6 +52,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--dist-port", type=int, default=None, help="port of this engine's own 1-rank gloo group")
+    parser.add_argument("--max-body-mb", type=_positive(float), default=ServerLimits.max_body_bytes / (1 << 20),
+                        help="largest request body in MiB, 413 beyond; must exceed 4/3 x the weight bucket size "
+                             "(base64) for /update_weights_from_tensor")
+    parser.add_argument("--idle-timeout-s", type=_positive(float), default=ServerLimits.idle_timeout_s,
+                        help="close a connection idle this long")
+    parser.add_argument("--max-connections", type=_positive(int), default=ServerLimits.max_connections,
+                        help="connections served at once (one thread each); 503 beyond; also the listen backlog")
+    parser.add_argument("--group-init-timeout-s", type=_positive(float), default=60.0,
+                        help="bound on /init_weights_update_group (rendezvous and group creation each)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the process that started this engine dies (set by mpo's launchers)")
     return parser.parse_args(argv)
@@ -80,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         "enable_return_routed_experts": args.enable_return_routed_experts,
         "num_layers": runner.model_cfg.num_layers, "topk": runner.model_cfg.router_topk,
         "vocab_size": runner.vocab_size, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
+        "context_length": runner.model_cfg.max_position_embeddings,
     })
-    runner.add_weight_routes(app)
-    server = serve(app, args.host, args.port, key)
+    runner.add_weight_routes(app, group_init_timeout_s=args.group_init_timeout_s)
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), idle_timeout_s=args.idle_timeout_s,
+                          max_connections=args.max_connections, listen_backlog=max(args.max_connections, 128))
+    server = serve(app, args.host, args.port, key, limits)
     logging.info("mpo engine serving on http://%s:%d", args.host, args.port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from mpo.rollout.protocol import SamplingParams
+from mpo.rollout.protocol import SamplingParams, check_token_ids
 
 # Per finished request: (prompt+completion ids) -> (logprobs of every token [n], routed experts [n-1, L, K] or None)
 Scorer = Callable[[list[list[int]], bool], list[tuple[list[float], Any]]]
@@ -38,10 +38,17 @@ class _Active:
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else temperature + nucleus (top_p) sampling from fp32 logits [V]."""
-    if sampling.temperature == 0:
+    """Greedy at (near-)zero temperature, else temperature + top_k + nucleus (top_p) sampling from fp32 logits [V].
+    Raises FloatingPointError on NaN/+inf logits (a broken row must fail its own request, not yield a token)."""
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise FloatingPointError("the model produced non-finite logits")
+    if sampling.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
+    scaled = logits.double() / sampling.temperature
+    if 0 < sampling.top_k < scaled.numel():
+        kth = scaled.topk(sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the most likely token
@@ -73,25 +80,22 @@ class MpoGenerator:
     # -- requests ----------------------------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling: SamplingParams, *, routed_experts: bool = False,
                rid: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.submit_many([input_ids], [sampling], routed_experts=routed_experts, rid=rid,
-                                timeout_s=timeout_s)[0]
+        return self.submit_many([input_ids], [sampling], routed_experts=routed_experts,
+                                rids=None if rid is None else [rid], timeout_s=timeout_s)[0]
 
     def submit_many(self, rows: list[list[int]], sampling: list[SamplingParams], *, routed_experts: bool = False,
-                    rid: str | None = None, timeout_s: float | None = None,
+                    rids: list[str] | None = None, timeout_s: float | None = None,
                     logprob_start_len: int = -1) -> list[dict[str, Any]]:
         """Queue rows together, in order (one batched /generate): the schedule, and so the numerics, is then the
-        same on every run."""
+        same on every run. Rows are checked before any is queued (ValueError), so a bad one never joins a batch."""
         requests = []
         for i, (input_ids, params) in enumerate(zip(rows, sampling, strict=True)):
-            if not input_ids:
-                raise ValueError("input_ids is empty")
-            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+            check_token_ids(input_ids, where=f"input_ids[{i}]" if len(rows) > 1 else "input_ids",
+                            vocab_size=self.vocab_size)
             generator = None
             if params.sampling_seed is not None:
                 generator = torch.Generator().manual_seed(int(params.sampling_seed))
-            name = f"{rid}-{i}" if rid and len(rows) > 1 else rid or f"mpo-{next(self._ids)}"
+            name = rids[i] if rids else f"mpo-{next(self._ids)}"
             requests.append(_Active(name, list(input_ids), params, routed_experts, generator, logprob_start_len))
         with self._cv:
             self._pending.extend(requests)
@@ -140,19 +144,37 @@ class MpoGenerator:
                 del self._pending[:room]
                 batch = list(self._active)
             try:
-                self._decode_step(batch)
-            except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the server
+                self._step(batch)
+                finished = [r for r in batch if r.finish_reason is not None and not r.done.is_set()]
+                if finished:
+                    with self._cv:
+                        self._active = [r for r in self._active if r.finish_reason is None]
+                    self._score_and_finish(finished)
+            except Exception as exc:  # noqa: BLE001 - last resort: the scheduler thread must never die
                 for request in batch:
-                    request.finish_reason = {"type": "abort", "message": f"engine error: {exc}"}
-                    self._finish(request, score=False)
-                with self._cv:
-                    self._active = [r for r in self._active if r not in batch]
-                continue
-            finished = [r for r in batch if r.finish_reason is not None]
-            if finished:
-                with self._cv:
-                    self._active = [r for r in self._active if r.finish_reason is None]
-                self._score_and_finish(finished)
+                    self._fail(request, exc)
+
+    def _step(self, batch: list[_Active]) -> None:
+        """One decode step. If the batched forward fails, each row is retried alone, so a failure aborts only the
+        requests it belongs to; the others keep generating."""
+        try:
+            self._decode_step(batch)
+            return
+        except Exception as exc:  # noqa: BLE001 - isolate below
+            if len(batch) == 1:
+                self._fail(batch[0], exc)
+                return
+        for request in batch:
+            try:
+                self._decode_step([request])
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the server's
+                self._fail(request, exc)
+
+    def _fail(self, request: _Active, exc: BaseException) -> None:
+        request.finish_reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
+        with self._cv:
+            self._active = [r for r in self._active if r is not request]
+        self._finish(request, score=False)
 
     def _decode_step(self, batch: list[_Active]) -> None:
         rows = [r.prompt + r.output for r in batch]
@@ -165,7 +187,11 @@ class MpoGenerator:
         for i, request in enumerate(batch):
             if request.finish_reason is not None:
                 continue  # aborted meanwhile
-            token = sample_next(logits[i, lengths[i] - 1], request.sampling, request.generator)
+            try:
+                token = sample_next(logits[i, lengths[i] - 1], request.sampling, request.generator)
+            except Exception as exc:  # noqa: BLE001 - fails this request only; the batch goes on
+                self._fail(request, exc)
+                continue
             request.output.append(token)
             if token in request.sampling.stop_token_ids:
                 request.finish_reason = {"type": "stop", "matched": token}
@@ -173,16 +199,30 @@ class MpoGenerator:
                 request.finish_reason = {"type": "length", "length": len(request.output)}
 
     def _score_and_finish(self, finished: list[_Active]) -> None:
-        want_routes = any(r.want_routes for r in finished)
-        with self.model_lock, torch.no_grad():
-            scores = self.scorer([r.prompt + r.output for r in finished], want_routes)
+        """Score finished requests together; if that fails, one by one, so only a failing request is aborted."""
+        try:
+            scores = self._score(finished)
+        except Exception as exc:  # noqa: BLE001 - isolate below
+            if len(finished) == 1:
+                self._fail(finished[0], exc)
+                return
+            for request in finished:
+                self._score_and_finish([request])
+            return
         for request, (logprobs, routes) in zip(finished, scores):
             self._finish(request, score=True, logprobs=logprobs, routes=routes)
+
+    def _score(self, finished: list[_Active]) -> list[tuple[list[float], Any]]:
+        want_routes = any(r.want_routes for r in finished)
+        with self.model_lock, torch.no_grad():
+            return self.scorer([r.prompt + r.output for r in finished], want_routes)
 
     def _finish(self, request: _Active, *, score: bool, logprobs: list[float] | None = None,
                 routes: Any = None) -> None:
         from mpo.rollout.protocol import encode_routed_experts
 
+        if request.done.is_set():
+            return  # answered already (aborted while its step ran)
         n_prompt = len(request.prompt)
         meta: dict[str, Any] = {
             "id": request.rid,

@@ -93,8 +93,8 @@ class EngineModel:
         full = self.mapping.hf_to_full_state(lambda name, shape: tensors.get(name, current.get(name)))
         load_full_state(unwrap(self.model), full)
 
-    def add_weight_routes(self, app: Any) -> None:
-        """SGLang's weight-update endpoints, tensor and disk paths (mpo_engine.weight_routes)."""
+    def add_weight_routes(self, app: Any, *, group_init_timeout_s: float = 60.0) -> None:
+        """SGLang's weight-update endpoints, tensor, distributed and disk paths (mpo_engine.weight_routes)."""
         from mpo.rollout.mpo_engine.weight_routes import WeightRoutes
 
-        WeightRoutes(self, app).install()
+        WeightRoutes(self, app, group_init_timeout_s=group_init_timeout_s).install()

@@ -2,6 +2,11 @@
 
 Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 2): errors are HTTP 400 with
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
+
+One request harms no one else (ServerLimits): the API key and the declared body size are checked from the headers
+before the body is read (401, 413), idle connections time out, connection threads are bounded (503 beyond), every
+/generate field is validated before anything is queued (400 naming the field), and the generator isolates a failure
+to the request it belongs to.
 """
 
 from __future__ import annotations
@@ -9,14 +14,17 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import threading
+from dataclasses import dataclass
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from mpo.parallel.ports import is_loopback
 from mpo.rollout.mpo_engine.generator import MpoGenerator
-from mpo.rollout.protocol import SamplingParams
+from mpo.rollout.protocol import SamplingParams, parse_generate_request
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +33,14 @@ Route = Callable[[dict[str, Any]], Any]
 
 class RequestError(Exception):
     """The request is wrong: answered with HTTP 400 and this message."""
+
+
+class RefusedRequest(Exception):
+    """Answered before the body is read, then the connection is closed (its unread body makes it unusable)."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineUnhealthy(Exception):
@@ -73,26 +89,21 @@ class EngineApp:
         return {"status": "ok"}
 
     def _generate(self, body: dict[str, Any]) -> Any:
-        if "input_ids" not in body:
-            raise RequestError("mpo engine needs input_ids (it has no tokenizer); text input is not supported")
-        ids = body["input_ids"]
-        batch = ids and isinstance(ids[0], list)
-        rows = ids if batch else [ids]
-        params = body.get("sampling_params") or {}
-        params_list = params if isinstance(params, list) else [params] * len(rows)
+        # Everything is checked before anything is queued: a bad request is refused alone and never joins a batch.
         try:
-            sampling = [SamplingParams.from_json(p) for p in params_list]
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"bad sampling_params: {exc}") from exc
-        want_routes = bool(body.get("return_routed_experts"))
-        if want_routes and not self.info.get("enable_return_routed_experts"):
-            want_routes = False  # like SGLang without --enable-return-routed-experts: silently no routes
-        try:
-            results = self.generator.submit_many(rows, sampling, routed_experts=want_routes, rid=body.get("rid"),
-                                                 logprob_start_len=int(body.get("logprob_start_len", -1)))
+            request = parse_generate_request(body, vocab_size=self.generator.vocab_size,
+                                             context_length=self.info.get("context_length"))
+            logprob_start_len = _logprob_start_len(body)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
-        return results if batch else results[0]
+        # Like SGLang without --enable-return-routed-experts: silently no routes.
+        want_routes = request.return_routed_experts and bool(self.info.get("enable_return_routed_experts"))
+        try:
+            results = self.generator.submit_many(request.rows, request.sampling, routed_experts=want_routes,
+                                                 rids=request.rids, logprob_start_len=logprob_start_len)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        return results if request.batch else results[0]
 
     def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"success": True, "aborted": self.generator.abort_all()}
@@ -120,6 +131,34 @@ class EngineApp:
         return {"success": True, "message": "Success"}
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client can take from the engine's HTTP server, so a bad or hostile request harms no one else.
+
+    Attributes:
+        max_body_bytes: largest request body. A larger declared Content-Length is answered 413 before any of the
+            body is read. The default fits a weight bucket of rollout.bucket_mb=64 after base64 (x4/3) with room
+            to spare; raise it (--max-body-mb) together with a larger bucket_mb.
+        idle_timeout_s: a connection that sends nothing for this long is closed (the socket timeout; also bounds a
+            stalled body upload between two reads).
+        max_connections: connections served at once, one thread each. One more is answered 503 and closed, so
+            idle or slow clients cannot make the engine grow threads without bound.
+        listen_backlog: connections the kernel queues before they are accepted. It must cover a rollout pool's burst
+            of new connections arriving while the accept loop is held up (with a backlog of 5, 34 of 40 connections
+            arriving during a short stall were dropped).
+    """
+
+    max_body_bytes: int = 256 << 20
+    idle_timeout_s: float = 60.0
+    max_connections: int = 128
+    listen_backlog: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "idle_timeout_s", "max_connections", "listen_backlog"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"server limits: {name}={getattr(self, name)} must be > 0")
+
+
 # Routes that replace the served weights or join process groups. An engine without a key serves them only on a
 # loopback address: anyone who can reach it could otherwise swap its weights.
 KEYLESS_LOOPBACK_ONLY = frozenset({"/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor",
@@ -127,45 +166,121 @@ KEYLESS_LOOPBACK_ONLY = frozenset({"/begin_weight_update", "/end_weight_update",
                                    "/init_weights_update_group", "/destroy_weights_update_group"})
 
 
-def authorized(headers: Any, api_key: str | None) -> bool:
-    """The request carries `Bearer <api_key>` (constant-time comparison), or the engine has no key."""
+def authorized(headers: Message, api_key: str | None) -> bool:
+    """The request carries `Bearer <api_key>` (constant-time comparison), or the engine has no key. It sees only
+    the headers: it runs before a byte of the body is read."""
     if not api_key:
         return True
     return hmac.compare_digest(str(headers.get("Authorization") or "").encode(), f"Bearer {api_key}".encode())
 
 
-def make_handler(app: EngineApp, api_key: str | None, *, loopback: bool = True) -> type[BaseHTTPRequestHandler]:
+# A refused request's body is drained (not parsed) up to this size before the connection closes: closing a socket
+# with unread input makes the kernel send a reset, which can destroy the answer before the client reads it. Larger
+# bodies are not read at all; the client then sees the answer or a reset, both of which say "not accepted".
+_DRAIN_LIMIT = 64 << 10
+
+
+def _logprob_start_len(body: dict[str, Any]) -> int:
+    """SGLang's logprob_start_len: -1 (no prompt log-probs) or the first prompt position to score."""
+    value = body.get("logprob_start_len", -1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"logprob_start_len must be an integer >= -1, got {value!r}")
+    return value
+
+
+def _declared_length(headers: Message, limit: int) -> int:
+    """The body size the client declared; RefusedRequest if it is unusable or over the limit."""
+    if headers.get("Transfer-Encoding"):
+        raise RefusedRequest(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length (chunked transfer "
+                                                         "encoding is not supported)")
+    text = (headers.get("Content-Length") or "0").strip()
+    if not (text.isascii() and text.isdigit()):
+        raise RefusedRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {text!r} is not a byte count")
+    length = int(text)
+    if length > limit:
+        raise RefusedRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"request body of {length} bytes exceeds the engine's limit of {limit} bytes "
+                             f"(--max-body-mb {limit / (1 << 20):g}); weight updates: lower rollout.bucket_mb or "
+                             f"start the engine with a larger --max-body-mb")
+    return length
+
+
+def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = ServerLimits(), *,
+                 loopback: bool = True) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = limits.idle_timeout_s  # socket timeout: an idle connection is closed, its thread freed
 
         def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
             log.debug("%s - " + fmt, self.address_string(), *args)
 
-        def _reply(self, status: int, payload: Any) -> None:
+        def _reply(self, status: int, payload: Any, *, close: bool = False) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
 
-        def _dispatch(self, method: str) -> None:
-            path = self.path.split("?", 1)[0]
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
+        def _refuse(self, exc: RefusedRequest, *, drain: bool = True) -> None:
+            self._reply(exc.status, {"success": False, "message": str(exc)}, close=True)
+            text = (self.headers.get("Content-Length") or "").strip()
+            if drain and text.isascii() and text.isdigit() and int(text) <= _DRAIN_LIMIT:
+                try:
+                    self.rfile.read(int(text))
+                except OSError:
+                    pass
+
+        def _admit(self, method: str) -> tuple[Route, int]:
+            """The route and body length, judged from the request line and headers alone (RefusedRequest)."""
             if not authorized(self.headers, api_key):
-                return self._reply(HTTPStatus.UNAUTHORIZED, {"success": False, "message": "Unauthorized"})
+                raise RefusedRequest(HTTPStatus.UNAUTHORIZED, "Unauthorized")
+            path = self.path.split("?", 1)[0]
             if not api_key and not loopback and path in KEYLESS_LOOPBACK_ONLY:
-                return self._reply(HTTPStatus.FORBIDDEN, {"success": False, "message": (
+                raise RefusedRequest(HTTPStatus.FORBIDDEN, (
                     f"{path} refused: this engine has no API key and listens on a non-loopback address; start it "
-                    f"with MPO_API_KEY set (or --api-key-file), or bind it to 127.0.0.1")})
+                    f"with MPO_API_KEY set (or --api-key-file), or bind it to 127.0.0.1"))
             route = app.routes.get((method, path)) or app.routes.get(("POST" if method == "GET" else "GET", path))
             if route is None:
-                return self._reply(HTTPStatus.NOT_FOUND, {"success": False, "message": f"no route {method} {path}"})
+                raise RefusedRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+            return route, _declared_length(self.headers, limits.max_body_bytes)
+
+        def handle_expect_100(self) -> bool:
+            # "Expect: 100-continue" asks whether to send the body: only after the same checks (the base class
+            # says yes to everyone). Refused: the client sends no body, so there is nothing to drain.
+            try:
+                self._admit("GET" if self.command == "GET" else "POST")
+            except RefusedRequest as exc:
+                self._refuse(exc, drain=False)
+                return False
+            return super().handle_expect_100()
+
+        def _dispatch(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                route, length = self._admit(method)
+            except RefusedRequest as exc:
+                return self._refuse(exc)
+            try:
+                raw = self.rfile.read(length) if length else b""
+            except OSError:  # idle past the timeout mid-body, or reset: nothing to answer
+                raw = b""
+            if len(raw) < length:  # the client stalled or went away mid-body
+                self.close_connection = True
+                return
             try:
                 body = json.loads(raw) if raw else {}
+            except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
+                return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": f"body is not JSON: {exc}"})
+            if not isinstance(body, dict):
+                return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": "the request body must be a "
+                                                            f"JSON object, got {type(body).__name__}"})
+            try:
                 return self._reply(HTTPStatus.OK, route(body))
-            except (RequestError, json.JSONDecodeError) as exc:
+            except RequestError as exc:
                 return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)})
             except EngineUnhealthy as exc:
                 return self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)})
@@ -185,9 +300,50 @@ def make_handler(app: EngineApp, api_key: str | None, *, loopback: bool = True) 
     return Handler
 
 
-def serve(app: EngineApp, host: str, port: int, api_key: str | None = None) -> ThreadingHTTPServer:
+class EngineHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bounded number of connection threads and a listen backlog sized by ServerLimits."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: ServerLimits) -> None:
+        self.request_queue_size = limits.listen_backlog  # read by server_activate (listen) inside __init__
+        self.limits = limits
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._answer_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _answer_busy(self, request: socket.socket) -> None:
+        """503 (retryable for mpo's pool) without a thread: written by the accept loop, then closed."""
+        body = json.dumps({"success": False, "message": f"engine busy: {self.limits.max_connections} connections "
+                                                        f"open (--max-connections); retry later"}).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.settimeout(1.0)  # a client that does not read must not stall the accept loop
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
+def serve(app: EngineApp, host: str, port: int, api_key: str | None = None,
+          limits: ServerLimits = ServerLimits()) -> ThreadingHTTPServer:
     """Start serving in a background thread; returns the server (call .shutdown() to stop)."""
-    server = ThreadingHTTPServer((host, port), make_handler(app, api_key, loopback=is_loopback(host)))
-    server.daemon_threads = True
+    server = EngineHTTPServer((host, port), make_handler(app, api_key, limits, loopback=is_loopback(host)), limits)
     threading.Thread(target=server.serve_forever, name="mpo-engine-http", daemon=True).start()
     return server

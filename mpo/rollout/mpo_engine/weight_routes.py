@@ -21,16 +21,27 @@ import torch
 import torch.distributed as dist
 
 from mpo.rollout.mpo_engine.server import EngineApp, RequestError
+from mpo.rollout.protocol import is_json_int
 from mpo.rollout.sglang_wire import dtype_from_name, join_weight_update_group
 from mpo.rollout.weight_sync import MPO_FORMAT, decode_mpo_bucket
 
 
 class WeightRoutes:
-    def __init__(self, runner: Any, app: EngineApp) -> None:
+    """The weight-update routes of one engine.
+
+    `group_init_timeout_s` bounds /init_weights_update_group: the rendezvous with the trainer's TCP store and the
+    group's creation each give up after it (a dead address fails in about that time, not minutes), and the join runs
+    without holding the collective lock, so other routes and other groups are never queued behind it.
+    """
+
+    def __init__(self, runner: Any, app: EngineApp, *, group_init_timeout_s: float = 60.0) -> None:
         self.runner, self.app = runner, app
+        self.group_init_timeout = timedelta(seconds=group_init_timeout_s)
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_version: str | None = None
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self._joining: set[str] = set()  # group names being joined right now
+        self._names_lock = threading.Lock()  # guards groups and _joining
         self._group_lock = threading.Lock()  # one collective at a time per engine
         self._expected: dict[str, tuple[int, ...]] = {
             name: tuple(shape) for unit in runner.mapping.units()
@@ -68,23 +79,37 @@ class WeightRoutes:
 
     # -- distributed transport -----------------------------------------------------------------------------------
     def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            name, address, port = body["group_name"], body["master_address"], int(body["master_port"])
-            rank, world_size = int(body["rank_offset"]), int(body["world_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RequestError(f"init_weights_update_group: bad request ({type(exc).__name__}: {exc})") from exc
+        name, address = body.get("group_name", "weight_update_group"), body.get("master_address")
+        port, rank, world_size = body.get("master_port"), body.get("rank_offset"), body.get("world_size")
+        for field, value, ok, rule in (
+                ("group_name", name, isinstance(name, str) and bool(name), "a non-empty string"),
+                ("master_address", address, isinstance(address, str) and bool(address), "a host name or address"),
+                ("master_port", port, is_json_int(port) and 0 < port < 65536, "an integer port in [1, 65535]"),
+                ("world_size", world_size, is_json_int(world_size) and world_size >= 2, "an integer >= 2"),
+                ("rank_offset", rank, is_json_int(rank) and is_json_int(world_size) and 0 < rank < world_size,
+                 "an integer in [1, world_size) (rank 0 is the trainer)")):
+            if not ok:
+                raise RequestError(f"init_weights_update_group: {field}={value!r} must be {rule}")
         backend = body.get("backend") or "gloo"
         if backend != "gloo":
             raise RequestError(f"init_weights_update_group: mpo's engine runs on CPU and needs backend 'gloo', "
                                f"got {backend!r}")
-        if name in self.groups:
-            raise RequestError(f"init_weights_update_group: group {name!r} already exists")
-        with self._group_lock:
-            try:
-                self.groups[name] = join_weight_update_group(address, port, world_size, name, backend, rank=rank,
-                                                             timeout=timedelta(seconds=120))
-            except (RuntimeError, ValueError) as exc:
-                raise RequestError(f"init_weights_update_group {name!r} failed: {exc}") from exc
+        with self._names_lock:
+            if name in self.groups or name in self._joining:
+                raise RequestError(f"init_weights_update_group: group {name!r} already exists")
+            self._joining.add(name)
+        try:
+            group = join_weight_update_group(address, port, world_size, name, backend, rank=rank,
+                                             timeout=self.group_init_timeout)
+            with self._names_lock:
+                self.groups[name] = group
+        except (RuntimeError, ValueError) as exc:  # torch's DistError/DistNetworkError are RuntimeErrors
+            raise RequestError(f"init_weights_update_group {name!r} at {address}:{port} failed (bounded by "
+                               f"--group-init-timeout-s {self.group_init_timeout.total_seconds():g}): "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        finally:
+            with self._names_lock:
+                self._joining.discard(name)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -97,14 +122,22 @@ class WeightRoutes:
             raise RequestError(f"update_weights_from_distributed: load_format {body['load_format']!r} is not "
                                f"supported by mpo's engine (one broadcast per tensor)")
         names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+        if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
+            raise RequestError("update_weights_from_distributed: names, dtypes and shapes must be lists")
         if not len(names) == len(dtypes) == len(shapes):
             raise RequestError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes and "
                                f"{len(shapes)} shapes")
-        try:
-            specs = [(name, dtype_from_name(dtype), tuple(int(d) for d in shape))
-                     for name, dtype, shape in zip(names, dtypes, shapes)]
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"update_weights_from_distributed: {exc}") from exc
+        specs = []
+        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise RequestError(f"update_weights_from_distributed: names[{i}] and dtypes[{i}] must be strings")
+            if not isinstance(shape, list) or not all(is_json_int(d) and d >= 0 for d in shape):
+                raise RequestError(f"update_weights_from_distributed: shapes[{i}]={shape!r} must be a list of "
+                                   f"integers >= 0")
+            try:
+                specs.append((name, dtype_from_name(dtype), tuple(shape)))
+            except ValueError as exc:
+                raise RequestError(f"update_weights_from_distributed: dtypes[{i}]: {exc}") from exc
         received: dict[str, torch.Tensor] = {}
         with self._group_lock:
             for name, dtype, shape in specs:  # the sender broadcasts in this order
@@ -117,7 +150,8 @@ class WeightRoutes:
 
     def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("group_name") or "weight_update_group"
-        group = self.groups.pop(name, None)
+        with self._names_lock:
+            group = self.groups.pop(name, None)
         if group is None:
             raise RequestError(f"destroy_weights_update_group: no group {name!r}")
         dist.destroy_process_group(group)

@@ -1,0 +1,405 @@
+"""mpo's engine server: one bad request harms no one (issue 12, items 6-11 and 13).
+
+One real engine process (real HTTP on loopback) with small limits serves the module, so each limit is reached in
+seconds: bodies are refused from their headers (401/413 before reading), idle connections time out, connection
+threads are bounded, every /generate field is validated (400 naming it), a bad request never aborts a concurrent
+one, max_new_tokens is capped by the context length, a burst of parallel clients is not reset, and joining a
+weight-update group at a dead address fails within its bound while other routes answer. sglang_wire's pickling
+leaves the process's stdio and descriptors alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from mpo.parallel.ports import free_port
+from mpo.rollout.client import EngineClient, EngineError
+from mpo.rollout.local_engine import LocalEngineProcess
+from mpo.rollout.mpo_engine.generator import MpoGenerator
+from mpo.rollout.protocol import GenerateRequest, SamplingParams
+
+KEY = "k"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+IDLE_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 48
+GROUP_INIT_TIMEOUT_S = 3.0
+CONTEXT_LENGTH = 512  # the tiny preset's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    process = LocalEngineProcess.mpo_engine(
+        log_path=tmp_path_factory.mktemp("hardening") / "engine.log", api_key=KEY,
+        extra_args=["--max-body-mb", "1", "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections",
+                    str(MAX_CONNECTIONS), "--group-init-timeout-s", str(GROUP_INIT_TIMEOUT_S)]).start()
+    yield process
+    process.stop()
+
+
+def _proc_status(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _raw_exchange(port: int, head: str, *, timeout_s: float = 10.0) -> bytes:
+    """Send request headers only (no body) on a fresh connection; return what the server answers before closing
+    or going quiet for timeout_s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(head.encode())
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+                if b"\r\n\r\n" in b"".join(chunks) and b'"message"' in b"".join(chunks):
+                    break
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return b"".join(chunks)
+
+
+def _post(engine, path: str, body, *, timeout_s: float = 30.0) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{engine.url}{path}", content=content, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=timeout_s)
+
+
+# -- item 6: authenticate first, cap bodies, time out idle connections, bound threads ------------------------------
+def test_hardening_huge_declared_body_is_refused_from_the_headers(engine):
+    """Content-Length: 8 GB: 401 without a key and 413 with one, answered at once without reading (nor allocating)
+    the body; the engine's virtual size does not grow by anything near it."""
+    pid = engine.process.pid
+    before = _proc_status(pid, "VmSize")
+    head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8000000000\r\n"
+    started = time.monotonic()
+    no_key = _raw_exchange(engine.port, head + "\r\n")
+    assert no_key.startswith(b"HTTP/1.1 401"), no_key[:200]
+    with_key = _raw_exchange(engine.port, head + f"Authorization: Bearer {KEY}\r\n\r\n")
+    assert with_key.startswith(b"HTTP/1.1 413"), with_key[:200]
+    assert b"--max-body-mb" in with_key
+    # A client that asks before sending ("Expect: 100-continue") is told no, not invited to send 8 GB.
+    asked = _raw_exchange(engine.port, head + "Expect: 100-continue\r\n\r\n")
+    assert asked.startswith(b"HTTP/1.1 401"), asked[:200]
+    assert time.monotonic() - started < 10.0
+    grown_kb = _proc_status(pid, "VmSize") - before
+    assert grown_kb < 512 << 10, f"engine grew by {grown_kb} kB of virtual memory"
+    # A body just over the limit, really sent, gets the same answer through a normal client.
+    response = _post(engine, "/generate", b"x" * ((1 << 20) + 1))
+    assert response.status_code == 413
+
+
+def test_hardening_idle_connections_time_out_and_threads_are_bounded(engine):
+    """Twice --max-connections idle connections: the engine's threads stay bounded (the excess is answered 503 at
+    once), every idle connection is closed after --idle-timeout-s, and then the engine serves normally."""
+    pid = engine.process.pid
+    baseline = _proc_status(pid, "Threads")
+    sockets = [socket.create_connection(("127.0.0.1", engine.port), timeout=30) for _ in range(2 * MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.5)
+        peak = _proc_status(pid, "Threads")
+        assert peak <= baseline + MAX_CONNECTIONS + 4, f"{peak} threads for {len(sockets)} idle connections " \
+                                                       f"(baseline {baseline}, limit {MAX_CONNECTIONS})"
+        started = time.monotonic()
+        answers = []
+        for sock in sockets:  # each one is closed by the server: recv returns what it said, then b""
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            answers.append(data)
+        waited = time.monotonic() - started
+        assert waited < IDLE_TIMEOUT_S + 20.0, f"idle connections were held {waited:.1f} s"
+        busy = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(busy) >= MAX_CONNECTIONS - 4, f"only {len(busy)} of the excess connections were answered 503"
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 503") for a in answers)
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert httpx.get(f"{engine.url}/health", headers=AUTH, timeout=10).status_code == 200
+
+
+# -- item 7: validate sampling parameters, isolate failures per request ------------------------------------------
+def test_hardening_bad_temperature_is_refused_alone_and_a_concurrent_request_finishes(engine):
+    """While a greedy request A is queued, temperature NaN is refused (400 naming temperature) and a tiny positive
+    temperature (1e-320, below SGLang's 1e-6 greedy threshold) samples greedily; A finishes normally."""
+    client = engine.client
+    prompt = [1, 2, 3, 4, 5]
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, params: dict) -> None:
+        results[name] = _post(engine, "/generate", {"input_ids": prompt, "sampling_params": params})
+
+    client.pause_generation(mode="in_place")  # queue A and the others together, so they share decode steps
+    try:
+        threads = [threading.Thread(target=send, args=(name, params)) for name, params in (
+            ("A", greedy), ("nan", {**greedy, "temperature": float("nan")}),
+            ("tiny", {**greedy, "temperature": 1e-320}))]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+    finally:
+        client.continue_generation()
+    for thread in threads:
+        thread.join(60)
+    assert results["nan"].status_code == 400
+    assert "sampling_params.temperature=nan" in results["nan"].json()["message"]
+    a, tiny = results["A"].json(), results["tiny"].json()
+    assert a["meta_info"]["finish_reason"]["type"] == "length", a["meta_info"]["finish_reason"]
+    assert tiny["meta_info"]["finish_reason"]["type"] == "length"
+    assert tiny["output_ids"] == a["output_ids"]
+
+
+POISON = 7  # the fake model below breaks on rows holding this token
+
+
+def _fake_logits(ids: torch.Tensor) -> torch.Tensor:
+    logits = torch.zeros(*ids.shape, 16)
+    logits[..., 3] = 5.0
+    logits[(ids == POISON).any(-1)] = float("nan")
+    return logits
+
+
+def _fake_scorer(sequences, want_routes):
+    if any(POISON + 1 in s for s in sequences):
+        raise RuntimeError("scoring failed")
+    return [([0.0] * len(s), None) for s in sequences]
+
+
+@pytest.mark.parametrize("poison", [POISON, POISON + 1], ids=["hardening-decode", "hardening-score"])
+def test_hardening_a_failing_row_aborts_only_its_own_request(poison):
+    """The generator isolates failures: a row whose decode step (NaN logits) or scoring fails is aborted alone, the
+    request batched with it finishes. The model is faked: the real one cannot be made to fail for one row."""
+    generator = MpoGenerator(_fake_logits, _fake_scorer, vocab_size=16, max_batch=4)
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=3, sampling_seed=1)
+        good, bad = generator.submit_many([[1, 2], [1, poison]], [params, params], timeout_s=30)
+        assert good["meta_info"]["finish_reason"]["type"] == "length" and good["output_ids"] == [3, 3, 3]
+        assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "engine error" in bad["meta_info"]["finish_reason"]["message"]
+        # The scheduler lives on.
+        again = generator.submit([1, 2], params, timeout_s=30)
+        assert again["meta_info"]["finish_reason"]["type"] == "length"
+    finally:
+        generator.stop()
+
+
+# -- item 8: max_new_tokens capped by the context length -----------------------------------------------------------
+def test_hardening_max_new_tokens_is_capped_by_the_context_length(engine):
+    started = time.monotonic()
+    response = _post(engine, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 10**9}},
+                     timeout_s=15)
+    assert response.status_code == 400
+    message = response.json()["message"]
+    assert "max_new_tokens=1000000000" in message and str(CONTEXT_LENGTH - 3) in message, message
+    assert time.monotonic() - started < 15
+    assert engine.client.server_info()["context_length"] == CONTEXT_LENGTH
+
+
+# -- item 9: wrong types are 400 with a message naming the field ---------------------------------------------------
+BAD_BODIES = [
+    ({"input_ids": ["5"]}, "input_ids[0]"),
+    ({"input_ids": [5], "sampling_params": "x"}, "sampling_params"),
+    ({"input_ids": [5.7]}, "input_ids[0]"),
+    ({"input_ids": [True]}, "input_ids[0]"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
+    ({"input_ids": 5}, "input_ids"),
+    ({"input_ids": [5], "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
+    ({"input_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"input_ids": [5], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [5], "sampling_params": {"top_p": "0.5"}}, "top_p"),
+    ({"input_ids": [5], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [5], "sampling_params": {"sampling_seed": 1.5}}, "sampling_seed"),
+    ({"input_ids": [5], "sampling_params": {"stop_token_ids": ["a"]}}, "stop_token_ids"),
+    ({"input_ids": [[5], [6]], "sampling_params": [{}]}, "sampling_params"),
+    ({"input_ids": [5], "rid": 3}, "rid"),
+    ({"input_ids": [5], "return_routed_experts": "yes"}, "return_routed_experts"),
+    ({"input_ids": [5, 99999]}, "input_ids[1]"),
+    ({"text": "hello"}, "input_ids"),
+    ([5], "JSON object"),
+    ("{not json", "not JSON"),
+]
+
+
+@pytest.mark.parametrize("body, field", BAD_BODIES, ids=[f"hardening-{i}" for i in range(len(BAD_BODIES))])
+def test_hardening_wrong_types_get_400_naming_the_field(engine, body, field):
+    response = _post(engine, "/generate", body if isinstance(body, str) else json.dumps(body))
+    assert response.status_code == 400, (response.status_code, response.text[:300])
+    message = response.json()["message"]
+    assert field in message and "Traceback" not in message, message
+
+
+def test_hardening_client_refuses_a_bad_request_before_sending(engine):
+    """mpo's client runs the engine's validator: a float token id fails in the caller, naming the field."""
+    client = EngineClient(engine.url, api_key=KEY)
+    import asyncio
+
+    with pytest.raises(EngineError, match=r"not sent: input_ids\[1\]=2\.5"):
+        asyncio.run(client.generate(GenerateRequest((1, 2.5))))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sampling.temperature=nan"):
+        SamplingParams(temperature=float("nan"))
+
+
+# -- item 10: the listen backlog covers a burst of parallel clients ------------------------------------------------
+def test_hardening_a_burst_of_connections_waits_in_the_backlog_and_is_served(engine):
+    """40 clients connect while the engine is not accepting for a moment (stopped with SIGSTOP, as a long GIL hold
+    or a GC pause would): the kernel must queue all of them (a backlog of 5 drops the rest, whose connects time
+    out), and once the engine runs again every one gets its /health answered."""
+    clients = 40
+    barrier = threading.Barrier(clients)
+    connected: list[socket.socket] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def connect() -> None:
+        barrier.wait()
+        try:
+            sock = socket.create_connection(("127.0.0.1", engine.port), timeout=3.0)
+        except OSError as exc:
+            with lock:
+                failures.append(f"connect: {type(exc).__name__}: {exc}")
+            return
+        with lock:
+            connected.append(sock)
+
+    os.kill(engine.process.pid, signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=connect) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        os.kill(engine.process.pid, signal.SIGCONT)
+    statuses = []
+    for sock in connected:
+        with sock:
+            sock.settimeout(30)
+            try:
+                sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                             f"Connection: close\r\n\r\n".encode())
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+                statuses.append(data.split(b"\r\n", 1)[0].decode())
+            except OSError as exc:
+                failures.append(f"request: {type(exc).__name__}: {exc}")
+    assert not failures and statuses == ["HTTP/1.1 200 OK"] * clients, (len(failures), failures[:3], statuses[:3])
+
+
+# -- item 11: a bounded weight-update group join that blocks no one --------------------------------------------
+def test_hardening_group_init_at_a_dead_address_is_bounded_and_other_routes_answer(engine):
+    """Two joins at addresses where nobody listens fail (400, naming the bound) within about the configured
+    --group-init-timeout-s, concurrently rather than one queued behind the other; /health answers all along."""
+    results: dict[str, tuple[httpx.Response | Exception, float]] = {}
+
+    def join(name: str) -> None:
+        started = time.monotonic()
+        try:
+            response = _post(engine, "/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+                "group_name": name, "backend": "gloo"}, timeout_s=60)
+        except httpx.HTTPError as exc:
+            response = exc
+        results[name] = (response, time.monotonic() - started)
+
+    threads = [threading.Thread(target=join, args=(name,)) for name in ("dead-1", "dead-2")]
+    for thread in threads:
+        thread.start()
+    health_latencies = []
+    while any(t.is_alive() for t in threads):
+        started = time.monotonic()
+        assert httpx.get(f"{engine.url}/health", headers=AUTH, timeout=10).status_code == 200
+        health_latencies.append(time.monotonic() - started)
+        time.sleep(0.2)
+    bound = 3 * GROUP_INIT_TIMEOUT_S + 10.0  # connect timeout + torch's retry delay, on a loaded box
+    for name, (response, elapsed) in results.items():
+        assert isinstance(response, httpx.Response), f"{name}: {response!r}"
+        assert response.status_code == 400 and "--group-init-timeout-s" in response.json()["message"], response.text
+        assert elapsed < bound, f"{name} took {elapsed:.1f} s (bound {bound} s)"
+    assert health_latencies and max(health_latencies) < 5.0, health_latencies
+
+
+# -- item 13: sglang_wire pickling has no process-wide side effects ------------------------------------------------
+_WIRE_PROBE = textwrap.dedent("""
+    import json, os, pickle, base64, sys, types
+    import torch
+    import megatron.core  # as in the trainer: it replaces torch.storage._load_from_bytes
+    from mpo.rollout.sglang_wire import flatten_bucket, serialize_for_sglang
+
+    r, w = os.pipe()
+    os.set_inheritable(w, True)  # like a multiprocessing child's sentinel pipe
+
+    def state():
+        return [os.fstat(1).st_ino, os.fstat(2).st_ino, os.get_inheritable(w),
+                torch.multiprocessing.get_sharing_strategy()]
+
+    seen = []
+
+    class Probe:  # records the process state while the pickler runs
+        def __reduce__(self):
+            seen.append(state())
+            return (types.SimpleNamespace, ())
+
+    before = state()
+    bucket = flatten_bucket([("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(4))])
+    payload = serialize_for_sglang({**bucket, "probe": Probe()})
+    print(json.dumps({"before": before, "during": seen, "after": state(), "payload": payload}))
+""")
+
+
+# The globals sglang 0.5.23's SafeUnpickler admits that a CPU bucket needs (its ALLOWED_GLOBALS, plus
+# torch.storage._load_from_bytes, which it maps to a weights_only load); any other global crashes its scheduler.
+SGLANG_ADMITTED = {("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes"),
+                   ("collections", "OrderedDict"), ("types", "SimpleNamespace"), ("torch", "Size"),
+                   ("torch", "float32")}
+
+
+def _pickle_globals(data: bytes) -> set[tuple[str, str]]:
+    import pickletools
+
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            found.add((strings[-2], strings[-1]))
+        if isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
+def test_hardening_sglang_wire_pickling_leaves_stdio_and_descriptors_alone(tmp_path):
+    """Serializing a bucket (megatron imported, as in the trainer) neither redirects stdout/stderr, nor changes a
+    descriptor's inheritance, nor the sharing strategy (observed from inside the pickler); the payload names only
+    globals sglang admits, and unpickles in another process after the sender exited."""
+    import base64
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _WIRE_PROBE], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["during"] == [report["before"]] and report["after"] == report["before"], report
+    extra = _pickle_globals(base64.b64decode(report["payload"])) - SGLANG_ADMITTED
+    assert not extra, f"globals sglang refuses: {extra}"
+    load = ("import base64, sys, torch\nfrom multiprocessing.reduction import ForkingPickler\n"
+            "obj = ForkingPickler.loads(base64.b64decode(sys.stdin.read()))\n"
+            "print(obj['flattened_tensor'].tolist(), [m.name for m in obj['metadata']])")
+    loaded = subprocess.run([sys.executable, "-c", load], input=report["payload"], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.strip() == "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0] ['a', 'b']"
