@@ -48,6 +48,8 @@ class EngineSettings:
         api_key: bearer token the engine requires (rollout.api_key); passed in the environment, never on argv.
         max_batch: mpo engine's largest decode batch.
         mem_fraction: SGLang --mem-fraction-static (None: SGLang's default).
+        bucket_mb: the weight-sync bucket (rollout.bucket_mb): mpo's engine accepts request bodies of a bucket after
+            base64 plus headroom (--max-body-mb), never less than its default.
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -61,6 +63,12 @@ class EngineSettings:
     api_key: str | None = None
     max_batch: int = 256
     mem_fraction: float | None = None
+    bucket_mb: int = 64
+
+    @property
+    def max_body_mb(self) -> int:
+        """A bucket base64-encoded (x4/3) with 50% headroom for the JSON around it, at least the engine's 256."""
+        return max(256, -(-self.bucket_mb * 2))
 
     @classmethod
     def from_config(cls, config: TrainConfig, *, mem_fraction: float | None = None) -> EngineSettings:
@@ -69,7 +77,7 @@ class EngineSettings:
         return cls(engine=r.engine, dtype=r.engine_dtype or m.dtype, fp32_lm_head=m.fp32_lm_head, seed=config.seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
                    tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,
-                   mem_fraction=mem_fraction)
+                   mem_fraction=mem_fraction, bucket_mb=r.bucket_mb)
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,8 @@ def engine_command(settings: EngineSettings, *, python: str, host: str, port: in
         return EngineCommand(tuple(argv), env, host, port)
     argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port), "--preset", s.preset,
             "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--enable-return-routed-experts",
-            "--fp32-lm-head" if s.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(s.seed)]
+            "--fp32-lm-head" if s.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(s.seed),
+            "--max-body-mb", str(s.max_body_mb)]
     if s.mcore_dir:
         argv += ["--mcore-dir", s.mcore_dir]
     argv.append("--exit-with-parent")

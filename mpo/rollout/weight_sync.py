@@ -11,7 +11,8 @@ routed to at least once, so one expert left stale by a sync changes some probe l
 Two transports, for both engine kinds (config `rollout.sync`):
 * "tensor": each bucket travels in the HTTP body of /update_weights_from_tensor. mpo's engine takes
   `load_format="mpo_safetensors"` (base64 safetensors bytes: data only, never pickle); SGLang takes
-  `load_format="flattened_bucket"` (one dtype per bucket, shared-memory tensors; see mpo.rollout.sglang_wire).
+  `load_format="flattened_bucket"` (one dtype per bucket, tensor bytes inline in the pickle; see
+  mpo.rollout.sglang_wire).
 * "distributed": once per engine set the trainer (rank 0, hosting the rendezvous) and every engine rank join one
   process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before it;
   gloo on CPU, NCCL on GPU). Per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes)
