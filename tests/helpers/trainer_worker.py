@@ -58,7 +58,7 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
             results[loss] = metrics
         trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
         results["gspo+kl"] = trainer.train_step(len(losses))
-        sync(trainer, engines, "v-last")
+        results["gspo+kl"].update(sync(trainer, engines, "v-last"))
         # The engine dies between steps: the pool restarts it and it must serve the current weights.
         trainer.set_algorithm(AlgorithmSection(loss="gspo", filter_zero_variance=False))
         if engines is not None:
@@ -141,7 +141,7 @@ def nonfinite(out_dir: str) -> None:
     overrides = ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1", "algorithm.filter_zero_variance=false"]
     with _worker_run(out_dir, "nonfinite", overrides) as (trainer, _, _, results):
         before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        trainer._loss_fn = lambda denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
+        trainer._loss_fn = lambda *denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
         results["steps"] = []
         try:
             for step in range(3):
