@@ -243,8 +243,10 @@ def run(config: TrainConfig) -> None:
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
                 trainer.save(step + 1)
     finally:
-        if metrics_log is not None:
-            metrics_log.close()
-        if engines is not None:
-            engines.stop()
+        try:
+            if metrics_log is not None:
+                metrics_log.close()
+        finally:  # the engines stop even when closing the log fails (a full disk, say)
+            if engines is not None:
+                engines.stop()
     dist.barrier()

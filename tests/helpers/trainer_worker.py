@@ -72,22 +72,25 @@ ALGORITHMS_V2 = {  # name -> AlgorithmSection fields (one RL step each)
     **{f"correction-{c}": {"loss": "grpo", "rollout_correction": c}
        for c in ("tis_token", "tis_seq", "icepop_token", "mis_seq")},
     "correction-mis_seq-gspo": {"loss": "gspo", "rollout_correction": "mis_seq",
-                                "rollout_correction_args": {"lower": 0.9, "upper": 1.1}},
+                                "rollout_correction_args": {"lower": 0.995, "upper": 1.005}},
     "dppo_kl-anchor_rollout": {"loss": "dppo_kl", "loss_args": {"anchor": "rollout"}},
     "positive_nll": {"loss": "dapo", "positive_nll_coef": 0.1, "positive_nll_threshold": 1e-6},  # any credit
     "kl-k3_unbiased": {"loss": "gspo", "kl_coef": 0.1, "kl_estimator": "k3_unbiased"},
 }
 
 
-def algorithms_v2(out_dir: str) -> None:
-    """One RL step per second-wave estimator, rollout correction and loss term (the engine lags one step behind
-    after the first, so the corrections see a real mismatch)."""
+def algorithms_v2(out_dir: str, layout: list[str] = ()) -> None:
+    """One RL step per second-wave estimator, rollout correction and loss term, at the demo's layout or `layout`.
+    The engine runs in bf16 and is synced after every step, so the corrections see a real, bounded mismatch (as
+    between an inference engine's kernels and the trainer's)."""
     from mpo.config import AlgorithmSection
 
-    with _worker_run(out_dir, "algorithms_v2") as (trainer, _, _, results):
+    with _worker_run(out_dir, "algorithms_v2", ["rollout.engine_dtype=bf16", *layout]) as (
+            trainer, engines, sync, results):
         for step, (name, fields) in enumerate(ALGORITHMS_V2.items()):
             trainer.set_algorithm(AlgorithmSection(filter_zero_variance=False, **fields))
             results[name] = trainer.train_step(step)
+            sync(trainer, engines, f"v{step + 1}")
             if fields.get("advantage") == "reinforce_ema":
                 results["ema_state"] = trainer.advantages.state_dict()
 
