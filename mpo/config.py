@@ -94,10 +94,10 @@ class AlgorithmSection:
         loss: a registered policy loss (mpo.algorithms.loss_names()): gspo, sapo, rspo, grpo, dapo, ...
         loss_args: overrides of that loss's hyper-parameters (e.g. {eps_high: 0.28}).
         advantage: per-response grpo | drgrpo | rloo | batchstd | maxrl, per-token reinforce_pp |
-            reinforce_pp_baseline (whitened over the step's whole batch), or reinforce_ema (running-mean baseline,
-            kept in checkpoints). gae / vapo need a critic, which mpo does not have yet.
-        advantage_args: the estimator's parameters (reinforce_pp: {gamma}; reinforce_ema: {beta}; eps of the
-            group estimators).
+            reinforce_pp_baseline (whitened over the step's whole batch), reinforce_ema (running-mean baseline,
+            kept in checkpoints), or gae / vapo (with a critic; whitened over the global batch).
+        advantage_args: the estimator's parameters (reinforce_pp: {gamma}; reinforce_ema: {beta}; gae: {gamma,
+            lam}; vapo: {gamma, alpha, lam_value}; eps of the group estimators).
         kl_coef: weight of the KL penalty against the initial (reference) policy; 0 disables it.
         kl_estimator: k1 | k2 | k3 | k3_unbiased (k3 times pi/pi_old, TRL's bias-corrected KL).
         rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq: importance weights / masks for the
@@ -105,6 +105,9 @@ class AlgorithmSection:
         rollout_correction_args: its bounds ({cap}, {lower, upper}); unset ones take the kind's defaults.
         positive_nll_coef: VAPO's positive-example LM loss weight (0 disables it); positive_nll_threshold is the
             reward at which a response counts as positive.
+        critic_lr / value_clip / critic_warmup_steps: the critic of gae / vapo (a value model at the policy's
+            layout, initialised from it): its Adam learning rate, the value-loss clip c, and the first RL steps that
+            train only the critic (VAPO's value pre-training).
         replay: routing replay: "none", "r2" (old-forward routes replayed in updates) or "r3" (engine routes
             replayed in the old forward and the updates).
         filter_zero_variance: drop prompt groups whose rewards are all equal (DAPO dynamic sampling).
@@ -120,6 +123,9 @@ class AlgorithmSection:
     rollout_correction_args: dict = field(default_factory=dict)
     positive_nll_coef: float = 0.0
     positive_nll_threshold: float = 1.0
+    critic_lr: float = 1e-3
+    value_clip: float = 0.5
+    critic_warmup_steps: int = 0
     replay: Literal["none", "r2", "r3"] = "none"
     filter_zero_variance: bool = True
 
@@ -365,7 +371,7 @@ def validate(config: TrainConfig) -> None:
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
-    if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema"):
+    if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
     if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
         raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
@@ -398,6 +404,9 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
     "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     "algorithm.positive_nll_coef": (lambda v: v >= 0, ">= 0 (0 disables VAPO's positive-example NLL)"),
+    "algorithm.critic_lr": (lambda v: v > 0, "> 0"),
+    "algorithm.value_clip": (lambda v: v > 0, "> 0"),
+    "algorithm.critic_warmup_steps": (lambda v: v >= 0, ">= 0"),
     "data.prompts_per_step": (lambda v: v >= 1, ">= 1"),
     "data.digits": (lambda v: v >= 1, ">= 1"),
     "schedule.steps": (lambda v: v >= 0, ">= 0"),

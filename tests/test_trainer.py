@@ -106,6 +106,18 @@ def test_second_wave_algorithms_run_a_step(algorithms_v2_run, name):
         assert metrics["positive_nll"] > 0
     if name == "kl-k3_unbiased":
         assert metrics["kl_mean"] > 0
+    if name in ("ppo-gae", "vapo"):  # the critic scored the rows and took a step of the clipped value loss
+        assert math.isfinite(metrics["critic/value_loss"]) and metrics["critic/value_loss"] > 0
+        assert metrics["critic/grad_norm"] > 0 and "critic/returns_mean" in metrics
+
+
+def test_critic_value_loss_falls_on_fixed_targets(tmp_path):
+    """The megatron critic (value head on the policy's body, DP2xEP2) regresses one step's GAE returns: its clipped
+    value loss falls well below where it started (the zero-initialised head predicts V = 0)."""
+    spawn_ranks(2, trainer_worker.critic_fits, str(tmp_path), 20)
+    losses = json.loads((tmp_path / "critic.json").read_text())["value_loss"]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.5 * losses[0], losses
 
 
 def test_reinforce_ema_keeps_its_baseline(algorithms_v2_run):

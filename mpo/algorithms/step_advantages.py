@@ -19,6 +19,8 @@ ESTIMATOR_ARGS: dict[str, tuple[str, ...]] = {
     "reinforce_pp": ("gamma",),
     "reinforce_pp_baseline": (),
     "reinforce_ema": ("beta",),
+    "gae": ("gamma", "lam"),
+    "vapo": ("gamma", "alpha", "lam_value"),
 }
 
 
@@ -30,9 +32,6 @@ class AdvantageConfig:
     args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name in CRITIC_ESTIMATORS:
-            raise ValueError(f"advantage={self.name!r} needs a critic (a value model), which mpo does not have yet; "
-                             f"valid values: {', '.join(ESTIMATOR_ARGS)}")
         if self.name not in ESTIMATOR_ARGS:
             raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(ESTIMATOR_ARGS)}")
         unknown = sorted(set(self.args) - set(ESTIMATOR_ARGS[self.name]))
@@ -44,6 +43,16 @@ class AdvantageConfig:
                 raise ValueError(f"advantage_args.{key}={value!r} must be a number")
         if "gamma" in self.args and not 0 < self.args["gamma"] <= 1:
             raise ValueError(f"advantage_args.gamma={self.args['gamma']} must be in (0, 1]")
+        for key in ("lam", "lam_value"):
+            if key in self.args and not 0 <= self.args[key] <= 1:
+                raise ValueError(f"advantage_args.{key}={self.args[key]} must be in [0, 1]")
+        if "alpha" in self.args and not self.args["alpha"] > 0:
+            raise ValueError(f"advantage_args.alpha={self.args['alpha']} must be > 0")
+
+    @property
+    def needs_critic(self) -> bool:
+        """GAE / VAPO: advantages come from the critic's values, after the old forward (mpo.trainer.critic)."""
+        return self.name in CRITIC_ESTIMATORS
         if "eps" in self.args and self.args["eps"] < 0:
             raise ValueError(f"advantage_args.eps={self.args['eps']} must be >= 0")
         if "beta" in self.args:
@@ -63,6 +72,8 @@ class StepAdvantages:
         name, args = self.config.name, self.config.args
         rewards = rewards.to(torch.float64)
         zero_variance = group_stats(rewards, group_ids).std == 0
+        if self.config.needs_critic:  # filled in per rank once the critic has scored the rows
+            return [[0.0] * n for n in lengths], zero_variance
         if name in ADVANTAGE_ESTIMATORS:
             scalar = compute_advantages(rewards, group_ids, estimator=name, **args).advantages
         elif self.ema is not None:

@@ -43,12 +43,13 @@ LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, 
 
 def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, vocab_size: int,
                      loss_fn: LossFn | None = None, forward_only: bool | None = None, keep_logits: bool = False,
-                     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> list[dict]:
+                     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, values: bool = False) -> list[dict]:
     """Forward (and backward, if `loss_fn` is given and not forward_only) over all micro-batches.
 
     Returns, on the last pipeline stage, one dict per micro-batch with "logprobs" and "entropy" ([b, s], fp32,
     detached; position t scores token t), "logits" (this rank's vocab slice) when keep_logits, and the loss_fn's
-    metrics. Other stages return an empty list.
+    metrics. Other stages return an empty list. With `values` (a critic, mpo.models.value_head) the dict holds
+    "values" ([b, s], aligned like the log-probs) and loss_fn is called as ``loss_fn(mb, values, None)``.
 
     Loss scaling: megatron divides each micro-batch loss by the number of micro-batches, and its DDP divides reduced
     gradients by the data-parallel size. mpo's losses are already normalised by global mini-batch denominators, so
@@ -70,6 +71,19 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         undo_scaling *= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     batch_size, seq_length = microbatches[0].input_ids.shape
 
+    def value_loss_func(mb: MicroBatch, output: torch.Tensor):
+        from mpo.models.value_head import scored_values
+
+        scored = scored_values(output)
+        out = {"values": scored.detach()}
+        if loss_fn is None:
+            loss = scored.sum() * 0.0
+        else:
+            loss, metrics = loss_fn(mb, scored, None)
+            out.update(metrics)
+            out["loss"] = loss.detach()
+        return loss * undo_scaling, out
+
     def loss_func(mb: MicroBatch, logits: torch.Tensor):
         logprobs, entropy = sequence_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
                                               position_ids=mb.position_ids, chunk_tokens=chunk_tokens)
@@ -87,7 +101,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
     def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: torch.nn.Module):
         mb = next(data_iterator)
         logits = model_chunk(mb.input_ids, mb.positions(), None)
-        return logits, partial(loss_func, mb)
+        return logits, partial(value_loss_func if values else loss_func, mb)
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,

@@ -89,11 +89,12 @@ class Trainer:
             OptimizerConfig(optimizer="adam", lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
                             bf16=config.model.dtype == "bf16", weight_decay=0.0), [self.model])
         self.routing = attach_routing_hooks(self.model)
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.critic = None  # built by set_algorithm for gae / vapo
         self.set_algorithm(config.algorithm)
         self.task = task_from_name(config.data.task, config.data.digits)
         retire = config.data.retire_pass_rate
         self.retirement = PromptRetirement(retire) if retire is not None else None  # rank 0 samples and keeps it
-        self.dp_group = parallel_state.get_data_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.engines = engines or []  # rank 0 only: (EngineClient, restart callable or None) pairs
         self.step = 0
@@ -111,6 +112,10 @@ class Trainer:
         self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
         self.correction = CorrectionConfig(algorithm.rollout_correction, **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
+        if self.advantages.config.needs_critic and getattr(self, "critic", None) is None:
+            from mpo.trainer.critic import Critic
+
+            self.critic = Critic(self)  # initialised from the policy as it is now
         self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
@@ -390,12 +395,18 @@ class Trainer:
         flat = [mb for mbs in per_update for mb in mbs]
         old_records, old_metrics = self._old_forward(flat)
         metrics.update(old_metrics)
+        if self.critic is not None:
+            metrics.update(self.critic.advantages(flat))
+        critic_only = self.critic is not None and step < cfg.algorithm.critic_warmup_steps
         update_metrics = []
         offset = 0
         for mbs in per_update:
             records = old_records[offset : offset + len(mbs)]
             engine_routes = [mb.extras["engine_routes"] for mb in mbs] if cfg.algorithm.replay == "r3" else None
-            update_metrics.append(self._update(mbs, records, cfg.data.prompts_per_step, engine_routes))
+            update = {} if critic_only else self._update(mbs, records, cfg.data.prompts_per_step, engine_routes)
+            if self.critic is not None:
+                update.update(self.critic.update(mbs))
+            update_metrics.append(update)
             offset += len(mbs)
             if self.nonfinite_in_row >= cfg.schedule.max_nonfinite_steps:
                 break
@@ -424,6 +435,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         state = {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
         self.checkpoints.save(step, state, {"step": step, "nonfinite_total": self.nonfinite_total,
                                             "advantage_state": self.advantages.state_dict(),
                                             "retirement": self.retirement.state_dict() if self.retirement else None,
@@ -438,6 +451,8 @@ class Trainer:
         self.gpt.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
         if self.retirement is not None and trainer_state.get("retirement"):

@@ -76,6 +76,8 @@ ALGORITHMS_V2 = {  # name -> AlgorithmSection fields (one RL step each)
     "dppo_kl-anchor_rollout": {"loss": "dppo_kl", "loss_args": {"anchor": "rollout"}},
     "positive_nll": {"loss": "dapo", "positive_nll_coef": 0.1, "positive_nll_threshold": 1e-6},  # any credit
     "kl-k3_unbiased": {"loss": "gspo", "kl_coef": 0.1, "kl_estimator": "k3_unbiased"},
+    "ppo-gae": {"loss": "grpo", "advantage": "gae", "advantage_args": {"lam": 0.95}},
+    "vapo": {"loss": "dapo", "advantage": "vapo", "positive_nll_coef": 0.1, "positive_nll_threshold": 1e-6},
 }
 
 
@@ -195,3 +197,22 @@ def layout_step(out_dir: str, layout: list[str]) -> None:
     with _worker_run(out_dir, "layout", ["parallel.expert_parallel=1", "schedule.sft_steps=2", *layout]) as (
             trainer, _, _, results):
         results["step"] = trainer.train_step(0)
+
+
+def critic_fits(out_dir: str, updates: int) -> None:
+    """PPO's critic on one step's rollouts: old values and GAE returns once, then `updates` steps of the clipped value
+    loss on the same micro-batches; rank 0 records the value loss of each (it must fall: the critic learns)."""
+    from mpo.config import AlgorithmSection
+    from mpo.trainer.rows import rank_microbatches
+
+    with _worker_run(out_dir, "critic", ["algorithm.filter_zero_variance=false"]) as (trainer, _, _, results):
+        trainer.set_algorithm(AlgorithmSection(loss="grpo", advantage="gae", filter_zero_variance=False,
+                                               critic_lr=0.001, value_clip=10.0))
+        samples, _ = trainer.collect(0) if trainer.rank == 0 else (None, {})
+        box = [samples]
+        torch.distributed.broadcast_object_list(box, src=0)
+        dp_rank, dp_size = trainer._dp()
+        mbs = rank_microbatches(box[0], dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=16)
+        trainer._old_forward(mbs)
+        trainer.critic.advantages(mbs)
+        results["value_loss"] = [trainer.critic.update(mbs)["critic/value_loss"] for _ in range(updates)]
