@@ -30,6 +30,8 @@ from mpo.config import ConfigError, load_config
     (["algorithm.advantage=gae", "algorithm.advantage_args={lam: 2}"], "advantage_args.lam=2 must be in [0, 1]"),
     (["algorithm.advantage=gae", "algorithm.critic_lr=0"], "algorithm.critic_lr=0"),
     (["algorithm.advantage=grpo", "algorithm.advantage_args={beta: 0.9}"], "advantage_args ['beta']"),
+    (["algorithm.advantage=reinforce_ema", "algorithm.advantage_args={beta: 2}"], "beta must be in [0, 1)"),
+    (["algorithm.advantage=grpo", "algorithm.advantage_args={eps: -1}"], "advantage_args.eps=-1 must be >= 0"),
     (["algorithm.rollout_correction=tis"], "unknown rollout_correction 'tis'"),
     (["algorithm.rollout_correction=icepop_token", "algorithm.rollout_correction_args={cap: 2}"],
      "has no bound 'cap'"),

@@ -48,15 +48,15 @@ class AdvantageConfig:
                 raise ValueError(f"advantage_args.{key}={self.args[key]} must be in [0, 1]")
         if "alpha" in self.args and not self.args["alpha"] > 0:
             raise ValueError(f"advantage_args.alpha={self.args['alpha']} must be > 0")
+        if "eps" in self.args and self.args["eps"] < 0:
+            raise ValueError(f"advantage_args.eps={self.args['eps']} must be >= 0")
+        if "beta" in self.args:
+            EMABaseline(self.args["beta"])  # validates the range
 
     @property
     def needs_critic(self) -> bool:
         """GAE / VAPO: advantages come from the critic's values, after the old forward (mpo.trainer.critic)."""
         return self.name in CRITIC_ESTIMATORS
-        if "eps" in self.args and self.args["eps"] < 0:
-            raise ValueError(f"advantage_args.eps={self.args['eps']} must be >= 0")
-        if "beta" in self.args:
-            EMABaseline(self.args["beta"])  # validates the range
 
 
 class StepAdvantages:
