@@ -20,6 +20,9 @@ class ParallelConfig:
         expert_tensor_parallel: TP size inside each expert; None means megatron's default (equal to TP).
         context_parallel: CP size; splits the sequence (megatron-core ring attention; needs TE on GPU).
         sequence_parallel: megatron sequence parallelism; None means on whenever TP > 1 (MoE training requires it).
+        distributed_timeout_s: how long a collective may wait before the job fails. Every rank waits while rank 0
+            generates a step's rollouts (minutes at scale): that wait happens on a CPU (gloo) group with this timeout,
+            so NCCL's watchdog never sees it; NCCL groups get the same timeout.
     """
 
     tensor_parallel: int = 1
@@ -28,12 +31,15 @@ class ParallelConfig:
     expert_tensor_parallel: int | None = None
     context_parallel: int = 1
     sequence_parallel: bool | None = None
+    distributed_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
+        if not self.distributed_timeout_s > 0:
+            raise LayoutError(f"parallel.distributed_timeout_s={self.distributed_timeout_s!r} must be > 0")
         if self.expert_tensor_parallel is not None and self.expert_tensor_parallel < 1:
             raise LayoutError(f"parallel.expert_tensor_parallel={self.expert_tensor_parallel!r} must be >= 1 or None")
 
