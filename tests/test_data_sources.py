@@ -85,7 +85,32 @@ def test_parquet_rows_by_row_group(tmp_path):
         assert (row.prompt, row.answer) == (records[i]["prompt"], records[i]["answer"])
         assert row.metadata == {"difficulty": records[i]["difficulty"], "tags": ["t", str(i)]}
         assert row.source == f"{path}:row {i}"
-        assert len(source._cache) <= 2
+    assert len(sources_mod.GROUP_CACHE) <= sources_mod.PARQUET_CACHE_GROUPS
+
+
+def test_parquet_stream_reads_each_row_group_once_an_epoch(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    group_sizes = [10, 10, 10, 10, 10, 10, 10, 5]  # 75 rows in 8 row groups over two files
+    paths = [str(tmp_path / "part-0.parquet"), str(tmp_path / "part-1.parquet")]
+    pq.write_table(pa.Table.from_pylist([record(i) for i in range(40)]), paths[0], row_group_size=10)
+    pq.write_table(pa.Table.from_pylist([record(i) for i in range(40, 75)]), paths[1], row_group_size=10)
+    loads = []
+    real_load = sources_mod.ParquetSource._load
+    monkeypatch.setattr(sources_mod.ParquetSource, "_load", lambda self, g: loads.append((self.path, g)) or
+                        real_load(self, g))
+    sources_mod.GROUP_CACHE._tables.clear()
+    stream = RowStream(open_source(str(tmp_path)), seed=5, block_window=2)
+    order = [int(r.answer) // 7 for r in stream.take(75)]
+    assert sorted(order) == list(range(75))
+    assert len(loads) == len(group_sizes) and len(set(loads)) == len(group_sizes)  # one decode per group
+    group = [i // 10 for i in order]  # the global row group of each row, in visiting order
+    last = {g: max(k for k, x in enumerate(group) if x == g) for g in set(group)}
+    first = {g: group.index(g) for g in set(group)}
+    # At every point at most block_window groups are open (started and not finished): rows mix within 2 groups.
+    assert max(sum(first[g] <= k <= last[g] for g in first) for k in range(75)) <= 2
+    assert group[:10] != sorted(group[:10]) or order[:10] != sorted(order[:10])  # shuffled inside the window
 
 
 def test_parquet_chat_messages(tmp_path):

@@ -189,22 +189,48 @@ class JsonlSource:
     def __getstate__(self) -> dict:  # picklable: the open file is reopened on first use
         return {**self.__dict__, "_file": None}
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close the file handle (reopened on the next read)."""
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
+class _GroupCache:
+    """Decoded parquet row groups, least recently used first out, shared by every ParquetSource of the process so
+    that a directory of thousands of files holds at most `capacity` groups, not a few per file."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._tables: OrderedDict[tuple[str, int], Any] = OrderedDict()
+
+    def get(self, key: tuple[str, int], load) -> Any:
+        if key in self._tables:
+            self._tables.move_to_end(key)
+            return self._tables[key]
+        table = load()
+        self._tables[key] = table
+        while len(self._tables) > self.capacity:
+            self._tables.popitem(last=False)
+        return table
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
+# RowStream's block shuffle (stream.py) walks DEFAULT_BLOCK_WINDOW row groups at a time: the cache holds them all.
+PARQUET_CACHE_GROUPS = 6
+GROUP_CACHE = _GroupCache(PARQUET_CACHE_GROUPS)
+
+
 class ParquetSource:
     """A parquet file read one row group at a time (see the module doc)."""
 
-    def __init__(self, path: str | Path, keys: Keys = Keys(), cache_groups: int = 2) -> None:
+    def __init__(self, path: str | Path, keys: Keys = Keys()) -> None:
         import pyarrow.parquet as pq
 
         self.path = str(path)
         self.keys = keys
-        self._cache_groups = cache_groups
-        self._cache: OrderedDict[int, Any] = OrderedDict()
         try:
             pf = pq.ParquetFile(self.path)
             meta = pf.metadata
@@ -225,19 +251,22 @@ class ParquetSource:
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
-    def _group(self, g: int):
-        if g in self._cache:
-            self._cache.move_to_end(g)
-            return self._cache[g]
+    def block_ends(self) -> np.ndarray:
+        """Cumulative row counts of the row groups: RowStream shuffles whole groups, then rows inside a few."""
+        return self._ends
+
+    def _load(self, g: int):
         if self._pf is None:
             import pyarrow.parquet as pq
 
             self._pf = pq.ParquetFile(self.path)
-        table = self._pf.read_row_group(g)
-        self._cache[g] = table
-        if len(self._cache) > self._cache_groups:
-            self._cache.popitem(last=False)
-        return table
+        return self._pf.read_row_group(g)
+
+    def _group(self, g: int):
+        return GROUP_CACHE.get((self.path, g), lambda: self._load(g))
+
+    def release(self) -> None:
+        self._pf = None
 
     def row(self, index: int) -> Row:
         if not 0 <= index < len(self):
@@ -248,15 +277,25 @@ class ParquetSource:
         return _make_row(record, self.keys, f"{self.path}:row {index}")
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_pf": None, "_cache": OrderedDict()}
+        return {**self.__dict__, "_pf": None}
 
 
 class ConcatSource:
-    """Several sources as one, in the given order."""
+    """Several sources as one, in the given order. Only the last-read file stays open (thousands of shards must not
+    hold thousands of file handles)."""
 
     def __init__(self, sources: list[RowSource]) -> None:
         self.sources = sources
         self._ends = np.cumsum([len(s) for s in sources], dtype=np.int64)
+        self._open: int | None = None
+
+    def block_ends(self) -> np.ndarray | None:
+        """The parts' row groups in one index space when every part has them (all parquet), else None."""
+        parts = [getattr(s, "block_ends", None) for s in self.sources]
+        if any(p is None for p in parts):
+            return None
+        starts = np.concatenate(([0], self._ends[:-1]))
+        return np.concatenate([p() + start for p, start in zip(parts, starts)])
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -265,6 +304,9 @@ class ConcatSource:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range (0..{len(self) - 1})")
         k = int(np.searchsorted(self._ends, index, side="right"))
+        if self._open is not None and self._open != k:
+            getattr(self.sources[self._open], "release", lambda: None)()
+        self._open = k
         return self.sources[k].row(index - (int(self._ends[k - 1]) if k else 0))
 
 
