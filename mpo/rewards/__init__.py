@@ -1,0 +1,20 @@
+"""Verifiable text rewards: a registry of reward functions, a process pool that scores with timeouts, and shaping.
+
+Every reward has the signature ``fn(completion: str, answer, metadata: dict) -> float``. Built-ins: ``math``
+(math-verify), ``reasoning_gym`` (the task's own scorer) and ``toy`` (exact string match); ``module:function`` names
+a plug-in, imported by name (also inside the pool's workers).
+"""
+
+from .registry import RewardFn, get_reward, register_reward, reward_names
+from .shaping import overlong_penalty
+
+__all__ = ["RewardFn", "get_reward", "register_reward", "reward_names", "overlong_penalty", "RewardPool"]
+
+
+def __getattr__(name: str):
+    # RewardPool pulls in subprocess machinery; import it only when asked for.
+    if name == "RewardPool":
+        from .pool import RewardPool
+
+        return RewardPool
+    raise AttributeError(name)
