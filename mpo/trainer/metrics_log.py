@@ -90,7 +90,8 @@ class MetricsLog:
             self.bar.update(1)
             loss = metrics.get("loss")
             self.bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
-                                 loss="skipped (no signal)" if loss is None else f"{loss:.4f}")
+                                 loss="skipped (no signal)" if metrics.get("skipped_no_signal") or loss is None
+                                 else f"{loss:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:

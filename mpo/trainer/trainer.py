@@ -423,8 +423,8 @@ class Trainer:
         samples = _broadcast_object(samples, group=self.ctx.object_group)
         metrics: dict[str, float] = dict(rollout_metrics)
         metrics["nonfinite_total"] = float(self.nonfinite_total)
-        if not samples:
-            metrics["skipped_no_signal"] = 1.0
+        if not samples:  # every group had equal rewards: no update; the loss row is 0 (no gradient was taken)
+            metrics.update(skipped_no_signal=1.0, loss=0.0)
             return metrics
         dp_rank, dp_size = self._dp()
         updates = min(cfg.schedule.updates_per_step, len(samples))

@@ -1,0 +1,134 @@
+"""The path a user takes, end to end on CPU: an HF checkpoint with a real tokenizer -> `checkpoints_tools hf-to-mcore`
+-> `mpo train` on a jsonl math dataset (reward.fn=math), once with mpo's engine and once with real SGLang loading the
+HF directory -> `checkpoints_tools mcore-to-hf` -> transformers loads the export, and its log-probs equal the trainer's.
+
+Nothing is faked: the tokenizer is a byte-level BPE trained in the test (Qwen-style special tokens and chat template),
+the model a genuine random `Qwen3MoeForCausalLM`, every step goes through the CLIs a user types. The reference for the
+final weights is transformers' own forward on the exported directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import e2e_worker
+from helpers.sglang_server import sglang_available, start_sglang_server
+from helpers.spawn import spawn_ranks
+from helpers.tiers import tier_unavailable
+from helpers.tiny_hf import make_tiny_qwen3_moe
+from helpers.tiny_tokenizer import DEFAULT_TEXTS, build_tiny_tokenizer
+from mpo.cli import RECIPES
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+VOCAB = 512  # >= the BPE's size; ids past the tokenizer decode to nothing
+STEPS = 3
+
+
+def _math_rows(count: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        rows.append({"prompt": f"What is {a} plus {b}? Put the answer in \\boxed{{}}.", "answer": str(a + b),
+                     "level": "easy"})
+    return rows
+
+
+def _cli(args: list[str], log: Path, timeout: float = 900) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    with open(log, "ab") as f:
+        code = subprocess.run([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              env=env).returncode
+    assert code == 0, f"{' '.join(args[:3])} exited {code}:\n" + log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def user_checkpoint(tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e")
+    rows = _math_rows(48)
+    data = base / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = make_tiny_qwen3_moe(base / "hf", seed=5, vocab=VOCAB)
+    texts = [*DEFAULT_TEXTS, *(r["prompt"] + " " + r["answer"] for r in rows)]
+    build_tiny_tokenizer(hf, texts)  # replaces the word-level tokenizer: <|im_end|> (id 2) is the EOS
+    _cli(["-m", "checkpoints_tools", "hf-to-mcore", "--hf-dir", str(hf), "--out-dir", str(base / "mc"),
+          "--no-progress"], base / "convert.log")
+    return {"base": base, "hf": hf, "mc": base / "mc", "data": data}
+
+
+def _train(ckpt: dict, out: Path, *extra: str) -> list[dict]:
+    _cli(["-m", "mpo.cli", "train", "--config", str(RECIPES / "demo_cpu.yaml"), f"model.hf_dir={ckpt['hf']}",
+          f"model.mcore_dir={ckpt['mc']}", f"data.task={ckpt['data']}", "reward.fn=math", f"schedule.steps={STEPS}",
+          "schedule.sft_steps=0", "data.prompts_per_step=4", "rollout.samples_per_prompt=4",
+          "rollout.max_new_tokens=12", "schedule.micro_batch_size=8", "algorithm.filter_zero_variance=false",
+          f"logging.out_dir={out}", "logging.tensorboard=false", "logging.progress=false",
+          "logging.checkpoint_every=0", *extra], out.parent / f"{out.name}.log")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_metrics(rows: list[dict]) -> None:
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for row in rows:
+        for key in ("reward_mean", "loss", "reward_errors"):
+            assert isinstance(row[key], float), (key, row)
+        assert row["reward_errors"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def mpo_engine_run(user_checkpoint):
+    out = user_checkpoint["base"] / "run_mpo"
+    return out, _train(user_checkpoint, out, "rollout.engine=mpo")
+
+
+def test_e2e_mpo_engine_trains_on_a_jsonl_math_task(mpo_engine_run):
+    out, rows = mpo_engine_run
+    _check_metrics(rows)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == set(range(STEPS))
+    first = samples[0]
+    assert first["prompt"].startswith("<|im_start|>user\nWhat is") or "What is" in first["prompt"]
+    assert isinstance(first["response"], str) and first["answer"].isdigit()
+
+
+def test_e2e_export_matches_transformers(mpo_engine_run, user_checkpoint, tmp_path):
+    """The trained weights, exported by mcore-to-hf, give transformers the trainer's log-probs (fp32, <= 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = mpo_engine_run
+    rng = random.Random(1)
+    sequences = [[rng.randrange(3, 360) for _ in range(n)] for n in (7, 12)]
+    spawn_ranks(2, e2e_worker.score, str(out), sequences, str(tmp_path / "trainer.json"), str(tmp_path / "mc"))
+    trainer = json.loads((tmp_path / "trainer.json").read_text())
+    assert trainer["step"] == STEPS
+    _cli(["-m", "checkpoints_tools", "mcore-to-hf", "--mcore-dir", str(tmp_path / "mc"), "--out-dir",
+          str(tmp_path / "hf"), "--hf-config", str(user_checkpoint["hf"] / "config.json"), "--no-progress"],
+         tmp_path / "export.log")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(str(user_checkpoint["hf"]), dtype=torch.float32).eval()
+    for seq, trained in zip(sequences, trainer["logprobs"]):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            before = torch.log_softmax(original(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        assert (logp - torch.tensor(trained, dtype=torch.float64)).abs().max() <= 1e-5
+        assert (before - logp).abs().max() > 1e-4, "training did not move the weights: the check would be vacuous"
+
+
+def test_e2e_sglang_trains_on_the_hf_directory(user_checkpoint, request):
+    ok, reason = sglang_available()
+    if not ok:
+        tier_unavailable("SGLANG", reason, request)
+    hf = user_checkpoint["hf"]
+    with start_sglang_server(hf, log_path=user_checkpoint["base"] / "sglang.log", fp32_lm_head=True) as server:
+        rows = _train(user_checkpoint, user_checkpoint["base"] / "run_sglang", "rollout.engine=sglang",
+                      f"rollout.urls=[{server.url}]")
+    _check_metrics(rows)
+    assert all(r["sync_probe_logprob_maxdiff"] <= 1e-3 for r in rows)  # the server follows the trainer's weights
