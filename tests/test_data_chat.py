@@ -52,6 +52,10 @@ def test_chat_template_encoding_matches_the_hand_written_format(tokenizer):
                                                     "<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
                                                     "<|im_start|>assistant\n")
     assert plain.decode(plain.encode(chat)) == "user\nhi\nassistant\nyo\nuser\n2+2?\nassistant\n"
+    own_system = Row(prompt=None, messages=({"role": "system", "content": "S"}, {"role": "user", "content": "hi"}),
+                     answer=1, metadata={}, source="t:3")
+    assert encoder.encode(own_system) == raw_ids(tokenizer, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi"
+                                                            "<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_plain_prompts_and_answers(tokenizer):
