@@ -52,6 +52,10 @@ def test_chat_template_encoding_matches_the_hand_written_format(tokenizer):
                                                     "<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
                                                     "<|im_start|>assistant\n")
     assert plain.decode(plain.encode(chat)) == "user\nhi\nassistant\nyo\nuser\n2+2?\nassistant\n"
+    own_system = Row(prompt=None, messages=({"role": "system", "content": "S"}, {"role": "user", "content": "hi"}),
+                     answer=1, metadata={}, source="t:3")
+    assert encoder.encode(own_system) == raw_ids(tokenizer, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi"
+                                                            "<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_plain_prompts_and_answers(tokenizer):
@@ -114,6 +118,12 @@ def test_text_task_skips_long_prompts_and_resumes(tokenizer):
     resumed = TextTask(RowStream(Rows(prompts), seed=1), encoder, max_prompt_tokens=limit)
     resumed.load_state_dict(state)
     assert resumed.next_prompts(5) == after and resumed.dropped_long == task.dropped_long
+    from mpo.data.retirement import prompt_key
+
+    keys = {prompt_key(p) for p in got + after}  # answers are strings here; an int answer must key too
+    assert len(keys) == len({p.metadata["i"] for p in got + after})
+    int_answer = TextPrompt(ids=(1, 2), answer=42, answer_ids=(3, 4, 2), metadata={}, source="s:1")
+    assert prompt_key(int_answer) != prompt_key(TextPrompt((1, 2), 43, (3, 5, 2), {}, "s:1"))
     all_long = TextTask(RowStream(Rows(prompts[1:2]), seed=1), encoder, max_prompt_tokens=limit)
     with pytest.raises(ValueError, match="every prompt is longer than max_prompt_tokens"):
         all_long.next_prompts(1)

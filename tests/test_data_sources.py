@@ -212,8 +212,7 @@ def test_bad_parquet_columns(tmp_path):
         f"{path}: missing column 'sol'; columns present: ['answer', 'question']"
     nulls = str(tmp_path / "nulls.parquet")
     pq.write_table(pa.Table.from_pylist([{"prompt": "q", "answer": "a"}, {"prompt": None, "answer": "b"}]), nulls)
-    assert _error(lambda: open_source(nulls).row(1)) == \
-        f"{nulls}:row 1: missing key 'prompt' (or 'messages'); keys present: ['answer', 'prompt']"
+    assert _error(lambda: open_source(nulls).row(1)) == f"{nulls}:row 1: key 'prompt' is null (and no 'messages')"
 
 
 def test_reasoning_gym_rows():

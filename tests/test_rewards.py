@@ -68,6 +68,7 @@ def test_registry_names_and_errors(plugin):
     (0.25, "\\boxed{1/4}", 1.0),
     ("\\boxed{x^2+1}", "\\boxed{1 + x^2}", 1.0),
     ("\\sqrt{2}", "the side is \\boxed{\\sqrt 2}", 1.0),
+    ("x<2", "so x lies in \\boxed{(-\\infty, 2)}", 1.0),  # only verify(gold, prediction) accepts this order
     (42, "12 + 30 = 42? No: \\boxed{41}", 0.0),  # the boxed answer wins over an earlier number
     ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0.0),
     ("3", "I do not know", 0.0),

@@ -58,10 +58,13 @@ class PromptEncoder:
 
     Args:
         chat_template: apply the tokenizer's chat template; default (None): when the tokenizer has one.
-        system_prompt: a system message put before the row's messages (chat template only).
+        system_prompt: a system message put before the row's messages (chat template only); a row whose messages
+            start with their own system message keeps it instead.
+        template_kwargs: extra variables for the template, e.g. {"enable_thinking": False} for Qwen3.
     """
 
-    def __init__(self, tokenizer, *, chat_template: bool | None = None, system_prompt: str | None = None) -> None:
+    def __init__(self, tokenizer, *, chat_template: bool | None = None, system_prompt: str | None = None,
+                 template_kwargs: dict | None = None) -> None:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if chat_template is None:
             chat_template = has_template
@@ -73,17 +76,19 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.template_kwargs = dict(template_kwargs or {})
         self._eos = getattr(tokenizer, "eos_token_id", None)
 
     def messages(self, row: Row) -> list[dict]:
         chat = list(row.messages) if row.messages is not None else [{"role": "user", "content": row.prompt}]
-        if self.system_prompt is not None:
+        if self.system_prompt is not None and chat[0].get("role") != "system":
             chat = [{"role": "system", "content": self.system_prompt}, *chat]
         return chat
 
     def encode(self, row: Row) -> list[int]:
         if self.chat_template:
-            out = self.tokenizer.apply_chat_template(self.messages(row), add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template(self.messages(row), add_generation_prompt=True, tokenize=True,
+                                                     **self.template_kwargs)
             # transformers 5 returns a BatchEncoding here; 4.x returned the id list.
             ids = out["input_ids"] if hasattr(out, "keys") else out
             return [int(i) for i in ids]

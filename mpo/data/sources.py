@@ -7,8 +7,9 @@ passed through as `metadata`. Sources give random access by index without holdin
   array); `row(i)` seeks and parses that one line. The scan checks only that each line starts with `{` (cheap, vectorised);
   the JSON itself and the keys are validated when the row is read, so a bad line fails with its file and line when the
   stream reaches it. Whitespace-only lines are skipped (they are not rows) but line numbers stay the file's own.
-* parquet: the footer gives the row count per row group; `row(i)` reads the one row group that holds it
-  (a small LRU of decoded row groups, so a sequential or nearby walk reads each group once). Columns are checked at open.
+* parquet: the footer gives the row count per row group; `row(i)` decodes the one row group that holds it into a
+  process-wide LRU of a few groups. Decoding a group costs ~10 ms, so RowStream walks parquet in a block shuffle
+  (stream.py) that decodes each group once an epoch. Columns are checked at open.
 * `reasoning_gym:<task>[?size=N&seed=S]`: reasoning-gym builds entry i on demand from (seed, i); defaults
   size=10000, seed=0. The whole entry goes to metadata["reasoning_gym"] (the scorer needs it).
 
@@ -41,7 +42,8 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Row:
-    """One prompt: `prompt` (plain text) and/or `messages` (a chat), the reference `answer`, the other keys.
+    """One prompt: `prompt` (plain text) and/or `messages` (a chat; used when both are set), the reference
+    `answer`, the other keys.
 
     `source` says where it came from: "path:line" (1-based line in a jsonl file), "path:row N" (0-based row in a
     parquet file) or "reasoning_gym:task#index".
@@ -84,6 +86,10 @@ def _make_row(record: Any, keys: Keys, where: str) -> Row:
     prompt = record.get(keys.prompt)
     messages = record.get(keys.messages)
     if prompt is None and messages is None:
+        if keys.prompt in record:  # a null cell: parquet columns exist for every row
+            raise DataError(f"{where}: key {keys.prompt!r} is null (and no {keys.messages!r})")
+        if keys.messages in record:
+            raise DataError(f"{where}: key {keys.messages!r} is null (and no {keys.prompt!r})")
         raise DataError(f"{where}: missing key {keys.prompt!r} (or {keys.messages!r}); keys present: {present}")
     if prompt is not None and not isinstance(prompt, str):
         raise DataError(f"{where}: key {keys.prompt!r} must be a string, got {_type_name(prompt)}")

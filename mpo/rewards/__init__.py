@@ -5,16 +5,8 @@ Every reward has the signature ``fn(completion: str, answer, metadata: dict) -> 
 a plug-in, imported by name (also inside the pool's workers).
 """
 
+from .pool import RewardPool
 from .registry import RewardFn, get_reward, register_reward, reward_names
 from .shaping import overlong_penalty
 
-__all__ = ["RewardFn", "get_reward", "register_reward", "reward_names", "overlong_penalty", "RewardPool"]
-
-
-def __getattr__(name: str):
-    # RewardPool pulls in subprocess machinery; import it only when asked for.
-    if name == "RewardPool":
-        from .pool import RewardPool
-
-        return RewardPool
-    raise AttributeError(name)
+__all__ = ["RewardFn", "RewardPool", "get_reward", "overlong_penalty", "register_reward", "reward_names"]

@@ -25,7 +25,7 @@ STARTUP_TIMEOUT_S = 120.0  # importing a reward (sympy, reasoning-gym's task mod
 MAX_START_FAILURES = 3  # consecutive workers that die before "ready" before the pool gives up
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the pool finds a worker by object, not by field values
 class _Worker:
     proc: subprocess.Popen
     started: float
@@ -86,7 +86,11 @@ class RewardPool:
     """`workers` processes computing reward `fn_name` (a registered name or ``module:function``).
 
     `score(completions, answers, metadatas)` returns (rewards in input order, number of errors). `last_errors` holds
-    a few messages of the last batch's errors, for the log.
+    a few messages of the last batch's errors, for the log. Not thread-safe: score from one thread.
+
+    `timeout_s` should exceed the reward's own limits: math-verify gives parse and verify 5 s each (and returns 0
+    itself), so about 15 s for `math`. Workers are killed if this process dies (PR_SET_PDEATHSIG; it fires when the
+    creating *thread* exits, so create the pool on a long-lived thread).
     """
 
     def __init__(self, fn_name: str, *, timeout_s: float, workers: int) -> None:
