@@ -180,12 +180,13 @@ class RewardSection:
         fn: a registered reward (mpo.rewards: math, reasoning_gym, toy) or a plug-in "module:function" with the
             signature (completion: str, answer, metadata: dict) -> float. None: the task's own (reasoning_gym tasks
             use their scorer, files use math).
-        timeout_s: a verifier slower than this gives 0 and counts in reward_errors (the worker is replaced).
+        timeout_s: a verifier slower than this gives 0 and counts in reward_errors (the worker is replaced);
+            math-verify bounds its own parse and verify at 5 s each, so keep this above 10.
         workers: processes scoring in parallel.
     """
 
     fn: str | None = None
-    timeout_s: float = 10.0
+    timeout_s: float = 20.0
     workers: int = 2
 
 

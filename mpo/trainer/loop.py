@@ -190,7 +190,10 @@ def supervised_warm_start(trainer: Trainer) -> float:
     loss_value = float("nan")
     dp_rank, dp_size = trainer._dp()
     for step in range(cfg.schedule.sft_steps):
-        pairs = trainer.task.warm_start_prompts(step, 64)
+        pairs = trainer.task.warm_start_prompts(step, 64) if trainer.rank == 0 else None
+        box = [pairs]
+        dist.broadcast_object_list(box, src=0, group=trainer.ctx.object_group)  # rank 0 reads the data
+        pairs = box[0]
         samples = [Sample(ids=[*ids, *answer], prompt_len=len(ids), group=0, reward=0.0) for ids, answer in pairs]
         mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size,
                                 micro_batch_size=cfg.schedule.micro_batch_size,

@@ -6,7 +6,8 @@ data position to checkpoint. Two kinds behind one interface:
     stopped at the tokenizer's EOS ids, responses decoded and scored by a reward function in a process pool (a
     verifier that raises or hangs scores 0 and counts in reward_errors).
 
-Only rank 0 draws and scores; the data position (the stream's epoch and offset) is trainer state.
+Only rank 0 draws and scores (other ranks get the rows by broadcast); the data position (the stream's epoch and
+offset) is trainer state.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class TextRun:
 
     kind = "text"
 
-    def __init__(self, config: TrainConfig, *, score: bool = True) -> None:
+    def __init__(self, config: TrainConfig) -> None:
         from mpo.data.chat import PromptEncoder, eos_token_ids, load_tokenizer
         from mpo.data.sources import open_source
         from mpo.data.stream import RowStream
@@ -98,11 +99,9 @@ class TextRun:
         self.warm_data = TextTask(RowStream(source, config.seed + 7919), self.encoder,
                                   max_prompt_tokens=d.max_prompt_tokens)
         self.reward_name = config.reward.fn or default_reward(self.spec.kind)
-        self.pool = None
-        if score:
-            from mpo.rewards import RewardPool
+        from mpo.rewards import RewardPool
 
-            self.pool = RewardPool(self.reward_name, timeout_s=config.reward.timeout_s, workers=config.reward.workers)
+        self.pool = RewardPool(self.reward_name, timeout_s=config.reward.timeout_s, workers=config.reward.workers)
 
     def draw(self, step: int, count: int, retirement=None) -> list:
         if retirement is None:
@@ -142,13 +141,27 @@ class TextRun:
             self.warm_data.load_state_dict(state["warm"])
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
+
+
+class OnRankZero:
+    """What ranks other than 0 hold for a text task: rank 0 reads the data (a 10 GB jsonl is indexed once, not on
+    every rank), draws, scores and checkpoints the position; the others receive prompts by broadcast."""
+
+    kind = "text"
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def make_task(config: TrainConfig, *, rank: int = 0):
-    """The run's task. Every rank can draw warm-start prompts (each encodes its own); only rank 0 scores, so only
-    rank 0 starts reward workers."""
+    """The run's task: the toy tasks on every rank (a pure function of the seed); a text task on rank 0 only."""
     if parse_task(config.data.task).kind == "toy":
         return ToyRun(config)
-    return TextRun(config, score=rank == 0)
+    return TextRun(config) if rank == 0 else OnRankZero()
