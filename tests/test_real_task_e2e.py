@@ -42,12 +42,15 @@ def _math_rows(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def _cli(args: list[str], log: Path, timeout: float = 900) -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def _cli(args: list[str], log: Path, timeout: float = 900, expect: int = 0) -> str:
+    # helpers/ on the path of every process the CLI starts: reward workers import the test's plug-in from there
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "helpers"), os.environ.get("PYTHONPATH", "")])}
     with open(log, "ab") as f:
         code = subprocess.run([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
                               env=env).returncode
-    assert code == 0, f"{' '.join(args[:3])} exited {code}:\n" + log.read_text()[-4000:]
+    assert code == expect, f"{' '.join(args[:3])} exited {code}:\n" + log.read_text()[-4000:]
+    return log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +67,15 @@ def user_checkpoint(tmp_path_factory):
     return {"base": base, "hf": hf, "mc": base / "mc", "data": data}
 
 
-def _train(ckpt: dict, out: Path, *extra: str) -> list[dict]:
-    _cli(["-m", "mpo.cli", "train", "--config", str(RECIPES / "demo_cpu.yaml"), f"model.hf_dir={ckpt['hf']}",
+def _train(ckpt: dict, out: Path, *extra: str, expect: int = 0) -> list[dict] | str:
+    output = _cli(["-m", "mpo.cli", "train", "--config", str(RECIPES / "demo_cpu.yaml"), f"model.hf_dir={ckpt['hf']}",
           f"model.mcore_dir={ckpt['mc']}", f"data.task={ckpt['data']}", "reward.fn=math", f"schedule.steps={STEPS}",
           "schedule.sft_steps=0", "data.prompts_per_step=4", "rollout.samples_per_prompt=4",
           "rollout.max_new_tokens=12", "schedule.micro_batch_size=8", "algorithm.filter_zero_variance=false",
           f"logging.out_dir={out}", "logging.tensorboard=false", "logging.progress=false",
-          "logging.checkpoint_every=0", *extra], out.parent / f"{out.name}.log")
+          "logging.checkpoint_every=0", *extra], out.parent / f"{out.name}.log", expect=expect)
+    if expect:
+        return output
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -120,6 +125,31 @@ def test_e2e_export_matches_transformers(mpo_engine_run, user_checkpoint, tmp_pa
             before = torch.log_softmax(original(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
         assert (logp - torch.tensor(trained, dtype=torch.float64)).abs().max() <= 1e-5
         assert (before - logp).abs().max() > 1e-4, "training did not move the weights: the check would be vacuous"
+
+
+def test_reasoning_gym_task_with_a_raising_and_hanging_reward_keeps_training(user_checkpoint):
+    """`mpo train` on reasoning_gym:basic_arithmetic with a plug-in verifier that raises on some responses and hangs
+    on others: every step runs, hung and raising ones score 0 and count in reward_errors."""
+    out = user_checkpoint["base"] / "run_reasoning_gym"
+    rows = _train(user_checkpoint, out, "rollout.engine=mpo", "data.task=reasoning_gym:basic_arithmetic?size=64&seed=1",
+                  "reward.fn=flaky_reward:score", "reward.timeout_s=2", "world_size=1", "parallel.expert_parallel=1",
+                  "schedule.steps=2")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(isinstance(r["reward_mean"], float) for r in rows)
+    assert sum(r["reward_errors"] for r in rows) > 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all("reasoning_gym:basic_arithmetic#" in s["source"] for s in samples), samples[0]
+
+
+def test_bad_row_stops_the_run_with_one_line_naming_file_line_and_key(user_checkpoint, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "What is 1 plus 1?", "answer": "2"}\n{"prompt": "What is 2 plus 2?", "answer": "4"}\n'
+                    '{"prompt": "What is 3 plus 3?" "answer": "6"}\n')
+    output = _train(user_checkpoint, tmp_path / "run", "rollout.engine=mpo", f"data.task={data}", "world_size=1",
+                    "parallel.expert_parallel=1", expect=1)
+    lines = [line for line in output.splitlines() if f"{data}:3" in line]
+    assert lines and "invalid JSON" in lines[0], output[-2000:]
+    assert "Traceback" not in output, output[-3000:]
 
 
 @pytest.fixture(scope="module")
