@@ -1,5 +1,5 @@
-"""The RL loop's first step is layout-free: loss, old log-probs and gathered gradients at TP2, PP2, EP2 and TP2xEP2
-equal data parallelism's (DP2), on rows of different prompt and response lengths, from one converted checkpoint.
+"""The RL loop's first step is layout-free: loss, old log-probs and gathered gradients at TP2, PP2, EP2, TP2xEP2 and
+TP2 with expert parallelism and no expert-TP (ETP1) equal data parallelism's (DP2), on rows of different prompt and response lengths, from one converted checkpoint.
 
 The reference is megatron-core at another layout (DP2: every rank holds the whole model, no tensor, pipeline or
 expert split); each layout runs the real Trainer (sequence parallelism under TP, megatron's pipeline schedule under
@@ -21,7 +21,10 @@ from helpers.tiny_hf import make_tiny_qwen3_moe
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOL = 1e-5
 TWO_RANKS = {"dp2": [], "tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
-             "ep2": ["parallel.expert_parallel=2"]}
+             "ep2": ["parallel.expert_parallel=2"],
+             # dense weights split over TP2, experts over EP2 with no tensor split inside an expert (ETP1)
+             "tp2_ep2_etp1": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2",
+                              "parallel.expert_tensor_parallel=1"]}
 FOUR_RANKS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"]}
 
 
@@ -46,7 +49,7 @@ def test_loop_layout_reference_is_a_real_step(layout_runs):
     assert sum(float(g.abs().sum() > 0) for g in ref["grads"].values()) >= len(ref["grads"]) - 2
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "tp2xep2"], ids=lambda k: f"loop-layout-{k}")
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "tp2_ep2_etp1", "tp2xep2"], ids=lambda k: f"loop-layout-{k}")
 def test_loop_layout_first_step_equals_dp2(layout_runs, layout):
     ref, got = layout_runs["dp2"], layout_runs[layout]
     assert abs(got["loss"] - ref["loss"]) <= TOL

@@ -198,7 +198,7 @@ def _recipes_step(user_checkpoint, engine: str, url: str, out: Path) -> dict:
 
 def _check_recipe_step(name: str, result: dict) -> None:
     step = result["step"]
-    assert step["sync_bytes"] > 0 and result["before"]["sync_bytes"] > 0, name
+    assert step["sync_bytes"] > 0, name
     assert "reward_mean" in step and step["reward_errors"] == 0.0, name
     if "loss" in step:  # a critic-warm-up step (VAPO) trains only the critic
         assert step["loss"] == step["loss"], name  # finite
@@ -217,7 +217,7 @@ def test_every_mpo_engine_recipe_runs_a_step(user_checkpoint, mpo_engine, tmp_pa
 
 def test_every_sglang_recipe_runs_a_step(user_checkpoint, sglang_server, tmp_path):
     """The GPU recipes shrunk to 2 CPU ranks: their jsonl math data and reward, SGLang, distributed sync (verified
-    by the covering probe before and after the step), routing replay R3, critic where they have one."""
+    by the covering probe after the step), routing replay R3, critic where they have one."""
     results = _recipes_step(user_checkpoint, "sglang", sglang_server.url, tmp_path)
     assert len(results) >= 9
     for name, result in results.items():

@@ -1,6 +1,6 @@
 """Per-rank body of the shipped-recipes test: every recipe in mpo/recipes/, with its model swapped for a tiny
 checkpoint and its world shrunk to 2 ranks, runs one RL step with its own data, reward, engine kind and sync
-transport (weights pushed and verified before and after the step).
+transport (the step's new weights pushed to the engine and verified).
 
 Engines are shared across recipes (one mpo engine, one SGLang server: both serve the same tiny HF directory), as a
 cluster's engines outlive one job's config; each recipe builds its own Trainer and weight-update group.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 # sync transport, critic, correction) stays the recipe's.
 SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1", "parallel.expert_parallel=2",
           "model.dtype=fp32", "model.recompute=false", "rollout.engine_dtype=fp32", "rollout.tensor_parallel=1",
-          "rollout.max_new_tokens=8", "rollout.bucket_mb=4", "data.prompts_per_step=2",
+          "rollout.max_new_tokens=6", "rollout.samples_per_prompt=2", "rollout.bucket_mb=4", "data.prompts_per_step=2",
           "schedule.updates_per_step=1", "schedule.micro_batch_size=8", "schedule.sft_steps=0",
           "logging.tensorboard=false", "logging.progress=false"]
 
@@ -39,7 +39,6 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
         if engines is not None:
             trainer.engines = engines.handles
         try:
-            before = _sync(trainer, engines, "v0")
             metrics = trainer.train_step(0)
             metrics.update(_sync(trainer, engines, "v1"))
         finally:
@@ -47,7 +46,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
             if engines is not None:
                 engines.stop()
         results[name] = {"engine": config.rollout.engine, "sync": config.rollout.sync, "task": config.data.task,
-                         "before": before, "step": metrics}
+                         "step": metrics}
         dist.barrier()
     if dist.get_rank() == 0:
         Path(out_dir, "recipes.json").write_text(json.dumps(results))
