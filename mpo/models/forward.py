@@ -103,10 +103,19 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         logits = model_chunk(mb.input_ids, mb.positions(), None)
         return logits, partial(value_loss_func if values else loss_func, mb)
 
+    from mpo.models.chunks import as_chunks
+
+    chunks = as_chunks(model)
+    if len(chunks) > 1 and num_microbatches % parallel_state.get_pipeline_model_parallel_world_size():
+        # megatron's interleaved schedule runs micro-batches in groups of PP per virtual stage
+        raise ValueError(f"virtual pipeline parallelism needs a multiple of pipeline_parallel="
+                         f"{parallel_state.get_pipeline_model_parallel_world_size()} micro-batches, got "
+                         f"{num_microbatches}")
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[model],
+        # the interleaved schedule reads one iterator per chunk: each chunk sees every micro-batch once
+        data_iterator=[iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches),
+        model=chunks,
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=batch_size,
