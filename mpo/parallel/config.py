@@ -54,13 +54,13 @@ class ParallelConfig:
                 raise LayoutError(f"parallel.{name}={value!r}; valid values: null or an integer >= 1")
             if value is not None and self.pipeline_parallel < 2:
                 raise LayoutError(f"parallel.{name}={value} needs pipeline_parallel >= 2 (it is "
-                                  f"{self.pipeline_parallel}); valid values: null")
+                                  f"{self.pipeline_parallel}), or leave it unset (null)")
         vpp = self.virtual_pipeline_parallel
         if vpp is not None and (not isinstance(vpp, int) or vpp < 2):
             raise LayoutError(f"parallel.virtual_pipeline_parallel={vpp!r}; valid values: null or an integer >= 2")
         if vpp is not None and self.pipeline_parallel < 2:
             raise LayoutError(f"parallel.virtual_pipeline_parallel={vpp} needs pipeline_parallel >= 2 (it is "
-                              f"{self.pipeline_parallel}); valid values: null")
+                              f"{self.pipeline_parallel}), or leave it unset (null)")
 
     @property
     def etp(self) -> int:
