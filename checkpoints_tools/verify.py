@@ -199,12 +199,10 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, ep: int = 
     return compare(hf, mcore, layout, tolerance)
 
 
-# The layout's config fields as this CLI's flags, so a layout error names what to change on the command line.
+# The stage fields of the layout as this CLI's flags, so a layout error names what to change on the command line.
 _FLAGS = {"parallel.num_layers_in_first_stage": "--pp-first", "parallel.num_layers_in_last_stage": "--pp-last",
           "parallel.virtual_pipeline_parallel": "--vpp", "num_layers_in_first_stage": "--pp-first",
-          "num_layers_in_last_stage": "--pp-last", "virtual_pipeline_parallel": "--vpp",
-          "pipeline_parallel": "--pp", "tensor_parallel": "--tp", "expert_tensor_parallel": "--etp",
-          "expert_parallel": "--ep"}
+          "num_layers_in_last_stage": "--pp-last", "virtual_pipeline_parallel": "--vpp"}
 
 
 def _as_flags(message: str) -> str:

@@ -162,9 +162,9 @@ def test_uneven_pp_verify_cli_passes_at_pp2_with_one_layer_first(ckpts, capsys):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--pp", "2"], ["--pp=2 does not divide num_layers=3", "--pp-first"]),
+    (["--pp", "2"], ["pipeline_parallel=2 does not divide num_layers=3", "--pp-first"]),
     (["--pp", "2", "--pp-first", "1", "--vpp", "2"], ["--vpp=2 does not divide the 1 layers of pipeline stage 0"]),
-    (["--pp-first", "1"], ["--pp-first=1 needs --pp >= 2", "unset"]),
+    (["--pp-first", "1"], ["--pp-first=1 needs pipeline_parallel >= 2", "unset"]),
 ], ids=["uneven_pp-indivisible", "uneven_pp-vpp", "uneven_pp-no-pp"])
 def test_uneven_pp_layout_errors_are_one_line(ckpts, capsys, args, words):
     from checkpoints_tools.cli import main as cli_main
