@@ -26,8 +26,9 @@ class ModelSection:
 
     Attributes:
         preset: an mpo preset (mpo.models.config.PRESETS) used when no checkpoint is given.
-        hf_dir: a Hugging Face checkpoint; its config.json defines the architecture (convert it with checkpoints_tools
-            first and point mcore_dir at the result).
+        hf_dir: a Hugging Face checkpoint; its config.json defines the architecture, its tokenizer encodes text tasks,
+            and engines load it (convert it with checkpoints_tools first and point mcore_dir at the result).
+        tokenizer_dir: where the tokenizer lives when not in hf_dir (default: hf_dir).
         mcore_dir: a torch_dist checkpoint to start from (default: seeded random init).
         dtype: "fp32" or "bf16" for the transformer body.
         fp32_lm_head: keep the LM head and everything after it in fp32 (engines get the matching flag).
@@ -36,6 +37,7 @@ class ModelSection:
 
     preset: str = "tiny"
     hf_dir: str | None = None
+    tokenizer_dir: str | None = None
     mcore_dir: str | None = None
     dtype: Literal["fp32", "bf16"] = "fp32"
     fp32_lm_head: bool = True
@@ -111,6 +113,9 @@ class AlgorithmSection:
         replay: routing replay: "none", "r2" (old-forward routes replayed in updates) or "r3" (engine routes
             replayed in the old forward and the updates).
         filter_zero_variance: drop prompt groups whose rewards are all equal (DAPO dynamic sampling).
+        overlong_filter: DAPO overlong filtering: truncated responses (no EOS within the budget) get no loss.
+        overlong_buffer: DAPO soft overlong punishment's L_cache in tokens (0: off): a response longer than
+            data.max_response_tokens - overlong_buffer gets a penalty growing linearly to -1 (losses.md 4.2).
     """
 
     loss: str = "gspo"
@@ -128,6 +133,8 @@ class AlgorithmSection:
     critic_warmup_steps: int = 0
     replay: Literal["none", "r2", "r3"] = "none"
     filter_zero_variance: bool = True
+    overlong_filter: bool = False
+    overlong_buffer: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,8 +142,17 @@ class DataSection:
     """Prompts.
 
     Attributes:
-        task: "toy:reverse" / "toy:add" (built-in verifiable digit tasks) or a path to a jsonl of
-            {"prompt": ..., "answer": ...} (needs model.hf_dir for the tokenizer).
+        task: "toy:reverse" / "toy:add" (built-in verifiable digit tasks in token space); a .jsonl or .parquet
+            file, a directory or a glob of them, rows {"prompt": str | "messages": [chat], "answer": ...} (other keys
+            are metadata); or "reasoning_gym:<task>[?size=N&seed=S]". Text tasks need model.hf_dir (or
+            model.tokenizer_dir) for the tokenizer; files are read lazily in a seeded order whose position is
+            checkpointed.
+        prompt_key / answer_key: the column names of the prompt and the answer in data files.
+        chat_template: wrap prompts in the tokenizer's chat template (None: when the tokenizer has one).
+        system_prompt: a system message put first (chat template only).
+        max_prompt_tokens: longer prompts are dropped (and counted: data_dropped_long_prompts).
+        max_response_tokens: DAPO's L_max for overlong shaping (default: rollout.max_new_tokens).
+        samples_logged: responses per step written to samples.jsonl (text tasks) next to metrics.jsonl.
         prompts_per_step: prompts sampled per RL step (each gets samples_per_prompt responses).
         digits: toy task size (digits per operand).
         retire_pass_rate: no-positive-resampling (ScaleRL): a prompt whose responses pass (reward 1) at this rate
@@ -147,6 +163,31 @@ class DataSection:
     prompts_per_step: int = 8
     digits: int = 3
     retire_pass_rate: float | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    max_prompt_tokens: int | None = None
+    max_response_tokens: int | None = None
+    samples_logged: int = 4
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """How responses are scored (text tasks; the toy tasks score token ids with their own partial-credit reward).
+
+    Attributes:
+        fn: a registered reward (mpo.rewards: math, reasoning_gym, toy) or a plug-in "module:function" with the
+            signature (completion: str, answer, metadata: dict) -> float. None: the task's own (reasoning_gym tasks
+            use their scorer, files use math).
+        timeout_s: a verifier slower than this gives 0 and counts in reward_errors (the worker is replaced);
+            math-verify bounds its own parse and verify at 5 s each, so keep this above 10.
+        workers: processes scoring in parallel.
+    """
+
+    fn: str | None = None
+    timeout_s: float = 20.0
+    workers: int = 2
 
 
 @dataclass(frozen=True)
@@ -200,6 +241,7 @@ class TrainConfig:
     rollout: RolloutSection = RolloutSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     data: DataSection = DataSection()
+    reward: RewardSection = RewardSection()
     schedule: ScheduleSection = ScheduleSection()
     logging: LoggingSection = LoggingSection()
     seed: int = 1234
@@ -377,12 +419,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
     if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
         raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
-    if not (d.task.startswith("toy:") or d.task.endswith(".jsonl")):
-        raise ConfigError(f"data.task={d.task!r}; valid values: toy:reverse, toy:add, or a path to a .jsonl file")
-    if d.task.startswith("toy:") and d.task not in ("toy:reverse", "toy:add"):
-        raise ConfigError(f"data.task={d.task!r}; valid toy tasks: toy:reverse, toy:add")
-    if d.task.endswith(".jsonl") and m.hf_dir is None:
-        raise ConfigError("data.task is a jsonl of text prompts: set model.hf_dir (its tokenizer encodes them)")
+    _check_data(config)
     if m.mcore_dir is not None:
         _check_mcore_dir(m.mcore_dir)
     model_cfg = model_config(config)
@@ -392,6 +429,32 @@ def validate(config: TrainConfig) -> None:
                                  num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
     except LayoutError as exc:
         raise ConfigError(f"parallel: {exc}") from None
+
+
+def _check_data(config: TrainConfig) -> None:
+    """data.task names a toy task, a reasoning_gym task, or data files that exist; text tasks have a tokenizer and a
+    reward function; DAPO's overlong buffer fits in the response budget."""
+    from mpo.data.task_spec import TaskSpecError, parse_task
+
+    d, m, a, r = config.data, config.model, config.algorithm, config.rollout
+    try:
+        spec = parse_task(d.task)
+    except TaskSpecError as exc:
+        raise ConfigError(f"data.task: {exc}") from None
+    if spec.kind != "toy" and not (m.tokenizer_dir or m.hf_dir):
+        raise ConfigError(f"data.task={d.task!r} is a text task: set model.hf_dir or model.tokenizer_dir (its "
+                          f"tokenizer encodes the prompts and decodes the responses)")
+    if config.reward.fn is not None:
+        from mpo.rewards import get_reward
+
+        try:
+            get_reward(config.reward.fn)  # a plug-in's module is imported here, so a typo fails before any rank starts
+        except ValueError as exc:
+            raise ConfigError(f"reward.fn: {exc}") from None
+    budget = d.max_response_tokens or r.max_new_tokens
+    if a.overlong_buffer >= budget:
+        raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below data.max_response_tokens "
+                          f"(or rollout.max_new_tokens) = {budget}")
 
 
 # Valid ranges of numeric fields: (test, what the message says is valid). Floats must also be finite (no nan/inf).
@@ -411,6 +474,12 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "algorithm.critic_warmup_steps": (lambda v: v >= 0, ">= 0"),
     "data.prompts_per_step": (lambda v: v >= 1, ">= 1"),
     "data.digits": (lambda v: v >= 1, ">= 1"),
+    "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: no limit)"),
+    "data.max_response_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
+    "data.samples_logged": (lambda v: v >= 0, ">= 0"),
+    "reward.timeout_s": (lambda v: v > 0, "> 0"),
+    "reward.workers": (lambda v: v >= 1, ">= 1"),
+    "algorithm.overlong_buffer": (lambda v: v >= 0, ">= 0 (0: off)"),
     "schedule.steps": (lambda v: v >= 0, ">= 0"),
     "schedule.updates_per_step": (lambda v: v >= 1, ">= 1"),
     "schedule.micro_batch_size": (lambda v: v >= 1, ">= 1"),

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mpo.parallel.collectives import all_reduce_
+
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
@@ -100,7 +102,7 @@ def compute_global_denominators(
         if num_groups is None:
             n = torch.tensor(int(gid.max()) + 1 if gid.numel() else 0, device=device)
             if use_dist:
-                dist.all_reduce(n, op=dist.ReduceOp.MAX, group=process_group)
+                all_reduce_(n, op=dist.ReduceOp.MAX, group=process_group)
             num_groups = int(n)
         group_tokens = torch.zeros(num_groups, dtype=torch.float64, device=device).index_add_(0, gid, row_len)
 
@@ -108,7 +110,7 @@ def compute_global_denominators(
     if group_tokens is not None:
         flat = torch.cat([flat, group_tokens])
     if use_dist:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+        all_reduce_(flat, op=dist.ReduceOp.SUM, group=process_group)
     scalars = flat[: len(counts)].tolist()
     group_tokens = flat[len(counts):] if group_tokens is not None else None
     return GlobalDenominators(

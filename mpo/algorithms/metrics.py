@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mpo.parallel.collectives import all_reduce_
+
 
 def masked_partial_mean(x: Tensor, valid: Tensor, global_count: float | None) -> Tensor:
     """sum(x over valid) / global_count (0 when the global count is 0)."""
@@ -78,6 +80,6 @@ def all_reduce_metrics(metrics: Mapping[str, Tensor], process_group: dist.Proces
     out: dict[str, Tensor] = {}
     for name in sorted(metrics):  # same order on every rank
         value = metrics[name].detach().clone()
-        dist.all_reduce(value, op=ops[_reduce_kind(name)], group=process_group)
+        all_reduce_(value, op=ops[_reduce_kind(name)], group=process_group)
         out[name] = value
     return out

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mpo.parallel.collectives import all_reduce_
+
 from .metrics import masked_max, masked_min, masked_partial_mean
 
 # Per kind: which bounds it uses and their defaults (slime TIS C=2; verl IcePop "0.5_5.0"; verl decoupled seq IS-RS).
@@ -120,5 +122,5 @@ def correction_counts(masks: Sequence[Tensor], corrections: Sequence[Correction]
     sums = torch.tensor([sum(float(m.to(torch.bool).sum()) for m in masks),
                          sum(float(c.mask_out.to(torch.bool).sum()) for c in corrections)], dtype=torch.float64)
     if process_group is not None and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(sums, group=process_group)
+        all_reduce_(sums, group=process_group)
     return float(sums[0]), float(sums[1])

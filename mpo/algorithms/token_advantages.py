@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mpo.parallel.collectives import all_reduce_
+
 from .advantages import group_stats
 
 WHITEN_EPS = 1e-8
@@ -38,7 +40,7 @@ def masked_whiten(x: Tensor, mask: Tensor, process_group: dist.ProcessGroup | No
     x64 = torch.where(valid, x.to(torch.float64), 0.0)
     sums = torch.stack([valid.sum().to(torch.float64), x64.sum(), (x64 * x64).sum()])
     if process_group is not None and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(sums, group=process_group)
+        all_reduce_(sums, group=process_group)
     n, s, ss = sums
     mean = s / n.clamp(min=1)
     var = (ss - n * mean * mean) / (n - 1).clamp(min=1)  # unbiased, as verl's masked_whiten

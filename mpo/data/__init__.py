@@ -1,1 +1,2 @@
-"""Prompts and verifiable rewards: the built-in digit tasks, jsonl prompt sets, and a math answer verifier."""
+"""Prompts: the built-in digit tasks (toy), text prompt sources (jsonl, parquet, reasoning-gym) read lazily, a seeded
+resumable stream over them, tokenizer / chat-template encoding, TextTask, and the legacy regex math verifier."""

@@ -13,8 +13,12 @@ class PromptSource(Protocol):
 
 
 def prompt_key(prompt) -> str:
-    """A stable identity of a prompt (its token ids and answer), short enough to keep millions in memory."""
-    text = repr((tuple(prompt.ids), tuple(prompt.answer)))
+    """A stable identity of a prompt (its token ids and answer), short enough to keep millions in memory.
+
+    Text prompts key on their answer's tokens (`answer_ids`): their `answer` may be any JSON value (an int has no
+    tuple()). Toy prompts' `answer` already is the token tuple, so their keys are unchanged."""
+    answer = getattr(prompt, "answer_ids", prompt.answer)
+    text = repr((tuple(prompt.ids), tuple(answer)))
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 

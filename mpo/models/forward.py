@@ -30,6 +30,12 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
 
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """This micro-batch with its ids, positions and every tensor in `extras` on `device` (other extras as they
+        are): the one place a batch built on the host moves to the compute device."""
+        move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return MicroBatch(move(self.input_ids), move(self.position_ids), {k: move(v) for k, v in self.extras.items()})
+
     def positions(self) -> torch.Tensor:
         if self.position_ids is not None:
             return self.position_ids

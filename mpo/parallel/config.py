@@ -28,6 +28,9 @@ class ParallelConfig:
             None: one chunk. Chunk v of stage p holds the layers after those of chunk v of stages < p.
         distributed_optimizer: shard the optimizer state (fp32 master weights, Adam moments) and the gradient
             reduce-scatter over the data-parallel ranks (megatron use_distributed_optimizer); None: on with CUDA.
+        distributed_timeout_s: how long a collective may wait before the job fails. Every rank waits while rank 0
+            generates a step's rollouts (minutes at scale): that wait happens on a CPU (gloo) group with this timeout,
+            so NCCL's watchdog never sees it; NCCL groups get the same timeout.
     """
 
     tensor_parallel: int = 1
@@ -40,12 +43,15 @@ class ParallelConfig:
     num_layers_in_last_stage: int | None = None
     virtual_pipeline_parallel: int | None = None
     distributed_optimizer: bool | None = None
+    distributed_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
+        if not self.distributed_timeout_s > 0:
+            raise LayoutError(f"parallel.distributed_timeout_s={self.distributed_timeout_s!r} must be > 0")
         if self.expert_tensor_parallel is not None and self.expert_tensor_parallel < 1:
             raise LayoutError(f"parallel.expert_tensor_parallel={self.expert_tensor_parallel!r} must be >= 1 or None")
         for name in ("num_layers_in_first_stage", "num_layers_in_last_stage"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ class ParallelContext:
     parallel: ParallelConfig
     device: DeviceProfile
     shims: tuple[str, ...]
+    object_group: dist.ProcessGroup | None = None  # gloo, every rank: object broadcasts and long waits (see below)
 
     @property
     def data_parallel(self) -> int:
@@ -35,12 +37,13 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
                         master_addr: str | None = None, master_port: int | None = None,
                         num_layers: int | None = None, num_attention_heads: int | None = None,
                         num_query_groups: int | None = None, num_experts: int | None = None,
-                        seed: int = 1234, force_cpu: bool = False, timeout_s: float = 600.0) -> ParallelContext:
+                        seed: int = 1234, force_cpu: bool = False, timeout_s: float | None = None) -> ParallelContext:
     """Initialise torch.distributed (NCCL on GPU, gloo on CPU) and megatron-core's parallel_state.
 
     Rank and world size come from the arguments, else from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT), else a single process. The layout is validated against the world size and, when given,
     the model's dimensions before any process group is created, so a bad layout fails with one clear line.
+    Collectives time out after `timeout_s` (default: parallel.distributed_timeout_s).
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -48,6 +51,7 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
     parallel.validate(world_size, num_layers=num_layers, num_attention_heads=num_attention_heads,
                       num_query_groups=num_query_groups, num_experts=num_experts)
 
+    timeout_s = parallel.distributed_timeout_s if timeout_s is None else timeout_s
     device = detect_device(local_rank, force_cpu=force_cpu)
     shims = tuple(apply_cpu_shims()) if not device.is_gpu else ()
     if device.is_gpu:
@@ -74,10 +78,16 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.etp,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    return ParallelContext(rank, world_size, local_rank, parallel, device, shims)
+    # Python objects (rollout samples, probes, metrics) travel on a gloo group: pickles are host bytes, and ranks
+    # waiting there for rank 0's rollouts are outside NCCL's watchdog. On CPU the world group already is gloo.
+    object_group = None
+    if device.is_gpu and world_size > 1:
+        object_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return ParallelContext(rank, world_size, local_rank, parallel, device, shims, object_group)
 
 
 def destroy_parallel() -> None:

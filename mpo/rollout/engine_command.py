@@ -42,8 +42,8 @@ class EngineSettings:
         fp32_lm_head: keep the LM head in fp32 (model.fp32_lm_head).
         seed: init seed of an mpo engine without a checkpoint (config.seed, so it starts as the trainer does).
         preset: mpo engine's model preset (model.preset).
-        hf_dir: the checkpoint SGLang loads (model.hf_dir).
-        mcore_dir: the torch_dist checkpoint an mpo engine loads (model.mcore_dir; None: seeded init).
+        hf_dir: the checkpoint engines load (model.hf_dir): SGLang and mpo's engine both take it as --model-path.
+        mcore_dir: the torch_dist checkpoint an mpo engine loads when there is no hf_dir (None: seeded init).
         tensor_parallel: GPUs per SGLang engine (rollout.tensor_parallel; mpo's engine runs at TP1).
         api_key: bearer token the engine requires (rollout.api_key); passed in the environment, never on argv.
         max_batch: mpo engine's largest decode batch.
@@ -122,7 +122,9 @@ def engine_command(settings: EngineSettings, *, python: str, host: str, port: in
             "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--enable-return-routed-experts",
             "--fp32-lm-head" if s.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(s.seed),
             "--max-body-mb", str(s.max_body_mb)]
-    if s.mcore_dir:
+    if s.hf_dir:  # the same checkpoint SGLang would load
+        argv += ["--model-path", s.hf_dir]
+    elif s.mcore_dir:
         argv += ["--mcore-dir", s.mcore_dir]
     argv.append("--exit-with-parent")
     return EngineCommand(tuple(argv), env, host, port)

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mpo.parallel.collectives import all_reduce_
 from mpo.routing.records import MicroBatchRouting
 from mpo.routing.rspo import current_logp_at_old
 
 
 def _reduce(t: Tensor, op, group) -> Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
+        all_reduce_(t, op=op, group=group)
     return t
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mpo.algorithms.router_shift import RouterShift, gamma_from_sums, router_shift_sum
+from mpo.parallel.collectives import all_reduce_
 from mpo.routing.alignment import align_to_scored_tokens
 from mpo.routing.records import MicroBatchRouting
 
@@ -54,6 +55,6 @@ def router_shift(old: MicroBatchRouting, new: MicroBatchRouting, gamma_min: floa
     abs_sum, count = router_shift_sum(logp_new, logp_old)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         packed = torch.stack([abs_sum, count])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=pp_group)
+        all_reduce_(packed, op=dist.ReduceOp.SUM, group=pp_group)
         abs_sum, count = packed[0], packed[1]
     return gamma_from_sums(abs_sum, count, gamma_min)

@@ -30,12 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     quiet_no_space_in_threads()
     from mpo.config import load_config
+    from mpo.data.sources import DataError
     from mpo.trainer.loop import run
 
     try:
         run(load_config(args.config, args.overrides))
     except NoSpaceLeft as exc:  # the last complete checkpoint is still selected: the run can resume once there is room
         stop_rank_with_one_line(str(first_no_space(exc)))
+    except DataError as exc:  # a bad row names its file, line and key; the last checkpoint is intact
+        stop_rank_with_one_line(f"data error: {exc}")
     except Exception:
         if peer_reported_failure():  # our error is that rank leaving; its one line is the run's
             os._exit(REPORTED_FAILURE_EXIT)

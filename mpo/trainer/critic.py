@@ -15,6 +15,7 @@ import torch
 from mpo.algorithms import all_reduce_metrics, compute_global_denominators, merge_metrics, value_loss
 from mpo.algorithms.token_advantages import compute_token_advantages
 from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.parallel.collectives import all_reduce_
 
 
 class Critic:
@@ -72,9 +73,9 @@ class Critic:
             mb.extras["advantages"] = result.advantages[start:start + b, :s].to(mb.extras["advantages"].dtype)
             mb.extras["returns"] = result.returns[start:start + b, :s]
             start += b
-        sums = torch.tensor([(mask * stacked("values_old")).sum(), (mask * result.returns).sum(), mask.sum()],
-                            dtype=torch.float64)
-        torch.distributed.all_reduce(sums, group=self.trainer.dp_group)
+        sums = torch.stack([(mask * stacked("values_old")).sum(), (mask * result.returns).sum(),
+                            mask.sum()]).to(torch.float64)
+        all_reduce_(sums, group=self.trainer.dp_group)
         return {"critic/values_old_mean": (sums[0] / sums[2].clamp(min=1)).item(),
                 "critic/returns_mean": (sums[1] / sums[2].clamp(min=1)).item()}
 

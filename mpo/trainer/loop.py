@@ -123,12 +123,14 @@ def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[l
     scored: list[list[float] | None] = [None] * len(probes)
     with torch.no_grad():
         for rows in by_length.values():
-            outs = run_microbatches(trainer.model, [MicroBatch(torch.tensor([probes[j] for j in rows]))],
+            batch = MicroBatch(torch.tensor([probes[j] for j in rows], device=trainer.device))
+            outs = run_microbatches(trainer.model, [batch],
                                     vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
             for row, j in enumerate(rows if outs else []):
                 scored[j] = outs[0]["logprobs"][row].tolist()
     box = [scored]
-    dist.broadcast_object_list(box, src=dist.get_world_size() - 1)  # the last global rank is on the last stage
+    # the last global rank is on the last stage
+    dist.broadcast_object_list(box, src=dist.get_world_size() - 1, group=trainer.ctx.object_group)
     return box[0]
 
 
@@ -145,7 +147,7 @@ def _verify_by_covering_probe(trainer: Trainer, engines: EngineSet | None) -> di
                                  vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=trainer.config.seed)
         engines.probes = covering_probes(engines.clients[0], engines.probes or [_probe(cfg.vocab_size)], coverage)
         box = [engines.probes]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=trainer.ctx.object_group)
     reference = _trainer_probe_logprobs(trainer, box[0])
     if engines is None:
         return {}
@@ -188,12 +190,15 @@ def supervised_warm_start(trainer: Trainer) -> float:
     loss_value = float("nan")
     dp_rank, dp_size = trainer._dp()
     for step in range(cfg.schedule.sft_steps):
-        prompts = trainer.task.prompts(cfg.seed + 7919, step, 64)
-        samples = [Sample(ids=list(p.ids + p.answer), prompt_len=len(p.ids), group=0, reward=0.0) for p in prompts]
+        pairs = trainer.task.warm_start_prompts(step, 64) if trainer.rank == 0 else None
+        box = [pairs]
+        dist.broadcast_object_list(box, src=0, group=trainer.ctx.object_group)  # rank 0 reads the data
+        pairs = box[0]
+        samples = [Sample(ids=[*ids, *answer], prompt_len=len(ids), group=0, reward=0.0) for ids, answer in pairs]
         mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size,
                                 micro_batch_size=cfg.schedule.micro_batch_size,
-                                seq_len=trainer.uniform_seq_len(samples))
-        total = float(sum(len(p.answer) for p in prompts))
+                                seq_len=trainer.uniform_seq_len(samples), device=trainer.device)
+        total = float(sum(len(answer) for _, answer in pairs))
 
         def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
             loss = -(logprobs * mb.extras["mask"]).sum() / total
@@ -238,6 +243,7 @@ def run(config: TrainConfig) -> None:
             metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
+                metrics_log.log_samples(trainer.samples_log)
             trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
@@ -247,6 +253,7 @@ def run(config: TrainConfig) -> None:
             if metrics_log is not None:
                 metrics_log.close()
         finally:  # the engines stop even when closing the log fails (a full disk, say)
+            trainer.task.close()
             if engines is not None:
                 engines.stop()
     dist.barrier()

@@ -42,6 +42,7 @@ class MetricsLog:
     def __init__(self, out_dir: str | Path, *, tensorboard: bool, total_steps: int, progress: bool,
                  start_step: int = 0) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
+        self.samples_path = Path(out_dir) / "samples.jsonl"  # a few decoded responses per step
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.writer = None
         if tensorboard:
@@ -59,13 +60,21 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint (they will be recomputed)."""
-        if not self.path.exists():
+        for path in (self.path, self.samples_path):
+            if not path.exists():
+                continue
+            kept = [row for row in read_metrics(path) if row["step"] <= step]
+            tmp = path.with_name(path.name + ".tmp")
+            with writing(tmp):  # replaced whole: a crash here leaves the old file, never a half-written one
+                tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            os.replace(tmp, path)
+
+    def log_samples(self, rows: list[dict[str, Any]]) -> None:
+        """Append a step's sample responses (prompt, response, answer, reward) to samples.jsonl."""
+        if not rows:
             return
-        kept = [row for row in read_metrics(self.path) if row["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with writing(tmp):  # replaced whole: a crash here leaves the old file, never a half-written one
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(tmp, self.path)
+        with writing(self.samples_path), self.samples_path.open("a") as f:
+            f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
@@ -81,7 +90,8 @@ class MetricsLog:
             self.bar.update(1)
             loss = metrics.get("loss")
             self.bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
-                                 loss="skipped (no signal)" if loss is None else f"{loss:.4f}")
+                                 loss="skipped (no signal)" if metrics.get("skipped_no_signal") or loss is None
+                                 else f"{loss:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -62,14 +62,15 @@ def _microbatch_multiple() -> int:
 
 
 def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                      seq_len: int | None = None) -> list[MicroBatch]:
+                      seq_len: int | None = None, device: torch.device | str = "cpu") -> list[MicroBatch]:
     """This DP rank's share of `samples` (round-robin), as micro-batches with loss tensors in `extras`.
 
     With `seq_len` (see :func:`uniform_length`) every micro-batch is padded to exactly [micro_batch_size, seq_len];
     without it each is as long as its own longest row (enough without PP and TP).
 
     extras: mask [b,s] (1 at completion tokens), advantages [b,s], group_ids [b], rewards [b], rollout_logprobs
-    [b,s] (0 where unknown), n_real (rows that are not padding).
+    [b,s] (0 where unknown), n_real (rows that are not padding). Built on the host, then moved to `device` (the
+    rank's compute device) here, so everything the loss and its collectives touch is where NCCL needs it.
     """
     per_rank = -(-len(samples) // dp_size)
     count = -(-per_rank // micro_batch_size)
@@ -99,5 +100,5 @@ def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micr
             "mask": mask, "advantages": adv, "rollout_logprobs": rollout_lp, "n_real": len(real),
             "group_ids": torch.tensor([s.group for s in rows]), "rewards": torch.tensor([s.reward for s in rows]),
             "samples": rows,
-        }))
+        }).to(device))
     return out

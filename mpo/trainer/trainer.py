@@ -34,8 +34,8 @@ from mpo.algorithms import (
 from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
 from mpo.config import TrainConfig, model_config, to_dict
 from mpo.data.retirement import PromptRetirement
-from mpo.data.toy import task_from_name, toy_reward
 from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.parallel.collectives import all_reduce_
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
 from mpo.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
@@ -47,9 +47,9 @@ class NonFiniteStop(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-def _broadcast_object(obj: Any, src: int = 0) -> Any:
+def _broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -75,6 +75,7 @@ class Trainer:
                                        num_experts=self.model_cfg.num_experts,
                                        num_attention_heads=self.model_cfg.num_attention_heads, seed=config.seed)
         self.rank = self.ctx.rank
+        self.device = self.ctx.device.device  # the compute device: micro-batches and collective buffers live here
         self.ps = parallel_state
         precision = PrecisionConfig(dtype=config.model.dtype, fp32_lm_head=config.model.fp32_lm_head)
         model = build_model(self.model_cfg, config.parallel, self.ctx.device, precision, seed=config.seed,
@@ -93,7 +94,10 @@ class Trainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.critic = None  # built by set_algorithm for gae / vapo
         self.set_algorithm(config.algorithm)
-        self.task = task_from_name(config.data.task, config.data.digits)
+        from mpo.trainer.tasks import make_task
+
+        self.task = make_task(config, rank=self.rank)
+        self.samples_log: list[dict] = []  # rank 0: a few decoded responses of the last collect (samples.jsonl)
         retire = config.data.retire_pass_rate
         self.retirement = PromptRetirement(retire) if retire is not None else None  # rank 0 samples and keeps it
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -137,19 +141,19 @@ class Trainer:
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 
         cfg = self.config
-        if self.retirement is not None:
-            prompts = self.retirement.sample(self.task, cfg.seed, step, cfg.data.prompts_per_step)
-        else:
-            prompts = self.task.prompts(cfg.seed, step, cfg.data.prompts_per_step)
+        prompts = self.task.draw(step, cfg.data.prompts_per_step, self.retirement)
         want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
+        budget = cfg.rollout.max_new_tokens
+        if self.task.max_answer_tokens is not None:
+            budget = min(budget, self.task.max_answer_tokens)
         requests = []
         for p_index, prompt in enumerate(prompts):
             for g in range(cfg.rollout.samples_per_prompt):
                 index = p_index * cfg.rollout.samples_per_prompt + g
                 sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                          max_new_tokens=min(cfg.rollout.max_new_tokens, self.task.max_answer_tokens),
-                                          stop_token_ids=(2,), sampling_seed=_sampling_seed(cfg.seed, step, index))
-                requests.append(GenerateRequest(prompt.ids, sampling, return_routed_experts=want_routes))
+                                          max_new_tokens=budget, stop_token_ids=self.task.stop_token_ids,
+                                          sampling_seed=_sampling_seed(cfg.seed, step, index))
+                requests.append(GenerateRequest(list(prompt.ids), sampling, return_routed_experts=want_routes))
         started = time.perf_counter()
         # One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
         # function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit.
@@ -159,11 +163,15 @@ class Trainer:
                                       requests_per_call=per_engine))
         results = pool.generate(requests)
         rollout_s = time.perf_counter() - started
-        rewards = [toy_reward(r.output_ids, prompts[i // cfg.rollout.samples_per_prompt].answer)
-                   for i, r in enumerate(results)]
+        G = cfg.rollout.samples_per_prompt
+        scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
+        rewards = list(scored.rewards)
+        truncated = [r.finish_reason.get("type") == "length" for r in results]
+        penalties = self._overlong_penalties(results)
+        rewards = [r + p for r, p in zip(rewards, penalties)]
+        self.samples_log = self._sample_rows(step, prompts, results, scored, rewards)
         groups = torch.arange(len(results)) // cfg.rollout.samples_per_prompt
         lengths = [len(r.output_ids) for r in results]
-        G = cfg.rollout.samples_per_prompt
         if self.retirement is not None:
             self.retirement.observe(prompts, [sum(r == 1.0 for r in rewards[p * G:(p + 1) * G]) / G
                                               for p in range(len(prompts))])
@@ -172,6 +180,8 @@ class Trainer:
         keep = torch.ones(len(results), dtype=torch.bool)
         if cfg.algorithm.filter_zero_variance:
             keep = ~zero_variance  # per response: its group's rewards were all equal
+        if cfg.algorithm.overlong_filter:  # DAPO: a truncated response gets no loss (it still counts in its group)
+            keep &= ~torch.tensor(truncated, dtype=torch.bool)
         samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts)
@@ -184,10 +194,40 @@ class Trainer:
             "rollout_time_s": rollout_s,
             "rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
             "engine_restarts": float(sum(h.restarts for h in pool.engines)),
+            "reward_errors": float(scored.errors),
+            "truncated_frac": sum(truncated) / len(truncated),
         }
+        if cfg.algorithm.overlong_buffer:
+            metrics["overlong_penalty_mean"] = sum(penalties) / len(penalties)
+        if getattr(self.task, "dropped_long", None) is not None:
+            metrics["data_dropped_long_prompts"] = float(self.task.dropped_long)
         if self.retirement is not None:
             metrics["retired_prompts"] = float(len(self.retirement.retired))
         return samples, metrics
+
+    def _overlong_penalties(self, results: list) -> list[float]:
+        """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""
+        from mpo.rewards.shaping import overlong_penalty
+
+        cfg = self.config
+        if not cfg.algorithm.overlong_buffer:
+            return [0.0] * len(results)
+        max_len = cfg.data.max_response_tokens or cfg.rollout.max_new_tokens
+        return [overlong_penalty(len(r.output_ids), max_len, cfg.algorithm.overlong_buffer) for r in results]
+
+    def _sample_rows(self, step: int, prompts: list, results: list, scored, rewards: list[float]) -> list[dict]:
+        """The first data.samples_logged responses of the step, decoded (text tasks), for samples.jsonl."""
+        G = self.config.rollout.samples_per_prompt
+        rows = []
+        for i in range(min(self.config.data.samples_logged, len(results))):
+            prompt = prompts[i // G]
+            rows.append({"step": step, "prompt": self.task.describe(prompt),
+                         "response": scored.texts[i] if scored.texts is not None else results[i].output_ids,
+                         "answer": prompt.answer if isinstance(prompt.answer, (str, int, float)) else
+                         list(prompt.answer), "reward": rewards[i],
+                         "finish": results[i].finish_reason.get("type"),
+                         "source": getattr(prompt, "source", None)})
+        return rows
 
     # -- training ------------------------------------------------------------------------------------------------
     def uniform_seq_len(self, samples: list[Sample]) -> int | None:
@@ -247,12 +287,12 @@ class Trainer:
                                              prefix="routing/rollout_vs_old", **layers))
         metrics.update(replay_forced_metrics(old.records, valid, prefix="routing/old_replay", **layers))
         if outs:  # train-vs-rollout log-prob mismatch, over the loss tokens
-            diff = torch.zeros(2, dtype=torch.float64)
+            diff = torch.zeros(2, dtype=torch.float64, device=self.device)
             for mb in microbatches:
                 m = mb.extras["mask"]
                 diff[0] += ((mb.extras["logp_old"] - mb.extras["rollout_logprobs"]).abs() * m).sum()
                 diff[1] += m.sum()
-            dist.all_reduce(diff, group=self.dp_group)
+            all_reduce_(diff, group=self.dp_group)
             metrics["train_rollout_logprob_absdiff"] = (diff[0] / diff[1].clamp(min=1)).item()
         return old.records, metrics
 
@@ -318,22 +358,22 @@ class Trainer:
             masks, [mb.extras["group_ids"][:n] for mb, n in zip(microbatches, real)],
             [mb.extras["advantages"][:n] for mb, n in zip(microbatches, real)],
             num_groups=num_groups, process_group=self.dp_group)
-        positive = torch.zeros(1, dtype=torch.float64)
+        positive = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.config.algorithm.positive_nll_coef > 0:
             threshold = self.config.algorithm.positive_nll_threshold
             for mb in microbatches:
                 positive += (mb.extras["mask"].bool() & (mb.extras["rewards"] >= threshold)[:, None]).sum()
-            dist.all_reduce(positive, group=self.dp_group)
+            all_reduce_(positive, group=self.dp_group)
         return denominators, counts, float(positive)
 
     def _grads_finite(self, loss_ok: bool) -> bool:
-        flag = torch.tensor([0.0 if loss_ok else 1.0])
+        flag = torch.tensor([0.0 if loss_ok else 1.0], device=self.device)
         for param in self.model.parameters():
             grad = getattr(param, "main_grad", None)
             if grad is not None and not torch.isfinite(grad).all():
                 flag[0] = 1.0
                 break
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce_(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
     def _update(self, microbatches: list[MicroBatch], old_records: list, num_groups: int,
@@ -380,18 +420,20 @@ class Trainer:
         cfg = self.config
         started = time.perf_counter()
         samples, rollout_metrics = self.collect(step) if self.rank == 0 else (None, {})
-        samples = _broadcast_object(samples)
+        # Every other rank waits here while rank 0 generates: on the gloo object group (parallel.distributed_timeout_s)
+        samples = _broadcast_object(samples, group=self.ctx.object_group)
         metrics: dict[str, float] = dict(rollout_metrics)
         metrics["nonfinite_total"] = float(self.nonfinite_total)
-        if not samples:
-            metrics["skipped_no_signal"] = 1.0
+        if not samples:  # every group had equal rewards: no update; the loss row is 0 (no gradient was taken)
+            metrics.update(skipped_no_signal=1.0, loss=0.0)
             return metrics
         dp_rank, dp_size = self._dp()
         updates = min(cfg.schedule.updates_per_step, len(samples))
         minis = [samples[u::updates] for u in range(updates)]
         seq_len = self.uniform_seq_len(samples)
         per_update = [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size,
-                                        micro_batch_size=cfg.schedule.micro_batch_size, seq_len=seq_len)
+                                        micro_batch_size=cfg.schedule.micro_batch_size, seq_len=seq_len,
+                                        device=self.device)
                       for m in minis]
         flat = [mb for mbs in per_update for mb in mbs]
         old_records, old_metrics = self._old_forward(flat)
@@ -420,7 +462,7 @@ class Trainer:
         metrics["train_tokens_per_s"] = tokens / max(metrics["train_time_s"], 1e-9)
         # Metrics live on the last pipeline stage; rank 0 reports them.
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, metrics if self.is_last_stage else None)
+        dist.all_gather_object(gathered, metrics if self.is_last_stage else None, group=self.ctx.object_group)
         merged = next(m for m in gathered if m is not None)
         merged.update(rollout_metrics)
         return merged
@@ -441,6 +483,7 @@ class Trainer:
         self.checkpoints.save(step, state, {"step": step, "nonfinite_total": self.nonfinite_total,
                                             "advantage_state": self.advantages.state_dict(),
                                             "retirement": self.retirement.state_dict() if self.retirement else None,
+                                            "data": self.task.state_dict(),
                                             "config": to_dict(self.config)})
 
     def resume(self) -> int:
@@ -456,6 +499,7 @@ class Trainer:
             self.critic.load_state_dict(state["critic"])
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
+        self.task.load_state_dict(trainer_state.get("data") or {})
         if self.retirement is not None and trainer_state.get("retirement"):
             self.retirement.load_state_dict(trainer_state["retirement"])
         log.info("resumed from %s (step %d)", path, trainer_state["step"])

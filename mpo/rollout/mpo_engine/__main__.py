@@ -40,6 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mpo.rollout.mpo_engine", description=__doc__)
     parser.add_argument("--preset", default="tiny", help="model preset (mpo.models.config.PRESETS)")
     parser.add_argument("--mcore-dir", default=None, help="torch_dist checkpoint to load (default: seeded init)")
+    parser.add_argument("--model-path", default=None,
+                        help="a Hugging Face directory to serve (config.json + safetensors), as SGLang's --model-path; "
+                             "overrides --preset and --mcore-dir")
     parser.add_argument("--seed", type=int, default=1234, help="init seed when no checkpoint is given")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
@@ -97,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     from mpo.rollout.mpo_engine.generator import MpoGenerator
 
     runner = EngineModel.create(preset=args.preset, mcore_dir=args.mcore_dir, seed=args.seed, dtype=args.dtype,
-                                fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port)
+                                fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port, hf_dir=args.model_path)
     generator = MpoGenerator(runner.logits, runner.score, vocab_size=runner.vocab_size, max_batch=args.max_batch)
     app = EngineApp(generator, info={
-        "engine": "mpo", "model_path": args.mcore_dir or f"preset:{args.preset}",
+        "engine": "mpo", "model_path": args.model_path or args.mcore_dir or f"preset:{args.preset}",
         "enable_return_routed_experts": args.enable_return_routed_experts,
         "num_layers": runner.model_cfg.num_layers, "topk": runner.model_cfg.router_topk,
         "vocab_size": runner.vocab_size, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,

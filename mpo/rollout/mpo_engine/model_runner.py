@@ -12,6 +12,27 @@ import torch
 from mpo.models.config import MoEModelConfig
 
 
+def _hf_model_config(hf_dir: str) -> MoEModelConfig:
+    import json
+    from pathlib import Path
+
+    from mpo.models.config import from_hf_config
+
+    return from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+
+
+def _load_hf_weights(gpt: torch.nn.Module, cfg: MoEModelConfig, hf_dir: str) -> None:
+    """HF safetensors -> this TP1 model, through the same conversion mapping as checkpoints_tools (an engine holds
+    the whole model: fine for mpo's CPU engine, which serves small models; SGLang serves the large ones)."""
+    from checkpoints_tools.hf_source import HFCheckpoint
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.full_state import load_full_state
+
+    with HFCheckpoint.open(hf_dir) as source:
+        full = mapping_for(cfg, spec="local").hf_to_full_state(source.get)
+    load_full_state(gpt, full)
+
+
 @dataclass
 class EngineModel:
     model: torch.nn.Module
@@ -24,7 +45,9 @@ class EngineModel:
 
     @classmethod
     def create(cls, *, preset: str, mcore_dir: str | None, seed: int, dtype: str, fp32_lm_head: bool,
-               dist_port: int | None) -> "EngineModel":
+               dist_port: int | None, hf_dir: str | None = None) -> "EngineModel":
+        """The engine's model: from an HF directory (`hf_dir`: its config.json and safetensors, as SGLang loads it),
+        else `preset`, seeded, or loaded from the torch_dist checkpoint `mcore_dir`."""
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
         from mpo.models.config import preset as get_preset
         from mpo.parallel import ParallelConfig, initialize_parallel
@@ -34,10 +57,12 @@ class EngineModel:
             os.environ.pop(var, None)
         ctx = initialize_parallel(ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1",
                                   master_port=dist_port)
-        cfg = get_preset(preset)
+        cfg = _hf_model_config(hf_dir) if hf_dir else get_preset(preset)
         model = build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype=dtype, fp32_lm_head=fp32_lm_head),
                             seed=seed)
-        if mcore_dir:
+        if hf_dir:
+            _load_hf_weights(unwrap(model), cfg, hf_dir)
+        elif mcore_dir:
             gpt = unwrap(model)
             gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), mcore_dir))  # runs no code from the files
         model.eval()

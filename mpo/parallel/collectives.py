@@ -1,0 +1,32 @@
+"""Collectives on small host-built tensors (counts, sums, flags, metrics) that work on every backend.
+
+NCCL reduces only CUDA tensors and gloo only CPU ones. The trainer builds its bookkeeping tensors (token counts,
+metric sums, finiteness flags) wherever their inputs live; `all_reduce_` moves such a tensor to the group's backend
+device when it is not there already, reduces it, and copies the result back in place: the one place where device
+and backend meet, instead of a `.cuda()` at every call site.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a tensor must live on for `group`'s backend: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place all-reduce of `tensor` over `group`, on the backend's device; returns `tensor`."""
+    device = comm_device(group)
+    if tensor.device == device:
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    tensor.copy_(moved)
+    return tensor
