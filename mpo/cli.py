@@ -1,4 +1,7 @@
-"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`.
+"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`.
+
+`mpo plan --config FILE [--gpu-mem-gb 80]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
+does not fit; `mpo check-config` prints it too (on stderr) for configs with SGLang engines.
 
 `mpo train --config FILE [section.field=value ...]` validates the whole config first (a bad field fails here, before
 any process starts, with one line naming it), then starts the trainer ranks of this node with torchrun. Multi-node
