@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--ep", type=_positive_int, default=1)
     check.add_argument("--pp", type=_positive_int, default=1)
     check.add_argument("--etp", type=_positive_int, default=None)
+    check.add_argument("--pp-first", type=_positive_int, default=None,
+                       help="layers of the first pipeline stage (uneven stages, e.g. 61 layers at --pp 8: 5)")
+    check.add_argument("--pp-last", type=_positive_int, default=None, help="layers of the last pipeline stage")
+    check.add_argument("--vpp", type=_positive_int, default=None, help="virtual pipeline stages per stage")
     check.add_argument("--tolerance", type=_positive_float, default=None)
     return parser
 
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         from checkpoints_tools.verify import DEFAULT_TOLERANCE, verify
 
         report = verify(args.hf_dir, args.mcore_dir, tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp,
+                        pp_first=args.pp_first, pp_last=args.pp_last, vpp=args.vpp,
                         tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE)
         print("\n".join(report.lines()))
         return 0 if report.passed else EXIT_OUT_OF_TOLERANCE

@@ -45,6 +45,7 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
     from checkpoints_tools.files import read_json
     from checkpoints_tools.mapping import model_config_from_hf
     from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.chunks import as_chunks
     from mpo.models.forward import MicroBatch, run_microbatches
     from mpo.parallel import ParallelConfig, initialize_parallel
 
@@ -59,30 +60,36 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
     if resave_dir is not None:
         _resave(model, Path(resave_dir))
 
-    routing: dict[int, torch.Tensor] = {}
+    routing: dict[int, list[torch.Tensor]] = {}
 
     def hook(layer_index: int):
         def capture(_module, _inputs, output):
             routing_map = output[1]
             topk = routing_map.sum(-1).max().item()
-            routing[layer_index] = torch.sort(routing_map.int().topk(int(topk), dim=-1).indices, dim=-1).values
+            routing.setdefault(layer_index, []).append(
+                torch.sort(routing_map.int().topk(int(topk), dim=-1).indices, dim=-1).values)
         return capture
 
     handles = []
-    for layer in unwrap(model).decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is not None:
-            handles.append(router.register_forward_hook(hook(layer.layer_number - 1)))
+    for chunk in as_chunks(unwrap(model)):
+        for layer in chunk.decoder.layers:  # layer_number is global (1-based) under uneven and virtual stages
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                handles.append(router.register_forward_hook(hook(layer.layer_number - 1)))
 
     ids = torch.tensor(prompts, dtype=torch.long)
+    # Virtual stages need a multiple of PP micro-batches (megatron's interleaved schedule): one prompt each.
+    rows = 1 if parallel.virtual_pipeline_parallel else ids.shape[0]
+    microbatches = [MicroBatch(ids[i:i + rows]) for i in range(0, ids.shape[0], rows)]
     with torch.no_grad():
-        results = run_microbatches(model, [MicroBatch(ids)], vocab_size=model_cfg.vocab_size, keep_logits=True)
+        results = run_microbatches(model, microbatches, vocab_size=model_cfg.vocab_size, keep_logits=True)
     for handle in handles:
         handle.remove()
 
-    b, s = ids.shape
-    # [s*b, k] in megatron's sequence-major order -> [b*s, k] batch-major like HF.
-    routing = {i: t.reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1) for i, t in routing.items()}
+    s = ids.shape[1]
+    # per micro-batch [s*rows, k] in megatron's sequence-major order -> [b*s, k] batch-major like HF.
+    routing = {i: torch.cat([t.reshape(s, rows, -1).transpose(0, 1).reshape(rows * s, -1) for t in parts])
+               for i, parts in routing.items()}
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, routing)
     all_routing = {}
@@ -93,11 +100,11 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
     if results:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        local = results[0]["logits"].contiguous()
+        local = torch.cat([r["logits"] for r in results]).contiguous()
         parts = [torch.empty_like(local) for _ in range(tp)]
         torch.distributed.all_gather(parts, local, group=tp_group)
         logits = torch.cat(parts, dim=-1)[..., : model_cfg.vocab_size]
-        payload = {"logits": logits, "logprobs": results[0]["logprobs"]}
+        payload = {"logits": logits, "logprobs": torch.cat([r["logprobs"] for r in results])}
     payloads: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(payloads, payload)
     if torch.distributed.get_rank() == 0:

@@ -138,14 +138,18 @@ def world_size_for(tp: int, ep: int, pp: int, etp: int | None) -> int:
 
 
 def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, ep: int = 1, pp: int = 1,
-              etp: int | None = None, resave_dir: str | Path | None = None) -> dict:
-    """Megatron outputs for the prompts at a layout, on the smallest world size that fits it.
+              etp: int | None = None, pp_first: int | None = None, pp_last: int | None = None,
+              vpp: int | None = None, resave_dir: str | Path | None = None) -> dict:
+    """Megatron outputs for the prompts at a layout, on the smallest world size that fits it. pp_first / pp_last
+    are the layer counts of the first / last pipeline stage (uneven stages), vpp the virtual stages per stage.
 
     A rank that fails raises ConversionError here with its one-line reason."""
     import torch.multiprocessing as mp
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    layout = dict(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, expert_tensor_parallel=etp)
+    layout = dict(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, expert_tensor_parallel=etp,
+                  num_layers_in_first_stage=pp_first, num_layers_in_last_stage=pp_last,
+                  virtual_pipeline_parallel=vpp)
     world = world_size_for(tp, ep, pp, etp)
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "mcore.pt")
@@ -179,20 +183,37 @@ def compare(hf: dict, mcore: dict, layout: dict, tolerance: float = DEFAULT_TOLE
 
 
 def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, ep: int = 1, pp: int = 1,
-           etp: int | None = None, prompts: list[list[int]] | None = None,
+           etp: int | None = None, pp_first: int | None = None, pp_last: int | None = None,
+           vpp: int | None = None, prompts: list[list[int]] | None = None,
            tolerance: float = DEFAULT_TOLERANCE) -> VerifyReport:
     """Run both models on the same prompts and compare (see VerifyReport).
 
     Inputs are checked before any rank starts (ConversionError, one line): both directories, both config files,
     the torch_dist metadata and stored objects (read safely, mpo.safe_load), and the layout against the model."""
-    model_cfg = check_inputs(hf_dir, mcore_dir, tp=tp, ep=ep, pp=pp, etp=etp)
-    prompts = prompts or default_prompts(model_cfg.vocab_size)
-    mcore = run_mcore(mcore_dir, prompts, tp=tp, ep=ep, pp=pp, etp=etp)
+    stages = dict(pp_first=pp_first, pp_last=pp_last, vpp=vpp)
+    model_cfg = check_inputs(hf_dir, mcore_dir, tp=tp, ep=ep, pp=pp, etp=etp, **stages)
+    prompts = prompts or default_prompts(model_cfg.vocab_size, batch=max(2, pp if vpp else 2))
+    mcore = run_mcore(mcore_dir, prompts, tp=tp, ep=ep, pp=pp, etp=etp, **stages)
     hf = hf_reference(hf_dir, prompts)
-    return compare(hf, mcore, dict(tp=tp, ep=ep, pp=pp, etp=etp), tolerance)
+    layout = dict(tp=tp, ep=ep, pp=pp, etp=etp, **{k: v for k, v in stages.items() if v is not None})
+    return compare(hf, mcore, layout, tolerance)
 
 
-def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int, pp: int, etp: int | None):
+# The stage fields of the layout as this CLI's flags, so a layout error names what to change on the command line.
+_FLAGS = {"parallel.num_layers_in_first_stage": "--pp-first", "parallel.num_layers_in_last_stage": "--pp-last",
+          "parallel.virtual_pipeline_parallel": "--vpp", "num_layers_in_first_stage": "--pp-first",
+          "num_layers_in_last_stage": "--pp-last", "virtual_pipeline_parallel": "--vpp"}
+
+
+def _as_flags(message: str) -> str:
+    import re
+
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)))
+    return pattern.sub(lambda m: _FLAGS[m.group(0)], message)
+
+
+def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int, pp: int, etp: int | None,
+                 pp_first: int | None = None, pp_last: int | None = None, vpp: int | None = None):
     """The model config of the HF config.json, after checking everything verify needs (see `verify`)."""
     from checkpoints_tools.convert import HF_CONFIG_NAME
     from checkpoints_tools.mapping import model_config_from_hf
@@ -208,10 +229,12 @@ def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int,
     TorchDistReader(mcore_dir).check_objects()
     try:
         layout = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
-                                expert_tensor_parallel=etp, sequence_parallel=False)
+                                expert_tensor_parallel=etp, sequence_parallel=False,
+                                num_layers_in_first_stage=pp_first, num_layers_in_last_stage=pp_last,
+                                virtual_pipeline_parallel=vpp)
         layout.validate(world_size_for(tp, ep, pp, etp), num_layers=model_cfg.num_layers,
                         num_attention_heads=model_cfg.num_attention_heads,
                         num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
     except LayoutError as exc:
-        raise ConversionError(f"layout: {exc}") from None
+        raise ConversionError(f"layout: {_as_flags(str(exc))}") from None
     return model_cfg

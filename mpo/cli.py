@@ -1,4 +1,7 @@
-"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`.
+"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`.
+
+`mpo plan --config FILE [--gpu-mem-gb 80]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
+does not fit; `mpo check-config` prints it too (on stderr) for configs with SGLang engines.
 
 `mpo train --config FILE [section.field=value ...]` validates the whole config first (a bad field fails here, before
 any process starts, with one line naming it), then starts the trainer ranks of this node with torchrun. Multi-node
@@ -49,6 +52,28 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
         lock.close()
 
 
+def memory_plan(config, *, gpu_mem_gb: float, seq_len: int | None = None,
+                engine_mem_fraction: float | None = None, out=None) -> int:
+    """Print the memory plan (mpo.memory_plan); 0 when every role fits, 2 when one does not."""
+    from mpo.config import ConfigError
+    from mpo.memory_plan import PlanInputs, format_plan, plan_memory
+
+    for name, value, ok in (("--gpu-mem-gb", gpu_mem_gb, gpu_mem_gb > 0), ("--seq-len", seq_len,
+                            seq_len is None or seq_len > 0),
+                            ("--engine-mem-fraction", engine_mem_fraction,
+                             engine_mem_fraction is None or 0 < engine_mem_fraction <= 1)):
+        if not ok:
+            raise ConfigError(f"{name}={value}; valid values: > 0{' and <= 1' if 'fraction' in name else ''}")
+    roles = plan_memory(config, PlanInputs(gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
+                                           engine_mem_fraction=engine_mem_fraction))
+    print(format_plan(roles), file=out or sys.stdout)
+    misfits = [role.role for role in roles if not role.fits]
+    if misfits:
+        print(f"mpo: memory plan: {', '.join(misfits)} does not fit in {gpu_mem_gb:g} GB", file=sys.stderr)
+        return 2
+    return 0
+
+
 def summarize_demo(out_dir: Path) -> str:
     """Reward before/after table and a PNG of reward and routing agreement over steps."""
     rows = read_metrics(out_dir / "metrics.jsonl")
@@ -97,9 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="run a training job on this node (validates the config first)")
     train.add_argument("--config", required=True)
     train.add_argument("overrides", nargs="*", help="section.field=value")
-    check = sub.add_parser("check-config", help="validate a config and print it resolved")
+    check = sub.add_parser("check-config", help="validate a config and print it resolved (GPU configs: and its "
+                           "memory plan, on stderr; exit 2 when a GPU role does not fit)")
     check.add_argument("--config", required=True)
+    check.add_argument("--gpu-mem-gb", type=float, default=80.0)
     check.add_argument("overrides", nargs="*")
+    plan = sub.add_parser("plan", help="per GPU role: bytes of parameters, gradients, optimizer state, activations, "
+                          "engine weights and KV cache; exit 2 when a role does not fit")
+    plan.add_argument("--config", required=True)
+    plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GB (default 80: H100)")
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per training row (default: rollout.max_new_tokens + 1024 prompt tokens)")
+    plan.add_argument("--engine-mem-fraction", type=float, default=None,
+                      help="SGLang --mem-fraction-static (default 0.85)")
+    plan.add_argument("overrides", nargs="*")
     demo = sub.add_parser("demo", help="tiny MoE learns a toy task with RL on CPU (2 gloo ranks, EP2)")
     demo.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo", help="run directory (a rerun resumes from its checkpoint)")
@@ -119,8 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "check-config":
-            print(resolve_config(args.config, args.overrides)[1], end="")
-            return 0
+            config, text = resolve_config(args.config, args.overrides)
+            print(text, end="")
+            if config.rollout.engine != "sglang":  # a CPU run: GPU memory does not apply
+                return 0
+            return memory_plan(config, gpu_mem_gb=args.gpu_mem_gb, out=sys.stderr)
+        if args.command == "plan":
+            config, _ = resolve_config(args.config, args.overrides)
+            return memory_plan(config, gpu_mem_gb=args.gpu_mem_gb, seq_len=args.seq_len,
+                               engine_mem_fraction=args.engine_mem_fraction)
         if args.command == "train":
             return run_local(args.config, args.overrides)
         overrides = [f"logging.out_dir={args.out}", *args.overrides]

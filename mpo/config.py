@@ -312,8 +312,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
-    except (ConfigError, LayoutError):
+    except ConfigError:
         raise
+    except LayoutError as exc:  # a bad parallel field: one line (the CLIs print ConfigError without a traceback)
+        raise ConfigError(str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{prefix or 'config'}: {exc}") from None
 

@@ -147,3 +147,40 @@ def test_local_dot_product_attention_still_rejects_mla_channels():
 
     params = inspect.signature(DotProductAttention.__init__).parameters
     assert "k_channels" not in params and "v_channels" not in params
+
+
+def test_uneven_pp_verify_cli_passes_at_pp2_with_one_layer_first(ckpts, capsys):
+    """3 layers over PP2: the dense layer alone on stage 0, the two MoE layers on stage 1 (megatron's uneven first
+    stage). verify runs the real CLI; transformers is the reference."""
+    from checkpoints_tools.cli import main as cli_main
+
+    code = cli_main(["verify", "--hf-dir", str(ckpts["hf"]), "--mcore-dir", str(ckpts["mc"]), "--pp", "2",
+                     "--pp-first", "1", "--tolerance", str(TOL)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS" in out and "layer   2 top-k routing agreement 1.0000" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--pp", "2"], ["pipeline_parallel=2 does not divide num_layers=3", "--pp-first"]),
+    (["--pp", "2", "--pp-first", "1", "--vpp", "2"], ["--vpp=2 does not divide the 1 layers of pipeline stage 0"]),
+    (["--pp-first", "1"], ["--pp-first=1 needs pipeline_parallel >= 2", "unset"]),
+], ids=["uneven_pp-indivisible", "uneven_pp-vpp", "uneven_pp-no-pp"])
+def test_uneven_pp_layout_errors_are_one_line(ckpts, capsys, args, words):
+    from checkpoints_tools.cli import main as cli_main
+
+    code = cli_main(["verify", "--hf-dir", str(ckpts["hf"]), "--mcore-dir", str(ckpts["mc"]), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: layout: ") and all(w in err for w in words), err
+
+
+def test_uneven_pp_vpp2_matches_hf(tmp_path):
+    """4 DeepSeek-V3 layers (one dense) at PP2 x VPP2: chunk 0 of stage 0 holds the dense layer and an MoE layer,
+    each other chunk one MoE layer (the block spec is built per virtual stage)."""
+    hf = tiny_deepseek_v3(tmp_path / "hf", num_hidden_layers=4)
+    hf_to_mcore(hf, tmp_path / "mc", show_progress=False)
+    prompts = default_prompts(256)
+    got = run_mcore(tmp_path / "mc", prompts, pp=2, vpp=2)
+    report = compare(hf_reference(hf, prompts), got, dict(pp=2, vpp=2), tolerance=TOL)
+    assert report.passed and report.routing_agreement == {1: 1.0, 2: 1.0, 3: 1.0}, report.lines()

@@ -139,7 +139,11 @@ def test_retired_prompts_are_never_sampled_again_also_after_resume(tmp_path):
     assert len(set(control)) < len(control)
 
 
-LOOP_LAYOUTS = {"tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"]}
+LOOP_LAYOUTS = {"tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
+                # interleaved schedule: 2 chunks per stage, micro-batch counts padded to a multiple of PP
+                "uneven_pp-vpp2": ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2"],
+                # 4 layers as 1 + 3
+                "uneven_pp-first1": ["parallel.pipeline_parallel=2", "parallel.num_layers_in_first_stage=1"]}
 
 
 @pytest.mark.parametrize("layout", list(LOOP_LAYOUTS), ids=[f"loop-layout-{k}" for k in LOOP_LAYOUTS])

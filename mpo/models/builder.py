@@ -73,6 +73,10 @@ def transformer_config(model: MoEModelConfig, parallel: ParallelConfig, device: 
         # Tensor/pipeline/expert/context sizes and sequence parallelism.
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
+        # Uneven stages and virtual stages (model chunks); mpo.parallel.ParallelConfig.stage_layers mirrors them.
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_stage,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.etp,
         context_parallel_size=parallel.context_parallel,
@@ -95,6 +99,10 @@ def transformer_config(model: MoEModelConfig, parallel: ParallelConfig, device: 
         # Device switches: CPU needs host initialisation and synchronous pipeline p2p.
         use_cpu_initialization=device.cpu_initialization,
         batch_p2p_sync=device.is_gpu,
+        # Interleaved (VPP) stages send to the previous and the next stage in one exchange; at PP2 both are the same
+        # rank, and a batched isend/irecv cannot tell the two messages apart (measured on gloo: micro-batches' hidden
+        # states swapped). Megatron's unbatched path sends the two directions over different groups.
+        batch_p2p_comm=parallel.virtual_pipeline_parallel is None,
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
@@ -134,7 +142,7 @@ def _deepseek_v3_kwargs(model: MoEModelConfig) -> dict:
     return extra
 
 
-def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None):
+def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_stage: int | None = None):
     """The layer spec (Qwen3: one spec for every layer) or, for MLA / mixed dense-MoE stacks, megatron's block spec
     with a dense and an MoE layer spec placed by moe_layer_freq (needs the TransformerConfig `config`)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -147,7 +155,7 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None):
         if config is None:
             raise ValueError("layer_spec: this architecture needs the TransformerConfig")
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=device.layer_spec == "te",
-                                           normalization="RMSNorm")
+                                           normalization="RMSNorm", vp_stage=vp_stage)
         if device.layer_spec != "te" and model.multi_latent_attention:
             from mpo.models.mla_local import use_local_mla_core_attention
 
@@ -164,30 +172,42 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None):
 def build_model(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceProfile,
                 precision: PrecisionConfig = PrecisionConfig(), *, seed: int = 1234, routing_replay: bool = False,
                 recompute: bool = False, wrap_float16: bool = True) -> torch.nn.Module:
-    """GPTModel for this rank's pipeline stage (megatron parallel_state must be initialised).
+    """GPTModel for this rank's pipeline stage (megatron parallel_state must be initialised); under virtual
+    pipeline parallelism a :class:`~mpo.models.chunks.ModelChunks` of one GPTModel per virtual stage.
 
     With bf16 the model is wrapped in megatron's Float16Module (as megatron training does); the FP32 LM head is
     applied after wrapping because Float16Module casts every parameter to bf16 on construction.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
+    from mpo.models.chunks import ModelChunks
 
     config = transformer_config(model, parallel, device, precision, routing_replay=routing_replay,
                                 recompute=recompute)
     # CPU-initialised master weights are drawn from the default generator: seed it identically on every rank.
     torch.manual_seed(seed)
+    if parallel.virtual_pipeline_parallel is None:
+        return _build_chunk(model, parallel, device, precision, config, None, wrap_float16)
+    return ModelChunks([_build_chunk(model, parallel, device, precision, config, vp_stage, wrap_float16)
+                        for vp_stage in range(parallel.vpp)])
+
+
+def _build_chunk(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceProfile, precision: PrecisionConfig,
+                 config, vp_stage: int | None, wrap_float16: bool) -> torch.nn.Module:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, device, config),
+        transformer_layer_spec=layer_spec(model, device, config, vp_stage),
         vocab_size=padded_vocab_size(model.vocab_size, parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        vp_stage=vp_stage,
     )
     gpt.mpo_model_config = model
     if device.is_gpu:
@@ -205,7 +225,11 @@ def build_model(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceP
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
+    """The GPTModel inside DDP / Float16Module wrappers (under VPP: ModelChunks of the unwrapped chunks)."""
+    from mpo.models.chunks import ModelChunks
+
+    if isinstance(model, ModelChunks):
+        return ModelChunks([unwrap(chunk) for chunk in model.chunks])
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model

@@ -67,6 +67,18 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
 
     if not microbatches:
         return []
+    from mpo.models.chunks import as_chunks
+
+    chunks = as_chunks(model)
+    # megatron's interleaved (VPP) schedule runs micro-batches in groups of PP: fill the last group with copies of the
+    # last micro-batch that contribute no loss and no output (the trainer's passes arrive padded already, with
+    # loss-free rows, see mpo.trainer.rows; this covers one-off forwards such as weight-sync probes).
+    padding = -len(microbatches) % parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 0
+    real_microbatches = len(microbatches)
+    if padding:
+        filler = MicroBatch(microbatches[-1].input_ids, microbatches[-1].position_ids,
+                            {**microbatches[-1].extras, "_vpp_padding": True})
+        microbatches = list(microbatches) + [filler] * padding
     forward_only = loss_fn is None if forward_only is None else forward_only
     num_microbatches = len(microbatches)
     from mpo.models.ddp import is_ddp
@@ -82,7 +94,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
 
         scored = scored_values(output)
         out = {"values": scored.detach()}
-        if loss_fn is None:
+        if loss_fn is None or mb.extras.get("_vpp_padding"):
             loss = scored.sum() * 0.0
         else:
             loss, metrics = loss_fn(mb, scored, None)
@@ -96,7 +108,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         out = {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
         if keep_logits:
             out["logits"] = logits.detach()
-        if loss_fn is None:
+        if loss_fn is None or mb.extras.get("_vpp_padding"):
             loss = (logprobs.sum() + entropy.sum()) * 0.0
         else:
             loss, metrics = loss_fn(mb, logprobs, entropy)
@@ -111,11 +123,12 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[model],
+        # the interleaved schedule reads one iterator per chunk: each chunk sees every micro-batch once
+        data_iterator=[iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches),
+        model=chunks,
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=batch_size,
         forward_only=forward_only,
     )
-    return list(outputs) if parallel_state.is_pipeline_last_stage() else []
+    return list(outputs)[:real_microbatches] if parallel_state.is_pipeline_last_stage() else []

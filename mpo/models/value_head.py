@@ -39,19 +39,24 @@ class ValueHead(torch.nn.Module):
 
 def attach_value_head(model: torch.nn.Module) -> bool:
     """Replace the LM head of this rank's stage with a :class:`ValueHead` (before DDP wrapping). Returns whether the
-    stage has a head (only the last pipeline stage does)."""
-    gpt = model
-    while not hasattr(gpt, "output_layer") and hasattr(gpt, "module"):
-        gpt = gpt.module
-    # A value head shares nothing with the input embedding: untie on every stage, so no stage joins megatron's
-    # embedding-gradient all-reduce between the first and the last pipeline stage.
-    gpt.share_embeddings_and_output_weights = False
-    if not getattr(gpt, "post_process", False):
-        return False
-    device = next(gpt.parameters()).device
-    gpt.output_layer = ValueHead(gpt.config.hidden_size, sequence_parallel=bool(gpt.config.sequence_parallel),
-                                 device=device)
-    return True
+    stage has a head (only the last pipeline stage does; under VPP, its last chunk)."""
+    from mpo.models.chunks import as_chunks
+
+    found = False
+    for chunk in as_chunks(model):
+        gpt = chunk
+        while not hasattr(gpt, "output_layer") and hasattr(gpt, "module"):
+            gpt = gpt.module
+        # A value head shares nothing with the input embedding: untie on every stage, so no stage joins megatron's
+        # embedding-gradient all-reduce between the first and the last pipeline stage.
+        gpt.share_embeddings_and_output_weights = False
+        if not getattr(gpt, "post_process", False):
+            continue
+        device = next(gpt.parameters()).device
+        gpt.output_layer = ValueHead(gpt.config.hidden_size, sequence_parallel=bool(gpt.config.sequence_parallel),
+                                     device=device)
+        found = True
+    return found
 
 
 def scored_values(output: torch.Tensor) -> torch.Tensor:

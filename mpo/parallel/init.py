@@ -77,6 +77,7 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
         context_parallel_size=parallel.context_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.etp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     torch.manual_seed(seed)

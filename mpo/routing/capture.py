@@ -14,6 +14,9 @@ How it hooks in (megatron-core 0.19.2):
   (``[s, b, E]``, sequence-major; the local token shard under sequence parallelism) for the log-softmax record.
 * A forward pre-hook on the GPTModel counts micro-batches: megatron's schedules call each stage's model chunk once per
   micro-batch, in micro-batch order (1F1B included), and activation recompute re-runs layers, never the GPTModel.
+  Under virtual pipeline stages (mpo.models.chunks) each chunk counts its own micro-batches: the interleaved schedule
+  runs chunk 0 ahead of chunk 1, each in micro-batch order. Layer numbers are megatron's global ones (its layer
+  offset covers uneven and virtual stages), so records of any layout line up by layer id.
 
 Natural choice under replay: when a session replays routes, the tap also computes the router's own top-k from the
 same scores (one extra top-k per layer, no gradient) and records it as ``MicroBatchRouting.natural``. The replayed
@@ -67,9 +70,10 @@ def _tap_for(router) -> "_RouterTap | None":
 class _RouterTap:
     """Occupies ``TopKRouter.router_replay`` (megatron's replay slot) for one MoE layer."""
 
-    def __init__(self, hooks: "RoutingHooks", router) -> None:
+    def __init__(self, hooks: "RoutingHooks", router, chunk: int = 0) -> None:
         self.hooks = hooks
         self.router = router
+        self.chunk = chunk  # the virtual-pipeline chunk the router's layer lives in
         self.layer_number: int = int(router.layer_number)  # set by TransformerLayer, global and 1-based
         self.logits: Tensor | None = None  # [tokens, E] of the current routing call
         self.local_seq_batch: tuple[int, int] = (0, 0)
@@ -103,7 +107,9 @@ class _Session:
         self.replay = replay
         self.gather_at = gather_at
         self.save_for_recompute = backward and hooks.recompute
-        self.microbatch = -1
+        self.microbatch = -1  # of the tap being routed (set from `seen` per chunk)
+        self.seen = [-1] * len(hooks.chunks)  # last micro-batch each model chunk started
+        self.shapes: list[tuple[int, ...]] = []  # [b, s] of each micro-batch
         self.calls: dict[tuple[int, int], int] = {}  # (micro-batch, layer) -> routing calls outside recompute
         # raw captures: (micro-batch, layer) -> (indices [tokens, K], logp, logp_at, natural (each or None),
         # (s_local, b))
@@ -133,8 +139,13 @@ class _Session:
         self._local_cache[key] = local
         return local
 
+    @property
+    def num_microbatches(self) -> int:
+        return max(self.seen) + 1
+
     def route(self, tap: _RouterTap, scores: Tensor, topk: int, num_groups, group_topk,
               default_compute_topk) -> tuple[Tensor, Tensor]:
+        self.microbatch = self.seen[tap.chunk]
         key = (self.microbatch, tap.layer_number)
         self.calls[key] = self.calls.get(key, 0) + 1
         if self.calls[key] > 1:
@@ -184,8 +195,10 @@ class RoutingHooks:
         from megatron.core.transformer.moe.router import TopKRouter
 
         from mpo.models.builder import unwrap
+        from mpo.models.chunks import as_chunks
 
         gpt = unwrap(model)
+        self.chunks = as_chunks(gpt)
         config = gpt.config
         if config.moe_router_fusion:
             raise ValueError("routing: moe_router_fusion=True bypasses megatron's replay slot; disable it")
@@ -203,19 +216,20 @@ class RoutingHooks:
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         self.session_state: _Session | None = None
         self.taps: list[_RouterTap] = []
-        for module in gpt.modules():
-            if isinstance(module, TopKRouter):
-                if _tap_for(module) is not None:
-                    raise ValueError("routing: model already has RoutingHooks attached")
-                tap = _RouterTap(self, module)
-                module.router_replay = tap
-                module.routing = self._wrap_routing(module, tap)
-                self.taps.append(tap)
-        if not self.taps:
-            raise ValueError("routing: model has no TopKRouter (no MoE layers on this stage)")
+        for chunk_index, chunk in enumerate(self.chunks):
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    if _tap_for(module) is not None:
+                        raise ValueError("routing: model already has RoutingHooks attached")
+                    tap = _RouterTap(self, module, chunk_index)
+                    module.router_replay = tap
+                    module.routing = self._wrap_routing(module, tap)
+                    self.taps.append(tap)
+        # A stage may hold no MoE layer (DeepSeek-V3's dense first layers alone on an uneven first stage): it records
+        # empty [b, s, 0, K] routings, so the metrics' pipeline collectives still run on every stage.
         self.taps.sort(key=lambda t: t.layer_number)
         self.layers: tuple[int, ...] = tuple(t.layer_number for t in self.taps)
-        self._pre_hook = gpt.register_forward_pre_hook(self._next_microbatch)
+        self._pre_hooks = [chunk.register_forward_pre_hook(self._counter(k)) for k, chunk in enumerate(self.chunks)]
 
     @staticmethod
     def _wrap_routing(router, tap: _RouterTap):
@@ -231,9 +245,13 @@ class RoutingHooks:
 
         return routing
 
-    def _next_microbatch(self, module, args) -> None:
-        if self.session_state is not None:
-            self.session_state.microbatch += 1
+    def _counter(self, chunk: int):
+        def next_microbatch(module, args) -> None:
+            if self.session_state is not None:
+                self.session_state.seen[chunk] += 1
+                if chunk == 0 and args:  # input_ids [b, s]: the shape of a stage's empty records
+                    self.session_state.shapes.append(tuple(args[0].shape))
+        return next_microbatch
 
     def sequence_shard_start(self, s_local: int) -> int:
         """First sequence position of this TP rank's shard (megatron splits [s, b, h] along s under SP)."""
@@ -244,7 +262,8 @@ class RoutingHooks:
         for tap in self.taps:
             tap.router.router_replay = None
             del tap.router.routing  # drop the instance attribute; the class method is visible again
-        self._pre_hook.remove()
+        for hook in self._pre_hooks:
+            hook.remove()
         self.taps = []
 
     @contextmanager
@@ -280,7 +299,9 @@ class RoutingHooks:
                 result.records = self._finalize(state)
 
     def _check_consumed(self, state: _Session) -> None:
-        n = state.microbatch + 1
+        n = state.num_microbatches
+        if any(seen + 1 != n for seen in state.seen):
+            raise RuntimeError(f"routing: model chunks ran {[seen + 1 for seen in state.seen]} micro-batches")
         expected = {(mb, layer) for mb in range(n) for layer in self.layers}
         missing = expected - set(state.calls)
         if missing:
@@ -298,7 +319,14 @@ class RoutingHooks:
         if not state.config.record:
             return []
         out = []
-        for mb in range(state.microbatch + 1):
+        if not self.layers:
+            for b, s in state.shapes:
+                empty = torch.empty((b, s, 0, self.topk), dtype=self.index_dtype, device=self.device)
+                logp = empty.float() if state.config.record_logprobs else None
+                out.append(MicroBatchRouting((), empty, logp, empty.float() if state.gather_at is not None else None,
+                                             empty if state.replay is not None else None))
+            return out
+        for mb in range(state.num_microbatches):
             parts = [state.raw[(mb, layer)] for layer in self.layers]
             (s_local, b) = parts[0][4]
 

@@ -25,6 +25,7 @@ class Critic:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
+        from mpo.models.chunks import as_chunks  # VPP: one entry per virtual stage
         from mpo.models.ddp import wrap_ddp
         from mpo.models.value_head import attach_value_head
 
@@ -40,7 +41,7 @@ class Critic:
         algo = config.algorithm
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=algo.critic_lr, clip_grad=config.schedule.clip_grad,
-                            bf16=config.model.dtype == "bf16", weight_decay=0.0), [self.model])
+                            bf16=config.model.dtype == "bf16", weight_decay=0.0), as_chunks(self.model))
         self.trainer = trainer
 
     def _run(self, microbatches: list[MicroBatch], loss_fn=None) -> list[dict]:

@@ -50,6 +50,17 @@ def uniform_length(samples: list[Sample], multiple: int = 1) -> int:
     return -(-longest // multiple) * multiple
 
 
+def _microbatch_multiple() -> int:
+    """Micro-batches per pass must be a multiple of PP under virtual pipeline stages (megatron's interleaved schedule
+    runs them in groups of PP); loss-free padding rows fill the last group, as they fill uneven DP shares."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+        return 1
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
 def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int,
                       seq_len: int | None = None, device: torch.device | str = "cpu") -> list[MicroBatch]:
     """This DP rank's share of `samples` (round-robin), as micro-batches with loss tensors in `extras`.
@@ -63,6 +74,8 @@ def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micr
     """
     per_rank = -(-len(samples) // dp_size)
     count = -(-per_rank // micro_batch_size)
+    multiple = _microbatch_multiple()
+    count = -(-count // multiple) * multiple
     mine = samples[dp_rank::dp_size]
     out = []
     for m in range(count):

@@ -64,6 +64,7 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
+        from mpo.models.chunks import as_chunks  # VPP: one entry per virtual stage
         from mpo.models.ddp import wrap_ddp
         from mpo.parallel import initialize_parallel
         from mpo.routing import attach_routing_hooks
@@ -88,7 +89,7 @@ class Trainer:
         self.gpt = unwrap(model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
-                            bf16=config.model.dtype == "bf16", weight_decay=0.0), [self.model])
+                            bf16=config.model.dtype == "bf16", weight_decay=0.0), as_chunks(self.model))
         self.routing = attach_routing_hooks(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.critic = None  # built by set_algorithm for gae / vapo

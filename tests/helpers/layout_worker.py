@@ -36,22 +36,27 @@ def test_loss(mb, logprobs: torch.Tensor, entropy: torch.Tensor):
     return loss, {}
 
 
-def run(out_dir: str, layout: dict, precision: dict | None = None, save_checkpoint: bool = False) -> None:
+def run(out_dir: str, layout: dict, precision: dict | None = None, save_checkpoint: bool = False,
+        num_layers: int = 4, finish: bool = True) -> None:
+    """One layout: load (or, for the reference, save) the checkpoint of the `num_layers`-layer tiny model, forward +
+    backward, then one Adam step (a trainer step: DDP reduction, clipping, the update) and the weights after it."""
     from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from mpo.models.builder import PrecisionConfig, build_model
+    from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.chunks import as_chunks
     from mpo.models.config import preset
     from mpo.models.ddp import wrap_ddp
     from mpo.models.forward import MicroBatch, run_microbatches
     from mpo.models.full_state import gather_full_state
     from mpo.parallel import ParallelConfig, initialize_parallel
 
-    model_cfg = preset("tiny")
+    model_cfg = preset("tiny").with_overrides(num_layers=num_layers)
     parallel = ParallelConfig(**layout)
     ctx = initialize_parallel(parallel, num_layers=model_cfg.num_layers, num_experts=model_cfg.num_experts,
                               num_attention_heads=model_cfg.num_attention_heads)
     out = Path(out_dir)
-    ckpt = out.parent / "reference_ckpt"
+    ckpt = out.parent / ("reference_ckpt" if num_layers == 4 else f"reference_ckpt_{num_layers}layers")
     model = build_model(model_cfg, parallel, ctx.device, PrecisionConfig(**(precision or {})))
     if save_checkpoint:
         ckpt.mkdir(exist_ok=True)
@@ -70,7 +75,11 @@ def run(out_dir: str, layout: dict, precision: dict | None = None, save_checkpoi
     ]
     results = run_microbatches(model, microbatches, vocab_size=model_cfg.vocab_size, loss_fn=test_loss,
                                keep_logits=True)
-    grads = gather_full_state(model.module, grads=True)
+    grads = gather_full_state(unwrap(model), grads=True)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0),
+                                       as_chunks(model))
+    optimizer.step()
+    stepped = gather_full_state(unwrap(model))
 
     if results:
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -87,7 +96,16 @@ def run(out_dir: str, layout: dict, precision: dict | None = None, save_checkpoi
                        out / f"outputs_rank{torch.distributed.get_rank()}.pt")
     if grads is not None:
         torch.save(grads, out / "grads.pt")
+        torch.save(stepped, out / "stepped.pt")
     torch.distributed.barrier()
+    if finish:
+        torch.distributed.destroy_process_group()
+
+
+def run_many(jobs: list[dict]) -> None:
+    """Several layouts of one world size in the same ranks (one process start-up for all of them)."""
+    for job in jobs:
+        run(**job, finish=False)
     torch.distributed.destroy_process_group()
 
 
@@ -101,4 +119,5 @@ def load_outputs(out_dir: Path) -> dict[str, torch.Tensor]:
                 merged[key] = torch.zeros((GLOBAL_ROWS, *part[key].shape[1:]), dtype=part[key].dtype)
             merged[key][part["rows"]] = part[key]
     merged["grads"] = torch.load(out_dir / "grads.pt", weights_only=True)
+    merged["stepped"] = torch.load(out_dir / "stepped.pt", weights_only=True)
     return merged

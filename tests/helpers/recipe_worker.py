@@ -16,6 +16,8 @@ import torch.distributed as dist
 # What shrinks a 16-GPU recipe onto 2 CPU ranks; everything else (loss, advantage, replay, data, reward, engine kind,
 # sync transport, critic, correction) stays the recipe's.
 SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1", "parallel.expert_parallel=2",
+          "parallel.expert_tensor_parallel=null", "parallel.num_layers_in_first_stage=null",
+          "parallel.num_layers_in_last_stage=null", "parallel.virtual_pipeline_parallel=null",
           "model.dtype=fp32", "model.recompute=false", "rollout.engine_dtype=fp32", "rollout.tensor_parallel=1",
           "rollout.max_new_tokens=6", "rollout.samples_per_prompt=2", "rollout.bucket_mb=4", "data.prompts_per_step=2",
           "schedule.updates_per_step=1", "schedule.micro_batch_size=8", "schedule.sft_steps=0",

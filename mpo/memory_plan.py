@@ -1,0 +1,314 @@
+"""GPU memory plan of a run: per GPU role, the bytes of parameters, gradients, optimizer state and activations
+(trainer ranks: the policy and, for PPO/VAPO, the critic) and of weights and KV cache (rollout engines).
+
+`mpo plan --config FILE [--gpu-mem-gb 80]` prints it and exits non-zero when a role does not fit; `mpo check-config`
+runs it for configs whose engines are SGLang (GPU runs).
+
+Parameters are counted from the layer shapes and megatron's sharding rules (`StageParams`, one dataclass per pipeline
+stage): attention and dense/shared MLPs split by TP, routed experts by EP x expert-TP, the embedding on the first stage,
+final norm and LM head on the last, norms and routers replicated; stages hold the layers `ParallelConfig.stage_layers`
+places there (uneven and virtual stages included). tests/test_memory_plan.py compares these bytes with the tensors a
+real megatron model, its DDP grad buffers and its optimizer allocate at TP2 x EP2 x PP2, with and without the
+distributed optimizer.
+
+Bytes per parameter element (megatron mixed precision, grads reduced in fp32 as mpo's DDP does):
+  params: 2 (bf16) or 4 (fp32; the fp32 LM head is always 4);
+  grads: 4 (the fp32 grad buffer);
+  optimizer: Adam m and v, 8, plus a 4-byte fp32 master copy of every bf16 parameter; with the distributed optimizer
+  all of it is divided by the data-parallel size (expert parameters: the expert-data-parallel size), as megatron's
+  DistributedOptimizer shards it. The buffers' 64-element alignment padding is ignored (< 0.1% at scale).
+
+Activations (bytes of one micro-batch on one rank; s tokens, b rows, h hidden, t = TP with sequence parallelism): per
+transformer layer without recompute, after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Table 2 and section 4.1, sequence parallel): 2 bytes x s b / t x (the inputs each layer keeps for
+backward), here with flash/fused attention (no s^2 terms, as TE on GPU) and no dropout masks:
+  attention: h (QKV input) + (heads + 2 kv_groups) x head_dim (Q, K, V) + heads x v_head_dim (proj input) + h (norm);
+  MoE MLP: h (norm) + h (router input) + top_k x (h + 3 x moe_ffn / expert-TP) (dispatched tokens, fc1 output, fc2
+  input), plus 4 x shared_ffn (shared expert) or 4 x ffn for a dense MLP layer.
+With full recompute (model.recompute: megatron's uniform method, one layer per group) a layer keeps only its input,
+2 s b h / t bytes, and one layer's activations are live while it is recomputed. A pipeline stage keeps the
+activations of the micro-batches in flight: PP - rank under 1F1B; under the interleaved schedule megatron's warm-up
+count 2 (PP - rank - 1) + (vpp - 1) PP + 1 chunk-micro-batches. The last stage adds the fp32 logits of one
+micro-batch and their gradient (2 x 4 x s b V / t). A fixed reserve covers the CUDA context, NCCL buffers and
+allocator fragmentation.
+
+Engines (SGLang): bf16 weights of the whole model divided by the engine's TP; SGLang reserves mem_fraction of the GPU
+for weights plus KV cache, so the KV cache is what remains of that share; it must hold at least one full sequence.
+KV bytes per token: layers x 2 x kv_groups x head_dim x 2 / TP (GQA) or layers x (kv_lora_rank + rope_dim) x 2 (MLA's
+latent cache, replicated over TP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mpo.models.builder import padded_vocab_size
+from mpo.models.config import MoEModelConfig
+from mpo.parallel.config import ParallelConfig
+
+GIB = 2**30
+RESERVE_BYTES = 4 * GIB  # CUDA context, NCCL communicators and buffers, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter elements one rank of a pipeline stage holds.
+
+    Attributes:
+        dense: everything replicated over the data-parallel ranks (attention, dense and shared MLPs, norms, routers,
+            embedding), in the body's dtype.
+        expert: routed experts (sharded over EP x expert-TP), replicated over the expert-data-parallel ranks.
+        head: the LM head (or a critic's value head), kept in fp32 with fp32_lm_head.
+    """
+
+    dense: int = 0
+    expert: int = 0
+    head: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert + self.head
+
+
+def _attention(m: MoEModelConfig, tp: int) -> tuple[int, int]:
+    """(TP-split elements, replicated elements) of one attention block with its input norm."""
+    h = m.hidden_size
+    if m.multi_latent_attention:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        split = m.num_attention_heads * m.v_head_dim * h  # linear_proj
+        split += m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # linear_kv_up_proj
+        # down projections: TE's duplicated linears on GPU (a full copy on every TP rank)
+        replicated = h + (m.kv_lora_rank + m.qk_rope_head_dim) * h + m.kv_lora_rank  # norm, kv_down, kv norm
+        if m.q_lora_rank:
+            split += m.num_attention_heads * qk * m.q_lora_rank  # linear_q_up_proj
+            replicated += m.q_lora_rank * h + m.q_lora_rank  # q_down, q norm
+        else:
+            split += m.num_attention_heads * qk * h  # linear_q_proj
+        return split // tp, replicated
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim * h
+    proj = m.num_attention_heads * m.head_dim * h
+    norms = h + (2 * m.head_dim if m.qk_layernorm else 0)
+    return (qkv + proj) // tp, norms
+
+
+def _layer(m: MoEModelConfig, layer: int, parallel: ParallelConfig) -> StageParams:
+    """Elements of global layer `layer` (0-based) on one rank."""
+    tp, h = parallel.tensor_parallel, m.hidden_size
+    split, replicated = _attention(m, tp)
+    replicated += h  # pre-MLP norm
+    if layer < m.first_k_dense:
+        return StageParams(dense=split + 3 * m.ffn_hidden_size * h // tp + replicated)
+    experts = m.num_experts // parallel.expert_parallel * 3 * m.moe_ffn_hidden_size * h // parallel.etp
+    replicated += m.num_experts * h  # router
+    if m.moe_shared_expert_intermediate_size:
+        split += 3 * m.moe_shared_expert_intermediate_size * h // tp
+    return StageParams(dense=split + replicated, expert=experts)
+
+
+def stage_params(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, *, value_head: bool = False
+                 ) -> StageParams:
+    """Elements on one rank of pipeline stage `pp_rank` (all its virtual chunks); `value_head`: a critic (the LM
+    head replaced by hidden -> 1 with a bias)."""
+    stages = parallel.stage_layers(m.num_layers)
+    dense = expert = head = 0
+    for layer in (i for chunk in stages[pp_rank] for i in chunk):
+        part = _layer(m, layer, parallel)
+        dense, expert = dense + part.dense, expert + part.expert
+    vocab = padded_vocab_size(m.vocab_size, parallel.tensor_parallel) * m.hidden_size // parallel.tensor_parallel
+    last = pp_rank == parallel.pipeline_parallel - 1
+    if pp_rank == 0:
+        dense += vocab
+    if last:
+        dense += m.hidden_size  # final norm
+        if value_head:
+            head = m.hidden_size + 1
+        elif not (m.tie_word_embeddings and parallel.pipeline_parallel == 1):
+            head = vocab  # megatron keeps a copy of a tied embedding on the last stage when PP > 1
+    return StageParams(dense, expert, head)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes one rank spends on one model (the policy or the critic): weights, fp32 grads, optimizer state."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_memory(p: StageParams, *, bf16: bool, fp32_head: bool, data_parallel: int, expert_data_parallel: int,
+                 distributed_optimizer: bool) -> ModelMemory:
+    """See the module docstring for the bytes per element."""
+    body = p.dense + p.expert
+    head_bytes = 4 if (fp32_head or not bf16) else 2
+    params = body * (2 if bf16 else 4) + p.head * head_bytes
+    grads = 4 * p.total
+    master = 4 if bf16 else 0  # an fp32 copy of every bf16 parameter
+    per_dense = 8 + master
+    per_head = 8 + (4 if head_bytes == 2 else 0)
+    dp, edp = (data_parallel, expert_data_parallel) if distributed_optimizer else (1, 1)
+    optimizer = p.dense * per_dense / dp + p.expert * per_dense / edp + p.head * per_head / dp
+    return ModelMemory(params, grads, int(optimizer))
+
+
+def activation_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, *, seq_len: int,
+                     micro_batch_size: int, num_microbatches: int, recompute: bool) -> int:
+    """Peak activation bytes on one rank of stage `pp_rank` (formula and source: module docstring)."""
+    t = parallel.tensor_parallel if parallel.use_sequence_parallel else 1
+    tokens = seq_len * micro_batch_size / t
+    h = m.hidden_size
+    v_dim = m.v_head_dim if m.multi_latent_attention else m.head_dim
+    kv = m.num_attention_heads if m.multi_latent_attention else m.num_query_groups
+    attention = h + (m.num_attention_heads + 2 * kv) * m.head_dim + m.num_attention_heads * v_dim + h
+
+    def layer_elements(layer: int) -> float:
+        if layer < m.first_k_dense:
+            mlp = h + 4 * m.ffn_hidden_size
+        else:
+            mlp = 2 * h + m.router_topk * (h + 3 * m.moe_ffn_hidden_size / parallel.etp)
+            mlp += 4 * (m.moe_shared_expert_intermediate_size or 0)
+        return attention + mlp
+
+    chunks = parallel.stage_layers(m.num_layers)[pp_rank]
+    layers = [i for chunk in chunks for i in chunk]
+    per_layer = [2 * tokens * layer_elements(i) for i in layers]
+    kept = [2 * tokens * h] * len(layers) if recompute else per_layer
+    pp, rank, vpp = parallel.pipeline_parallel, pp_rank, parallel.vpp
+    if vpp > 1:  # chunk-micro-batches in flight, each holding one chunk's layers
+        in_flight = min(num_microbatches * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1) / vpp
+    else:
+        in_flight = min(num_microbatches, pp - rank)
+    total = sum(kept) * in_flight
+    if recompute:
+        total += max(per_layer, default=0)  # the layer being recomputed
+    if rank == pp - 1:
+        vocab = padded_vocab_size(m.vocab_size, parallel.tensor_parallel) / parallel.tensor_parallel
+        total += 2 * 4 * seq_len * micro_batch_size * vocab
+    return int(total)
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """One GPU role's bytes, by item (printed in this order), and whether they fit."""
+
+    role: str
+    items: dict[str, int] = field(default_factory=dict)
+    capacity: int = 0
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the plan needs beyond the config.
+
+    Attributes:
+        gpu_mem_gb: memory of one GPU (GB, 10^9 bytes: H100 80 GB).
+        seq_len: tokens per training row; None: rollout.max_new_tokens + prompt_tokens.
+        prompt_tokens: prompt budget when seq_len is None.
+        engine_mem_fraction: SGLang --mem-fraction-static; None: 0.85 (disaggregated engines, SGLang's own choice
+            on 80 GB GPUs is close to it).
+    """
+
+    gpu_mem_gb: float = 80.0
+    seq_len: int | None = None
+    prompt_tokens: int = 1024
+    engine_mem_fraction: float | None = None
+
+
+def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
+    """Per GPU role (the heaviest trainer stage, each SGLang engine) the bytes it needs on `inputs.gpu_mem_gb`."""
+    from mpo.algorithms.step_advantages import AdvantageConfig
+    from mpo.config import model_config
+
+    m = model_config(config)
+    par, s, r = config.parallel, config.schedule, config.rollout
+    capacity = int(inputs.gpu_mem_gb * 1e9)
+    seq = inputs.seq_len or r.max_new_tokens + inputs.prompt_tokens
+    world = config.world_size
+    dp = par.data_parallel(world)
+    edp = world // (par.etp * par.expert_parallel * par.pipeline_parallel)
+    # A GPU plan: an unset distributed_optimizer means on (megatron's default with CUDA).
+    distributed = par.distributed_optimizer is not False
+    bf16 = config.model.dtype == "bf16"
+    critic = AdvantageConfig(config.algorithm.advantage, dict(config.algorithm.advantage_args)).needs_critic
+    rows = r.samples_per_prompt * config.data.prompts_per_step
+    microbatches = max(1, -(-rows // (dp * config.schedule.updates_per_step * s.micro_batch_size)))
+    roles = []
+    best: RoleMemory | None = None
+    for rank in range(par.pipeline_parallel):
+        items: dict[str, int] = {}
+        policy = model_memory(stage_params(m, par, rank), bf16=bf16, fp32_head=config.model.fp32_lm_head,
+                              data_parallel=dp, expert_data_parallel=edp, distributed_optimizer=distributed)
+        items.update({"policy params": policy.params, "policy grads": policy.grads,
+                      "policy optimizer": policy.optimizer})
+        if config.algorithm.kl_coef > 0:
+            items["KL reference weights"] = policy.params
+        if critic:
+            value = model_memory(stage_params(m, par, rank, value_head=True), bf16=bf16, fp32_head=True,
+                                 data_parallel=dp, expert_data_parallel=edp, distributed_optimizer=distributed)
+            items.update({"critic params": value.params, "critic grads": value.grads,
+                          "critic optimizer": value.optimizer})
+        items["activations"] = activation_bytes(m, par, rank, seq_len=seq, micro_batch_size=s.micro_batch_size,
+                                                num_microbatches=microbatches, recompute=config.model.recompute)
+        items["reserve (CUDA, NCCL, fragmentation)"] = RESERVE_BYTES
+        role = RoleMemory(f"trainer (pipeline stage {rank} of {par.pipeline_parallel})", items, capacity,
+                          f"TP{par.tensor_parallel} PP{par.pipeline_parallel} EP{par.expert_parallel} "
+                          f"ETP{par.etp} DP{dp} expert-DP{edp}, distributed optimizer "
+                          f"{'on' if distributed else 'off'}, {seq} tokens x {s.micro_batch_size} rows, "
+                          f"recompute {'full' if config.model.recompute else 'off'}")
+        if best is None or role.total > best.total:
+            best = role
+    roles.append(best)
+    if r.engine == "sglang" and not r.urls:
+        roles.append(engine_memory(m, r.tensor_parallel, capacity, seq,
+                                   inputs.engine_mem_fraction if inputs.engine_mem_fraction is not None else 0.85))
+    return roles
+
+
+def engine_memory(m: MoEModelConfig, tp: int, capacity: int, seq_len: int, mem_fraction: float) -> RoleMemory:
+    """One SGLang engine GPU: bf16 weights / TP and the KV cache SGLang makes of the rest of its share."""
+    h, v = m.hidden_size, m.vocab_size
+    total = 2 * v * h  # embedding and LM head
+    parallel = ParallelConfig()
+    for layer in range(m.num_layers):
+        part = _layer(m, layer, parallel)
+        total += part.dense + part.expert
+    weights = 2 * total // tp
+    if m.multi_latent_attention:
+        per_token = m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+    else:
+        per_token = m.num_layers * 2 * m.num_query_groups * m.head_dim * 2 // tp
+    share = int(mem_fraction * capacity)
+    kv = max(0, share - weights)
+    tokens = kv // per_token
+    role = RoleMemory(f"rollout engine (SGLang TP{tp}, mem_fraction {mem_fraction})",
+                      {"weights (bf16)": weights, "KV cache": kv}, share,
+                      f"KV cache holds {tokens:,} tokens ({per_token:,} bytes each); one sequence is {seq_len:,}")
+    if tokens < seq_len:  # the KV cache must hold at least one full sequence
+        role = RoleMemory(role.role, {**role.items, "KV cache for one sequence": seq_len * per_token - kv},
+                          share, role.note + " (too small)")
+    return role
+
+
+def format_plan(roles: list[RoleMemory]) -> str:
+    lines = []
+    for role in roles:
+        lines.append(f"{role.role}: {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB "
+                     f"{'fits' if role.fits else 'DOES NOT FIT'}")
+        if role.note:
+            lines.append(f"  ({role.note})")
+        for name, value in role.items.items():
+            lines.append(f"  {name:40s}{value / GIB:10.2f} GiB")
+    return "\n".join(lines)
