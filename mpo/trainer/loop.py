@@ -157,23 +157,12 @@ def _verify_by_covering_probe(trainer: Trainer, engines: EngineSet | None) -> di
 
 
 def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str, float]:
-    """Collective: gather full weights, then rank 0 pushes them to every engine (rollout.sync transport) and
-    verifies: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
-    from checkpoints_tools.mapping import mapping_for
+    """Collective: stream the weights to every engine bucket by bucket (mpo.trainer.sync; no full-model gather) and
+    verify: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
+    from mpo.trainer.sync import stream_sync
 
-    full = trainer._full_state()
-    r, m = trainer.config.rollout, trainer.config.model
-    metrics: dict[str, float] = {}
-    if engines is not None:
-        named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
-        sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
-        report = sync.push(named, version)
-        engines.remember(named, version)
-        metrics = report.metrics()
-        if r.engine == "mpo":
-            sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,
-                        fp32_names={"lm_head.weight"} if m.fp32_lm_head else set())
-    if r.engine == "sglang":
+    metrics = stream_sync(trainer, engines, version)
+    if trainer.config.rollout.engine == "sglang":
         metrics.update(_verify_by_covering_probe(trainer, engines))
     return metrics
 
