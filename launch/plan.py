@@ -272,6 +272,9 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                             f"the {len(candidates)} {placement} node(s) ({slots} per node)")
         for i in range(r.num_engines):
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
+            if r.engine == "sglang" and r.sync in ("tensor", "cuda_ipc") and node >= trainer_nodes:
+                raise PlanError(f"rollout.sync={r.sync!r} is for SGLang engines on the trainer's nodes; engine{i} is "
+                                f"placed on rollout node {hosts[node]}: set rollout.sync='distributed'")
             local = len(engines[node])
             port = engine_port + i
             proc_env = dict(engine_env)

@@ -1,9 +1,11 @@
 """In-place weight sync, trainer -> engines, after each optimizer step.
 
-The trainer gathers its TP/PP/EP shards into full tensors (mpo.models.full_state), converts megatron names to Hugging
-Face names with the same mapping checkpoints_tools uses, packs them into buckets of a configurable size and pushes
-them inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue). Then it verifies: mpo's
-engine reports a checksum of its weights that must equal the trainer's; SGLang has no such endpoint for MoE models,
+The trainer streams its TP/PP/EP shards bucket by bucket (mpo.rollout.streaming: each pipeline stage's sender
+assembles units, converts megatron names to Hugging Face names with the same mapping checkpoints_tools uses, and
+calls push_bucket here), all inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue).
+`push` does the same for a list of HF tensors held by one process (tests, the bench, a restarted local engine).
+Then it verifies: mpo's engine reports a checksum of its weights that must equal the trainer's (combine_digests of
+per-tensor digests, so the trainer never needs all weights in one place); SGLang has no such endpoint for MoE models,
 so the caller compares the engine's log-probs of probe sequences with its own (verify_by_probe). The probe is
 built from the engine's own routed experts (covering_probes): extended until every expert of every MoE layer is
 routed to at least once, so one expert left stale by a sync changes some probe log-prob.
@@ -13,10 +15,13 @@ Two transports, for both engine kinds (config `rollout.sync`):
   `load_format="mpo_safetensors"` (base64 safetensors bytes: data only, never pickle); SGLang takes
   `load_format="flattened_bucket"` (one dtype per bucket, tensor bytes inline in the pickle; see
   mpo.rollout.sglang_wire).
-* "distributed": once per engine set the trainer (rank 0, hosting the rendezvous) and every engine rank join one
-  process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before it;
-  gloo on CPU, NCCL on GPU). Per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes)
-  in a thread while rank 0 broadcasts each tensor, in order, on that group.
+* "distributed": once per sender the sender (rank 0 of the group, hosting the rendezvous) and every engine rank join
+  one process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before it;
+  gloo on CPU, NCCL on GPU; each sender's group has its own name). Per bucket every engine gets
+  /update_weights_from_distributed (names, dtypes, shapes) in a thread while the sender broadcasts each tensor, in
+  order, on that group.
+* "cuda_ipc" (GPU only, not run on CPU): SGLang engines on the trainer's own GPUs get /update_weights_from_tensor
+  with a flattened bucket whose tensor is a CUDA IPC handle (cuda_ipc_payload); no bytes are copied.
 Both run inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue).
 """
 

@@ -81,7 +81,7 @@ class EngineSet:
         """The set's one WeightSync (its distributed group, if any, is made once and reused every step)."""
         from urllib.parse import urlsplit
 
-        from mpo.parallel.ports import is_loopback
+        from mpo.parallel.ports import is_local_host, is_loopback
         from mpo.rollout.weight_sync import WeightSync
 
         if self._sync is None:
@@ -92,10 +92,34 @@ class EngineSet:
                     raise ValueError(f"rollout.sync='distributed': engine {remote[0]} cannot reach trainer rank 0 at "
                                      f"{master}; set rollout.sync_master_address to an address of this host that "
                                      f"the engines can route to (the launcher sets it)")
+            if self.transport in ("tensor", "cuda_ipc") and self.engine == "sglang":
+                remote = [c.url for c in self.clients if not is_local_host(urlsplit(c.url).hostname or "")]
+                if remote:
+                    raise ValueError(f"rollout.sync={self.transport!r} is for engines on the trainer's node; engine "
+                                     f"{remote[0]} is on another node: set rollout.sync='distributed'")
             self._sync = WeightSync(self.clients, engine=self.engine, transport=self.transport,
-                                    bucket_bytes=bucket_bytes, tp_sizes=[self.tp_size] * len(self.clients),
+                                    bucket_bytes=bucket_bytes, tp_sizes=self.engine_tp_sizes(),
                                     master_address=master)
         return self._sync
+
+    def engine_tp_sizes(self) -> list[int]:
+        """Weight-update ranks of each engine: its own `tp_size` from /server_info (SGLang's --tp; mpo's engine
+        reports 1), else the configured rollout.tensor_parallel (an engine that cannot be asked now). A configured
+        size that the engine contradicts is logged and the engine's is used: a wrong group size hangs the sync."""
+        sizes = []
+        for client in self.clients:
+            try:
+                reported = client.call("/server_info", method="GET", timeout_s=10).get("tp_size")
+            except Exception:  # noqa: BLE001 - unreachable now (e.g. not started yet): the configured size
+                reported = None
+            if isinstance(reported, int) and reported >= 1:
+                if reported != self.tp_size:
+                    log.warning("engine %s reports tp_size=%d; rollout.tensor_parallel says %d: using %d",
+                                client.url, reported, self.tp_size, reported)
+                sizes.append(reported)
+            else:
+                sizes.append(self.tp_size)
+        return sizes
 
     def stop(self) -> None:
         if self._sync is not None:

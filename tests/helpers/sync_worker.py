@@ -83,3 +83,50 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
         Path(out_dir, "sync.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_size: int, layout: list[str],
+                     transports: list[str]) -> None:
+    """A 4-rank trainer (the converted checkpoint of the HF model the SGLang server serves, at `layout`) perturbs its
+    weights, checks that the server's covering probe now disagrees (the check is not vacuous), then runs the loop's
+    `_sync` (stream + covering-probe verification, no full gather allowed) over each transport."""
+    from mpo.cli import RECIPES
+    from mpo.config import load_config
+    from mpo.rollout.client import EngineError
+    from mpo.trainer.loop import EngineSet, _sync, _verify_by_covering_probe
+    from mpo.trainer.trainer import Trainer
+
+    results: dict = {}
+    trainer = None
+    for i, transport in enumerate(transports):
+        config = load_config(RECIPES / "demo_cpu.yaml", [
+            f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
+            f"model.hf_dir={hf_dir}", f"model.mcore_dir={mcore_dir}", "model.fp32_lm_head=false",
+            "rollout.engine=sglang", f"rollout.urls=[{url}]", f"rollout.tensor_parallel={tp_size}",
+            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0"])
+        trainer = trainer or Trainer(config)
+        trainer.config = config
+        engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        try:
+            perturb(trainer.gpt, scale=0.05 * (i + 1))
+            stale = None
+            try:
+                _verify_by_covering_probe(trainer, engines)
+            except EngineError as exc:
+                stale = str(exc)
+            restore = _forbid_full_gather()
+            try:
+                metrics = _sync(trainer, engines, f"{transport}-{i}")  # raises if the probe disagrees
+            finally:
+                restore()
+            if engines is not None:
+                results[transport] = {"metrics": metrics, "stale_error": stale,
+                                      "tp_sizes": engines.weight_sync(1 << 20).tp_sizes}
+        finally:
+            if engines is not None:
+                engines.stop()
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out_dir, "sglang_sync.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
