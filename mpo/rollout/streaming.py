@@ -186,15 +186,40 @@ def build_plan(mapping, shards_by_rank: Sequence[Sequence[ShardMeta]], stage_of_
     return planned, buckets
 
 
-class _Gather:
-    """The in-flight receives of one bucket on its sender (unit tensors and slice buffers, filled by irecv)."""
+def _numel(shape: Sequence[int]) -> int:
+    return torch.Size(shape).numel()
 
-    def __init__(self, bucket: Bucket, rank: int, local: list[torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+
+def _slot_numel(bucket: Bucket, rank: int) -> int:
+    """Elements one bucket needs on its sender: every unit tensor plus a landing buffer for each remote piece whose
+    place in the unit is not contiguous (e.g. a row-parallel slice)."""
+    total = 0
+    for pu in bucket.units:
+        total += _numel(pu.shape)
+        probe = torch.empty(pu.shape, device="meta")
+        total += sum(_numel(probe[p.dst].shape) for p in pu.pieces
+                     if p.holder != rank and not probe[p.dst].is_contiguous())
+    return total
+
+
+class _Gather:
+    """The in-flight receives of one bucket on its sender: unit tensors carved out of one preallocated slot (so a
+    sync allocates two slots, not a tensor per unit), filled by irecv straight into place where contiguous."""
+
+    def __init__(self, bucket: Bucket, rank: int, local: list[torch.Tensor], slot: torch.Tensor) -> None:
         self.bucket, self.works, self.copies = bucket, [], []
         self.tensors: list[torch.Tensor] = []
+        used = 0
+
+        def carve(shape: Sequence[int]) -> torch.Tensor:
+            nonlocal used
+            n = _numel(shape)
+            view = slot[used: used + n].view(tuple(shape))
+            used += n
+            return view
+
         for pu in bucket.units:
-            full = torch.empty(pu.shape, dtype=dtype, device=device)
+            full = carve(pu.shape)
             self.tensors.append(full)
             for piece in pu.pieces:
                 target = full[piece.dst]
@@ -204,7 +229,7 @@ class _Gather:
                 if target.is_contiguous():
                     self.works.append(dist.irecv(target, src=piece.holder))
                 else:  # e.g. a row-parallel slice: receive whole, place after
-                    buffer = torch.empty(target.shape, dtype=dtype, device=device)
+                    buffer = carve(target.shape)
                     self.works.append(dist.irecv(buffer, src=piece.holder))
                     self.copies.append((target, buffer))
 
@@ -290,11 +315,16 @@ class WeightStreamer:
         return result
 
     def _send_buckets(self, buckets: list[Bucket], local, push, digest, result: StreamResult) -> None:
-        pending = _Gather(buckets[0], self.rank, local, self.dtype, self.device) if buckets else None
+        if not buckets:
+            return
+        # Two slots, allocated once per sync: bucket k is converted and pushed from one while bucket k+1's receives
+        # land in the other (double buffering), so the gathers overlap the push and memory stays two buckets.
+        numel = max(_slot_numel(b, self.rank) for b in buckets)
+        slots = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(min(2, len(buckets)))]
+        pending = _Gather(buckets[0], self.rank, local, slots[0])
         for k, bucket in enumerate(buckets):
             tensors = pending.wait()
-            # Double buffering: the next bucket's receives are in flight while this one is converted and pushed.
-            pending = (_Gather(buckets[k + 1], self.rank, local, self.dtype, self.device)
+            pending = (_Gather(buckets[k + 1], self.rank, local, slots[(k + 1) % 2])
                        if k + 1 < len(buckets) else None)
             named: list[tuple[str, torch.Tensor]] = []
             for pu, tensor in zip(bucket.units, tensors):

@@ -94,7 +94,9 @@ def make_buckets(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
 
 
 def encode_mpo_bucket(bucket: NamedTensors) -> str:
-    return base64.b64encode(safetensors_save({name: t.contiguous() for name, t in bucket})).decode("ascii")
+    # Views (a streaming bucket's tensors share one slot) are copied: safetensors refuses tensors sharing storage.
+    return base64.b64encode(safetensors_save({name: t.clone() if t._base is not None else t.contiguous()
+                                              for name, t in bucket})).decode("ascii")
 
 
 def decode_mpo_bucket(payload: str) -> dict[str, torch.Tensor]:

@@ -102,8 +102,8 @@ def stream_sync(trainer, engines, version: str) -> dict[str, float]:
 
     def push(named):
         sync.push_bucket(named, version)
-        if keep:
-            remembered.extend(named)
+        if keep:  # the bucket's tensors are views of a slot the next buckets reuse
+            remembered.extend((name, tensor.clone()) for name, tensor in named)
 
     if engines is not None:
         sync.begin_session()

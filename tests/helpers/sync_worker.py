@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,16 +29,21 @@ def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
                 item.data.add_(scale * noise.to(item.data.dtype))
 
 
-def _forbid_full_gather():
+@contextmanager
+def forbid_full_gather():
+    """gather_full_state raises inside the block (the weight sync and step loop must not gather the full model)."""
     import mpo.models.full_state as full_state
 
     original = full_state.gather_full_state
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("gather_full_state called inside the weight sync")
+        raise AssertionError("gather_full_state called in the step loop / weight sync")
 
     full_state.gather_full_state = forbidden
-    return lambda: setattr(full_state, "gather_full_state", original)
+    try:
+        yield
+    finally:
+        full_state.gather_full_state = original
 
 
 def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
@@ -63,11 +69,8 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
         try:
             before = engines.clients[0].call("/weights_checksum", method="GET")["checksum"] if engines else None
             perturb(trainer.gpt)
-            restore = _forbid_full_gather()
-            try:
+            with forbid_full_gather():
                 metrics = _sync(trainer, engines, f"{transport}-1")  # verifies the engine checksum itself
-            finally:
-                restore()
             full = gather_full_state(trainer.gpt)
             if engines is not None:
                 named = mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full)
@@ -114,11 +117,8 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
                 _verify_by_covering_probe(trainer, engines)
             except EngineError as exc:
                 stale = str(exc)
-            restore = _forbid_full_gather()
-            try:
+            with forbid_full_gather():
                 metrics = _sync(trainer, engines, f"{transport}-{i}")  # raises if the probe disagrees
-            finally:
-                restore()
             if engines is not None:
                 results[transport] = {"metrics": metrics, "stale_error": stale,
                                       "tp_sizes": engines.weight_sync(1 << 20).tp_sizes}
