@@ -60,12 +60,16 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
     import mpo.rollout.streaming  # noqa: F401  (the tree under test: its path is recorded below)
 
     results: dict = {"mpo_path": mpo.rollout.streaming.__file__}
+    owner = None  # the EngineSet that started the one local engine; later transports reach it by URL
+    trainer = None
     for transport in transports:
+        urls = [f"rollout.urls=[{owner.clients[0].url}]"] if owner is not None else []
         config = load_config(RECIPES / "demo_cpu.yaml", [
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
-            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0"])
-        trainer = Trainer(config) if transport == transports[0] else trainer  # noqa: F821 - one model for all
+            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0", *urls])
+        trainer = trainer or Trainer(config)
         engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        owner = owner or engines
         try:
             before = engines.clients[0].call("/weights_checksum", method="GET")["checksum"] if engines else None
             perturb(trainer.gpt)
@@ -79,9 +83,11 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
                 results[transport] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
                                       "engine_changed": got != before}
         finally:
-            if engines is not None:
-                engines.stop()
+            if engines is not None and engines is not owner:
+                engines.stop()  # closes its weight-update group; the engine itself belongs to the owner
         dist.barrier()
+    if owner is not None:
+        owner.stop()
     if dist.get_rank() == 0:
         Path(out_dir, "sync.json").write_text(json.dumps(results))
     dist.barrier()
