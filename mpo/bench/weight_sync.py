@@ -195,7 +195,8 @@ def sweep(args) -> int:
         nbytes = sum(r["bytes"] for r in rounds[0])
         per_rank = [max(rnd[i]["peak_kib"] for rnd in rounds) / 1024 for i in range(len(ranks))]
         peaks[preset], rates[preset] = max(per_rank), nbytes / push
-        print(f"{preset:16s} {sizes[preset] / 1e6:9.1f}M {nbytes / 2**20:8.1f} {sum(r['buckets'] for r in rounds[0]):8d} "
+        buckets = sum(r["buckets"] for r in rounds[0])
+        print(f"{preset:16s} {sizes[preset] / 1e6:9.1f}M {nbytes / 2**20:8.1f} {buckets:8d} "
               f"{push:8.2f} {total:8.2f} {nbytes / push / 2**20:11.1f} {' '.join(f'{p:6.1f}' for p in per_rank):>28s}")
     small, large = sizes
     print(f"sync-scaling peak_growth={peaks[large] / peaks[small]:.3f} size_ratio={sizes[large] / sizes[small]:.2f} "

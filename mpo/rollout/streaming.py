@@ -14,9 +14,12 @@ pickles per rank per step. Here every rank knows one fixed plan, built once from
   buffer for non-contiguous row slices). DP replicas send nothing.
 * Buckets: consecutive units of one sender, up to `bucket_bytes` of HF tensors (a larger unit gets its own). The
   sender maps each unit to HF names and layouts (ModelMapping.to_hf) and pushes the bucket to every engine
-  (WeightSync.push_bucket), then drops it. Receives for bucket k+1 are posted before bucket k is pushed (double
-  buffering), so the gathers overlap the push; holders keep at most two buckets of sends in flight. Peak extra memory
-  on any rank is therefore about two buckets (plus the transport's encoding of one), whatever the model size.
+  (WeightSync.push_bucket), then reuses its memory. A sender allocates two slots per sync (each the largest
+  bucket's megatron tensors plus landing buffers for non-contiguous slices) and carves every unit out of them:
+  receives for bucket k+1 land in one slot while bucket k is converted and pushed from the other (double buffering,
+  so the gathers overlap the push). Holders send views of their parameters and keep at most two buckets of sends in
+  flight. Peak extra memory on any rank is therefore two slots plus the conversion/transport copies of one bucket,
+  whatever the model size (measured: `python -m mpo.bench weight_sync --sweep`).
 
 Why one sender per stage that talks to the engines itself, rather than forwarding to rank 0: at 32 GPUs with PP4 the
 stages' bytes then leave from four NICs instead of converging on one, and no rank ever holds more than its buckets.
@@ -28,7 +31,7 @@ differently on two engines would deadlock.
 Weight-update session: rank 0 opens it on every engine (pause, begin) before any bucket and closes it (end,
 continue) after every sender finished, so the new weights take effect at once.
 
-Verification: mpo's engine reports sha256 over (name, per-tensor sha256) in name order (weights_sync.
+Verification: mpo's engine reports sha256 over (name, per-tensor sha256) in name order (mpo.rollout.weight_sync.
 combine_digests). Each sender hashes the tensors it pushed (as the engine stores them: engine dtype); only the
 name -> digest map (a few bytes per tensor) is gathered to rank 0, which compares the combined checksum with every
 engine's. SGLang engines are verified by the covering probe (mpo.trainer.loop), which needs no weights at all.
@@ -36,7 +39,6 @@ engine's. SGLang engines are verified by the covering probe (mpo.trainer.loop), 
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -44,7 +46,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
 
 Box = tuple[tuple[int, int], ...]  # per-axis [start, stop) in global coordinates
 
