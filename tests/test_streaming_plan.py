@@ -70,3 +70,13 @@ def test_plan_pieces_senders_and_buckets(bucket_bytes):
         assert bucket.nbytes <= bucket_bytes or len(bucket.units) == 1
     if bucket_bytes >= 1 << 30:
         assert [b.sender for b in buckets] == [0, 2]  # one bucket per stage
+
+
+def test_cuda_ipc_sync_is_sglang_only():
+    from mpo.cli import RECIPES
+    from mpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.sync='cuda_ipc' is SGLang's colocated GPU path"):
+        load_config(RECIPES / "demo_cpu.yaml", ["rollout.sync=cuda_ipc"])
+    with pytest.raises(ConfigError, match="rollout.sync"):
+        load_config(RECIPES / "demo_cpu.yaml", ["rollout.sync=ipc"])  # not a transport
