@@ -153,14 +153,23 @@ def _sweep_run(preset: str, args, tmp: Path) -> dict:
 
     layout = tuple(int(x) for x in args.layout.split(","))
     out = tmp / f"{preset}.json"
-    engine = LocalEngineProcess.mpo_engine(log_path=tmp / f"engine-{preset}.log",
-                                           extra_args=["--preset", preset, "--no-fp32-lm-head",
-                                                       "--max-body-mb", str(4 * args.bucket_mb + 64)])
-    engine.startup_timeout_s = 900
-    with engine:
+    for attempt in range(2):  # the port picked free may be taken before the engine binds it (a shared host)
+        engine = LocalEngineProcess.mpo_engine(log_path=tmp / f"engine-{preset}-{attempt}.log",
+                                               extra_args=["--preset", preset, "--no-fp32-lm-head",
+                                                           "--max-body-mb", str(4 * args.bucket_mb + 64)])
+        engine.startup_timeout_s = 900
+        try:
+            engine.start()
+            break
+        except RuntimeError:
+            if attempt:
+                raise
+    try:
         mp.start_processes(_sweep_rank, args=(4, free_port(), preset, engine.url, args.transport,
                                               int(args.bucket_mb * 2**20), args.rounds, str(out), layout),
                            nprocs=4, join=True, start_method="spawn")
+    finally:
+        engine.stop()
     return json.loads(out.read_text())
 
 
