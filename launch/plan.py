@@ -11,7 +11,8 @@ Placement (see launch/README.md):
   - disaggregated: the nodes after the trainer's run engines; an SGLang engine takes `rollout.tensor_parallel` GPUs,
     so a rollout node holds `gpus_per_node // tensor_parallel` of them. Engines fill rollout nodes in order.
   - colocated (no node is left for rollout): engines share the trainer's nodes, filled from the last node backwards
-    so that node 0 (rank 0 gathers the full weights for every sync) carries the fewest.
+    so that node 0 (rank 0 also runs the engines' weight-update sessions and its stage's sync sender) carries the
+    fewest.
 - Rendezvous: torchrun static rendezvous on the first trainer node (`--node-rank` = trainer node index), so global
   rank 0 is always on trainer node 0 (c10d rendezvous may hand group 0 to any node).
 - Ports are derived from the job id, so two jobs sharing a node do not collide and every agent agrees on them
@@ -272,6 +273,9 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                             f"the {len(candidates)} {placement} node(s) ({slots} per node)")
         for i in range(r.num_engines):
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
+            if r.engine == "sglang" and r.sync in ("tensor", "cuda_ipc") and node >= trainer_nodes:
+                raise PlanError(f"rollout.sync={r.sync!r} is for SGLang engines on the trainer's nodes; engine{i} is "
+                                f"placed on rollout node {hosts[node]}: set rollout.sync='distributed'")
             local = len(engines[node])
             port = engine_port + i
             proc_env = dict(engine_env)

@@ -58,8 +58,10 @@ class RolloutSection:
         top_p: nucleus mass.
         api_key: sent as a bearer token to every engine.
         request_timeout_s: a request slower than this counts as a hung engine.
-        sync: weight-sync path after each step: "tensor" (HTTP payload, colocated) or "distributed" (a process
-            group between trainer rank 0 and the engines: NCCL on GPU, gloo on CPU).
+        sync: weight-sync path after each step (mpo.rollout.streaming: one sender per pipeline stage): "tensor"
+            (HTTP payload; SGLang engines must be on the trainer's node), "distributed" (a process group between
+            each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes) or "cuda_ipc"
+            (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only).
         bucket_mb: weight-sync bucket size.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
@@ -80,7 +82,7 @@ class RolloutSection:
     top_p: float = 1.0
     api_key: str | None = None
     request_timeout_s: float = 300.0
-    sync: Literal["tensor", "distributed"] = "tensor"
+    sync: Literal["tensor", "distributed", "cuda_ipc"] = "tensor"
     bucket_mb: int = 64
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
@@ -413,6 +415,9 @@ def validate(config: TrainConfig) -> None:
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
+    if r.sync == "cuda_ipc" and r.engine != "sglang":
+        raise ConfigError(f"rollout.sync='cuda_ipc' is SGLang's colocated GPU path; rollout.engine={r.engine!r} "
+                          f"takes sync 'tensor' or 'distributed'")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):

@@ -139,6 +139,7 @@ def test_ports_derive_from_job_id_and_agree():
     (["world_size=12", "parallel.expert_parallel=4"], 4, 8, "not a multiple of the 8 GPUs"),
     (["world_size=48"], 4, 8, "needs 6 nodes"),
     ([], 4, 0, "needs GPU nodes"),
+    (["rollout.sync=tensor"], 4, 8, "engine0 is placed on rollout node g2: set rollout.sync='distributed'"),
 ])
 def test_plan_errors_name_the_problem(overrides, hosts, gpus, message):
     with pytest.raises(PlanError, match=message):
@@ -188,6 +189,14 @@ def _without_host_port(argv) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def test_engine_set_refuses_tensor_sync_to_sglang_on_another_node(tmp_path):
+    from mpo.trainer.loop import EngineSet
+
+    config = load_config(GSPO, ["rollout.urls=[http://engine-host:30000]", "rollout.sync=tensor"])
+    with pytest.raises(ValueError, match="engine http://engine-host:30000 is on another node: set rollout.sync="):
+        EngineSet(config, tmp_path).weight_sync(bucket_bytes=1 << 20)
 
 
 def test_plan_and_engine_set_start_the_same_engine(tmp_path):

@@ -1,6 +1,16 @@
 """Weight-sync throughput: WeightSync's tensor path (and distributed path) into a locally started mpo engine vs a
 plain in-process memcpy (torch `copy_`) of the same bytes, in one run.
 
+`--sweep`: the trainer's real streaming sync (mpo.rollout.streaming, as mpo.trainer.sync drives it) from 4 gloo
+ranks holding a megatron model at TP2xEP2 into a locally started mpo engine of the same shape, at two model sizes
+(presets sync_bench_1l / sync_bench_12l: ~36M and ~342M parameters, same largest tensor). Per rank it records the
+peak RSS increase during each sync (Linux: VmHWM after resetting it with /proc/self/clear_refs, minus VmRSS before;
+every allocation of the sync path counts, page cache does not) and the push time (first gather to the last bucket
+acknowledged by the engine; the engine's own apply at /end_weight_update is reported apart). The last line is
+`sync-scaling peak_growth=<x> size_ratio=<y> bytes_per_s_vs_memcpy=<z>`: the larger run's peak per-rank increase
+over the smaller run's, the parameter ratio, and the larger run's median push bytes/s over a single-thread memcpy
+of 4 MiB tensors (median of rounds, the same bytes in memory once, as in the table above).
+
 The tensors carry the engine model's HF names and shapes (random values), so the engine stages and applies them as a
 real sync. Each path runs `--rounds` times; the table shows the median and best bytes/s. The memcpy line is the upper
 bound for moving those bytes once in memory; the ratio shows what serialisation, HTTP (or the gloo collective), and
@@ -42,13 +52,181 @@ def _memcpy_rates(named, rounds: int) -> list[float]:
     return rates
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transport: str, bucket_bytes: int,
+                rounds: int, out: str, layout: tuple[int, int, int]) -> None:
+    """One trainer rank of a sweep run: build the model at the layout, stream it `rounds` times, record peaks."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.config import preset as get_preset
+    from mpo.parallel import ParallelConfig, initialize_parallel
+    from mpo.rollout.client import EngineClient
+    from mpo.rollout.streaming import WeightStreamer
+    from mpo.rollout.weight_sync import WeightSync, combine_digests, tensor_digest
+
+    tp, ep, pp = layout
+    parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp)
+    cfg = get_preset(preset)
+    ctx = initialize_parallel(parallel, rank=rank, world_size=world, num_layers=cfg.num_layers,
+                              num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads)
+    gpt = unwrap(build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype="fp32"), seed=7))
+    from megatron.core import parallel_state
+
+    streamer = WeightStreamer(gpt, mapping_for(cfg, spec="local"),
+                              stage=parallel_state.get_pipeline_model_parallel_rank(), bucket_bytes=bucket_bytes,
+                              device=ctx.device.device)
+    sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport=transport,
+                       bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender else None)
+    records = []
+    for k in range(rounds + 1):  # round 0 warms up (group creation, first-touch of buffers) and is not reported
+        version = f"{preset}-{k}"
+        push = (lambda named, v=version: sync.push_bucket(named, v)) if sync is not None else None
+        digest = (lambda name, t: tensor_digest(t)) if k == rounds else None  # last round: verify the engine
+        dist.barrier()
+        rss_before = _rss_kib("VmRSS")
+        exact = _reset_peak()
+        started = time.perf_counter()
+        if rank == 0:
+            sync.begin_session()
+        dist.barrier()
+        result = streamer.stream(push, sequential=transport == "distributed", digest=digest)
+        dist.barrier()
+        pushed = time.perf_counter()
+        if rank == 0:
+            sync.end_session()
+        dist.barrier()
+        done = time.perf_counter()
+        peak = (_rss_kib("VmHWM") if exact else _rss_kib("VmRSS")) - rss_before
+        records.append({"push_s": pushed - started, "total_s": done - started, "bytes": result.bytes,
+                        "buckets": result.buckets, "peak_kib": peak, "exact_peak": exact})
+        if digest is not None:
+            parts = [None] * world if rank == 0 else None
+            dist.gather_object(result.digests, parts, dst=0)
+            if rank == 0:
+                merged = {}
+                for part in parts:
+                    merged.update(part)
+                sync.verify_checksum(combine_digests(merged))  # raises if the engine got anything else
+    if sync is not None:
+        sync.close()
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, records)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ranks": per_rank, "params": sum(p.numel() for p in gpt.parameters())}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sweep_run(preset: str, args, tmp: Path) -> dict:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from mpo.parallel.ports import free_port
+    from mpo.rollout.local_engine import LocalEngineProcess
+
+    layout = tuple(int(x) for x in args.layout.split(","))
+    out = tmp / f"{preset}.json"
+    for attempt in range(2):  # the port picked free may be taken before the engine binds it (a shared host)
+        engine = LocalEngineProcess.mpo_engine(log_path=tmp / f"engine-{preset}-{attempt}.log",
+                                               extra_args=["--preset", preset, "--no-fp32-lm-head",
+                                                           "--max-body-mb", str(4 * args.bucket_mb + 64)])
+        engine.startup_timeout_s = 900
+        try:
+            engine.start()
+            break
+        except RuntimeError:
+            if attempt:
+                raise
+    try:
+        mp.start_processes(_sweep_rank, args=(4, free_port(), preset, engine.url, args.transport,
+                                              int(args.bucket_mb * 2**20), args.rounds, str(out), layout),
+                           nprocs=4, join=True, start_method="spawn")
+    finally:
+        engine.stop()
+    return json.loads(out.read_text())
+
+
+def sweep(args) -> int:
+    import math
+
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.config import preset as get_preset
+
+    sizes = {p: sum(math.prod(s) for u in mapping_for(get_preset(p), spec="local").units() for s in u.rule.hf_shapes)
+             for p in ("sync_bench_1l", "sync_bench_12l")}
+    import torch
+
+    torch.set_num_threads(1)
+    buffers = [(str(i), torch.randn(1 << 20)) for i in range(128)]  # 512 MiB of 4 MiB tensors
+    memcpy = statistics.median(_memcpy_rates(buffers, 5))
+    del buffers
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="mpo-bench-sweep-") as tmp:
+        for preset in sizes:
+            runs[preset] = _sweep_run(preset, args, Path(tmp))
+    print(f"streaming sync, 4 gloo ranks at TP,EP,PP={args.layout}, transport {args.transport}, buckets of "
+          f"{args.bucket_mb:g} MiB, {args.rounds} rounds after one warm-up; memcpy {memcpy / 2**20:.0f} MiB/s")
+    print(f"{'preset':16s} {'params':>10s} {'MiB':>8s} {'buckets':>8s} {'push s':>8s} {'total s':>8s} "
+          f"{'push MiB/s':>11s} {'peak +MiB/rank (0..3)':>28s}")
+    peaks, rates = {}, {}
+    for preset, run in runs.items():
+        ranks = run["ranks"]
+        rounds = list(zip(*ranks))[1:] or list(zip(*ranks))  # skip the warm-up round
+        push = statistics.median(max(r["push_s"] for r in rnd) for rnd in rounds)
+        total = statistics.median(max(r["total_s"] for r in rnd) for rnd in rounds)
+        nbytes = sum(r["bytes"] for r in rounds[0])
+        per_rank = [max(rnd[i]["peak_kib"] for rnd in rounds) / 1024 for i in range(len(ranks))]
+        peaks[preset], rates[preset] = max(per_rank), nbytes / push
+        buckets = sum(r["buckets"] for r in rounds[0])
+        print(f"{preset:16s} {sizes[preset] / 1e6:9.1f}M {nbytes / 2**20:8.1f} {buckets:8d} "
+              f"{push:8.2f} {total:8.2f} {nbytes / push / 2**20:11.1f} {' '.join(f'{p:6.1f}' for p in per_rank):>28s}")
+    small, large = sizes
+    print(f"sync-scaling peak_growth={peaks[large] / peaks[small]:.3f} size_ratio={sizes[large] / sizes[small]:.2f} "
+          f"bytes_per_s_vs_memcpy={rates[large] / memcpy:.3f}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpo.bench weight_sync", description=__doc__)
+    parser.add_argument("--sweep", action="store_true", help="the trainer's streaming sync at two model sizes")
+    parser.add_argument("--transport", default="distributed", help="--sweep: tensor or distributed")
+    parser.add_argument("--layout", default="2,2,1", help="--sweep: TP,EP,PP of the 4 ranks")
     parser.add_argument("--preset", default="tiny", help="engine model preset (names and shapes of the tensors)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--rounds", type=int, default=None, help="default 5 (--sweep: 3)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="default 4 (--sweep: 16)")
     parser.add_argument("--transports", default="tensor,distributed")
     args = parser.parse_args(argv)
+    if args.sweep:
+        args.rounds, args.bucket_mb = args.rounds or 3, args.bucket_mb or 16.0
+        return sweep(args)
+    args.rounds, args.bucket_mb = args.rounds or 5, args.bucket_mb or 4.0
 
     import torch
 

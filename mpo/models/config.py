@@ -365,6 +365,14 @@ PRESETS: dict[str, MoEModelConfig] = {
         vocab_size=32768, hidden_size=2048, num_layers=12, num_attention_heads=16, num_query_groups=4, head_dim=128,
         ffn_hidden_size=6144, moe_ffn_hidden_size=512, num_experts=32, router_topk=4, rope_theta=1_000_000.0,
         max_position_embeddings=4096),
+    # `python -m mpo.bench weight_sync --sweep`: one shape at 1 and 12 layers (the largest tensor, the 4096 x 1024
+    # embedding, is the same in both), ~36M and ~341M parameters.
+    "sync_bench_1l": MoEModelConfig(
+        vocab_size=4096, hidden_size=1024, num_layers=1, num_attention_heads=8, num_query_groups=2, head_dim=128,
+        ffn_hidden_size=2048, moe_ffn_hidden_size=512, num_experts=16, router_topk=2),
+    "sync_bench_12l": MoEModelConfig(
+        vocab_size=4096, hidden_size=1024, num_layers=12, num_attention_heads=8, num_query_groups=2, head_dim=128,
+        ffn_hidden_size=2048, moe_ffn_hidden_size=512, num_experts=16, router_topk=2),
 }
 
 

@@ -29,3 +29,27 @@ def is_loopback(host: str) -> bool:
     except OSError:
         return False
     return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def is_local_host(host: str) -> bool:
+    """True when `host` is this machine: a loopback name, this host's name, or an address of one of its interfaces
+    (the address the kernel would send from to reach it is the address itself)."""
+    if is_loopback(host):
+        return True
+    if not host:
+        return False
+    if host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addresses = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address, 0))  # only an address of this host can be bound
+            return True
+        except OSError:
+            continue
+    return False

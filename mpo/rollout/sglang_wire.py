@@ -70,8 +70,9 @@ def split_by_dtype(bucket: NamedTensors) -> list[list[tuple[str, torch.Tensor]]]
     return runs
 
 
-def flatten_bucket(named_tensors: NamedTensors) -> dict:
-    """One flat tensor (one dtype) plus per-tensor metadata with the fields of sglang's FlattenedTensorMetadata."""
+def flatten_bucket(named_tensors: NamedTensors, device: torch.device | str = "cpu") -> dict:
+    """One flat tensor (one dtype, on `device`) plus per-tensor metadata with the fields of sglang's
+    FlattenedTensorMetadata."""
     dtypes = {t.dtype for _, t in named_tensors}
     if len(dtypes) != 1:
         raise ValueError(f"one flattened bucket holds one dtype, got {sorted(map(str, dtypes))}")
@@ -80,7 +81,7 @@ def flatten_bucket(named_tensors: NamedTensors) -> dict:
         metadata.append(SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=pos,
                                         end_idx=pos + t.numel(), numel=t.numel()))
         pos += t.numel()
-    flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in named_tensors])
+    flat = torch.cat([t.detach().reshape(-1).to(device) for _, t in named_tensors])
     return {"flattened_tensor": flat, "metadata": metadata}
 
 

@@ -1,9 +1,11 @@
 """In-place weight sync, trainer -> engines, after each optimizer step.
 
-The trainer gathers its TP/PP/EP shards into full tensors (mpo.models.full_state), converts megatron names to Hugging
-Face names with the same mapping checkpoints_tools uses, packs them into buckets of a configurable size and pushes
-them inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue). Then it verifies: mpo's
-engine reports a checksum of its weights that must equal the trainer's; SGLang has no such endpoint for MoE models,
+The trainer streams its TP/PP/EP shards bucket by bucket (mpo.rollout.streaming: each pipeline stage's sender
+assembles units, converts megatron names to Hugging Face names with the same mapping checkpoints_tools uses, and
+calls push_bucket here), all inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue).
+`push` does the same for a list of HF tensors held by one process (tests, the bench, a restarted local engine).
+Then it verifies: mpo's engine reports a checksum of its weights that must equal the trainer's (combine_digests of
+per-tensor digests, so the trainer never needs all weights in one place); SGLang has no such endpoint for MoE models,
 so the caller compares the engine's log-probs of probe sequences with its own (verify_by_probe). The probe is
 built from the engine's own routed experts (covering_probes): extended until every expert of every MoE layer is
 routed to at least once, so one expert left stale by a sync changes some probe log-prob.
@@ -13,10 +15,13 @@ Two transports, for both engine kinds (config `rollout.sync`):
   `load_format="mpo_safetensors"` (base64 safetensors bytes: data only, never pickle); SGLang takes
   `load_format="flattened_bucket"` (one dtype per bucket, tensor bytes inline in the pickle; see
   mpo.rollout.sglang_wire).
-* "distributed": once per engine set the trainer (rank 0, hosting the rendezvous) and every engine rank join one
-  process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before it;
-  gloo on CPU, NCCL on GPU). Per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes)
-  in a thread while rank 0 broadcasts each tensor, in order, on that group.
+* "distributed": once per sender the sender (rank 0 of the group, hosting the rendezvous) and every engine rank join
+  one process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before it;
+  gloo on CPU, NCCL on GPU; each sender's group has its own name). Per bucket every engine gets
+  /update_weights_from_distributed (names, dtypes, shapes) in a thread while the sender broadcasts each tensor, in
+  order, on that group.
+* "cuda_ipc" (GPU only, not run on CPU): SGLang engines on the trainer's own GPUs get /update_weights_from_tensor
+  with a flattened bucket whose tensor is a CUDA IPC handle (cuda_ipc_payload); no bytes are copied.
 Both run inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue).
 """
 
@@ -45,21 +50,30 @@ MPO_FORMAT = "mpo_safetensors"
 SGLANG_FORMAT = "flattened_bucket"
 NamedTensors = list[tuple[str, torch.Tensor]]
 EngineKind = Literal["mpo", "sglang"]
-Transport = Literal["tensor", "distributed"]
+Transport = Literal["tensor", "distributed", "cuda_ipc"]
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of one tensor's values upcast to fp32 (exact for bf16), so a bf16 engine can be checked against an fp32
+    trainer whose weights are rounded the way the engine stores them (see WeightSync.verify)."""
+    data = tensor.detach().float().contiguous().cpu()
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+
+
+def combine_digests(digests: dict[str, str]) -> str:
+    """The weights checksum from per-tensor digests: sha256 over (name, digest) in name order. Order-free on the
+    sending side: senders of a streaming sync hash their own buckets, and only the small digest map meets on one
+    rank (no full-model gather)."""
+    combined = hashlib.sha256()
+    for name in sorted(digests):
+        combined.update(name.encode())
+        combined.update(digests[name].encode())
+    return combined.hexdigest()
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over (name, fp32 bytes) of HF-named tensors in name order: equal iff every weight has the same value.
-
-    Values are upcast to fp32 first (exact for bf16), so a bf16 engine can be checked against an fp32 trainer whose
-    weights are rounded the way the engine stores them (see WeightSync.verify).
-    """
-    digest = hashlib.sha256()
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        data = tensor.detach().float().contiguous().cpu()
-        digest.update(name.encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()
+    """Checksum of HF-named tensors: equal iff every weight has the same value (combine_digests of tensor_digest)."""
+    return combine_digests({name: tensor_digest(tensor) for name, tensor in named})
 
 
 def make_buckets(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
@@ -80,7 +94,9 @@ def make_buckets(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
 
 
 def encode_mpo_bucket(bucket: NamedTensors) -> str:
-    return base64.b64encode(safetensors_save({name: t.contiguous() for name, t in bucket})).decode("ascii")
+    # Views (a streaming bucket's tensors share one slot) are copied: safetensors refuses tensors sharing storage.
+    return base64.b64encode(safetensors_save({name: t.clone() if t._base is not None else t.contiguous()
+                                              for name, t in bucket})).decode("ascii")
 
 
 def decode_mpo_bucket(payload: str) -> dict[str, torch.Tensor]:
@@ -109,6 +125,24 @@ def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
     i's TP ranks follow the engines before it. The launcher's plan states the same layout (launch/plan.py)."""
     offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
     return 1 + sum(tp_sizes), offsets
+
+
+def cuda_ipc_payload(named_tensors: NamedTensors) -> str:
+    """A flattened_bucket payload whose tensor travels as a CUDA IPC handle (GPU only; not run on CPU): pickled by
+    torch's ForkingPickler, which reduces CUDA tensors to IPC handles, then base64 (sglang's
+    MultiprocessingSerializer.serialize(..., output_str=True) writes the same)."""
+    import io
+    import pickle
+
+    from torch.multiprocessing.reductions import ForkingPickler, init_reductions
+
+    from mpo.rollout.sglang_wire import flatten_bucket
+
+    init_reductions()
+    flat = flatten_bucket(named_tensors, device=named_tensors[0][1].device)
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(flat)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class _Calls:
@@ -161,8 +195,10 @@ class WeightSync:
                  master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
         if engine not in ("mpo", "sglang"):
             raise ValueError(f"engine must be 'mpo' or 'sglang', got {engine!r}")
-        if transport not in ("tensor", "distributed"):
-            raise ValueError(f"transport must be 'tensor' or 'distributed', got {transport!r}")
+        if transport not in ("tensor", "distributed", "cuda_ipc"):
+            raise ValueError(f"transport must be 'tensor', 'distributed' or 'cuda_ipc', got {transport!r}")
+        if transport == "cuda_ipc" and engine != "sglang":
+            raise ValueError("transport 'cuda_ipc' is SGLang's colocated path; engine must be 'sglang'")
         self.clients = list(clients)
         self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
         self.tp_sizes = list(tp_sizes or [1] * len(self.clients))
@@ -175,26 +211,41 @@ class WeightSync:
 
     # -- pushing ---------------------------------------------------------------------------------------------------
     def push(self, named: NamedTensors, version: str) -> SyncReport:
-        """Every tensor of `named` to every engine, in one weight-update session tagged `version`."""
+        """Every tensor of `named` to every engine, in one weight-update session tagged `version` (one sender: the
+        trainer's streaming sync uses begin_session / push_bucket / end_session across its senders)."""
         started = time.perf_counter()
-        if self.transport == "distributed" and self.group is None:
-            self.connect()
         buckets = make_buckets(named, self.bucket_bytes)
+        self.begin_session()
+        try:
+            for bucket in buckets:
+                self.push_bucket(bucket, version)
+        finally:
+            self.end_session()
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        return SyncReport(time.perf_counter() - started, total, len(buckets), self.transport)
+
+    def begin_session(self) -> None:
+        """Pause generation and open SGLang's weight-update session on every engine (once per sync, one caller)."""
         for client in self.clients:
             client.pause_generation(mode="in_place")
             client.begin_weight_update()
-        try:
-            for bucket in buckets:
-                if self.transport == "tensor":
-                    self._push_tensor(bucket, version)
-                else:
-                    self._push_distributed(bucket, version)
-        finally:
-            for client in self.clients:
-                client.end_weight_update()
-                client.continue_generation()
-        total = sum(t.numel() * t.element_size() for _, t in named)
-        return SyncReport(time.perf_counter() - started, total, len(buckets), self.transport)
+
+    def end_session(self) -> None:
+        """Close the session (the updates take effect) and resume generation on every engine."""
+        for client in self.clients:
+            client.end_weight_update()
+            client.continue_generation()
+
+    def push_bucket(self, bucket: NamedTensors, version: str) -> None:
+        """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it)."""
+        if self.transport == "distributed" and self.group is None:
+            self.connect()
+        if self.transport == "tensor":
+            self._push_tensor(bucket, version)
+        elif self.transport == "cuda_ipc":
+            self._push_cuda_ipc(bucket, version)
+        else:
+            self._push_distributed(bucket, version)
 
     def _push_tensor(self, bucket: NamedTensors, version: str) -> None:
         if self.engine == "mpo":
@@ -204,6 +255,23 @@ class WeightSync:
         for load_format, payload in payloads:
             for client, tp in zip(self.clients, self.tp_sizes):
                 client.update_weights_from_tensor([payload] * tp, load_format=load_format, weight_version=version)
+
+    def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
+        """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles
+        (torch's ForkingPickler reductions, as sglang's MultiprocessingSerializer writes them), one payload per
+        engine TP rank. NOT RUN ON CPU (no CUDA here): GPU-only, checked on the lent GPU machine when there is one.
+        The engines must run on this node's GPUs; the tensors stay alive until every engine replied."""
+        if not torch.cuda.is_available():
+            raise EngineError(self.clients[0].url, "/update_weights_from_tensor",
+                              "rollout.sync='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
+                              retryable=False)
+        device = torch.device("cuda", torch.cuda.current_device())
+        for run in split_by_dtype(bucket):
+            on_device = [(name, t.detach().to(device).contiguous()) for name, t in run]
+            payload = cuda_ipc_payload(on_device)
+            for client, tp in zip(self.clients, self.tp_sizes):
+                client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
+            torch.cuda.synchronize(device)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -280,7 +348,11 @@ class WeightSync:
                fp32_names: set[str] = frozenset()) -> None:
         """mpo engines: their checksum must equal the trainer's weights as the engine stores them (cast to
         engine_dtype, except fp32_names such as an FP32 LM head). Raises EngineError naming the engine otherwise."""
-        expected = weights_checksum((name, t if name in fp32_names else t.to(engine_dtype)) for name, t in named)
+        self.verify_checksum(weights_checksum((name, t if name in fp32_names else t.to(engine_dtype))
+                                              for name, t in named))
+
+    def verify_checksum(self, expected: str) -> None:
+        """Every engine's /weights_checksum must equal `expected` (see combine_digests)."""
         for client in self.clients:
             got = client.call("/weights_checksum", method="GET")["checksum"]
             if got != expected:

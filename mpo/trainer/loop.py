@@ -81,7 +81,7 @@ class EngineSet:
         """The set's one WeightSync (its distributed group, if any, is made once and reused every step)."""
         from urllib.parse import urlsplit
 
-        from mpo.parallel.ports import is_loopback
+        from mpo.parallel.ports import is_local_host, is_loopback
         from mpo.rollout.weight_sync import WeightSync
 
         if self._sync is None:
@@ -92,10 +92,34 @@ class EngineSet:
                     raise ValueError(f"rollout.sync='distributed': engine {remote[0]} cannot reach trainer rank 0 at "
                                      f"{master}; set rollout.sync_master_address to an address of this host that "
                                      f"the engines can route to (the launcher sets it)")
+            if self.transport in ("tensor", "cuda_ipc") and self.engine == "sglang":
+                remote = [c.url for c in self.clients if not is_local_host(urlsplit(c.url).hostname or "")]
+                if remote:
+                    raise ValueError(f"rollout.sync={self.transport!r} is for engines on the trainer's node; engine "
+                                     f"{remote[0]} is on another node: set rollout.sync='distributed'")
             self._sync = WeightSync(self.clients, engine=self.engine, transport=self.transport,
-                                    bucket_bytes=bucket_bytes, tp_sizes=[self.tp_size] * len(self.clients),
+                                    bucket_bytes=bucket_bytes, tp_sizes=self.engine_tp_sizes(),
                                     master_address=master)
         return self._sync
+
+    def engine_tp_sizes(self) -> list[int]:
+        """Weight-update ranks of each engine: its own `tp_size` from /server_info (SGLang's --tp; mpo's engine
+        reports 1), else the configured rollout.tensor_parallel (an engine that cannot be asked now). A configured
+        size that the engine contradicts is logged and the engine's is used: a wrong group size hangs the sync."""
+        sizes = []
+        for client in self.clients:
+            try:
+                reported = client.call("/server_info", method="GET", timeout_s=10).get("tp_size")
+            except Exception:  # noqa: BLE001 - unreachable now (e.g. not started yet): the configured size
+                reported = None
+            if isinstance(reported, int) and reported >= 1:
+                if reported != self.tp_size:
+                    log.warning("engine %s reports tp_size=%d; rollout.tensor_parallel says %d: using %d",
+                                client.url, reported, self.tp_size, reported)
+                sizes.append(reported)
+            else:
+                sizes.append(self.tp_size)
+        return sizes
 
     def stop(self) -> None:
         if self._sync is not None:
@@ -159,23 +183,12 @@ def _verify_by_covering_probe(trainer: Trainer, engines: EngineSet | None) -> di
 
 
 def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str, float]:
-    """Collective: gather full weights, then rank 0 pushes them to every engine (rollout.sync transport) and
-    verifies: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
-    from checkpoints_tools.mapping import mapping_for
+    """Collective: stream the weights to every engine bucket by bucket (mpo.trainer.sync; no full-model gather) and
+    verify: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
+    from mpo.trainer.sync import stream_sync
 
-    full = trainer._full_state()
-    r, m = trainer.config.rollout, trainer.config.model
-    metrics: dict[str, float] = {}
-    if engines is not None:
-        named = list(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
-        sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
-        report = sync.push(named, version)
-        engines.remember(named, version)
-        metrics = report.metrics()
-        if r.engine == "mpo":
-            sync.verify(named, engine_dtype=torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32,
-                        fp32_names={"lm_head.weight"} if m.fp32_lm_head else set())
-    if r.engine == "sglang":
+    metrics = stream_sync(trainer, engines, version)
+    if trainer.config.rollout.engine == "sglang":
         metrics.update(_verify_by_covering_probe(trainer, engines))
     return metrics
 

@@ -174,6 +174,7 @@ def start_sglang_server(
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
     ready_timeout: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> SGLangServer:
     """Start SGLang from `.venv-sglang` with the launcher's own engine command (mpo.rollout.engine_command: routed
     experts on, the key in MPO_API_KEY rather than argv) plus the flags a CPU needs, and wait until it generates."""
@@ -196,7 +197,7 @@ def start_sglang_server(
         "--max-total-tokens", "4096",
         *(extra_args or []),
     ]
-    return launch_server(cmd, server_env(command.env), port=port, log_path=log_path, cwd=Path(model_dir),
+    return launch_server(cmd, server_env({**command.env, **(env or {})}), port=port, log_path=log_path, cwd=Path(model_dir),
                          api_key=api_key, ready_timeout=ready_timeout)
 
 
@@ -216,13 +217,13 @@ def launch_server(cmd: list[str], env: dict[str, str], *, port: int, log_path: P
     return server
 
 
-def serve_module(request, model_dir: Path, api_key: str | None = None):
+def serve_module(request, model_dir: Path, api_key: str | None = None, **options):
     """Body of a module-scoped `server` fixture: one real server for the module; without SGLang a loud skip, or a
-    failure in CI."""
+    failure in CI. `options` go to start_sglang_server (extra_args, env)."""
     ok, reason = sglang_available()
     if not ok:
         tier_unavailable("SGLANG", reason, request)
-    with start_sglang_server(model_dir, log_path=model_dir / "server.log", api_key=api_key) as srv:
+    with start_sglang_server(model_dir, log_path=model_dir / "server.log", api_key=api_key, **options) as srv:
         print(f"\n[sglang] server ready in {srv.start_seconds:.1f} s at {srv.url} (log {srv.log_path})", file=sys.stderr)
         yield srv
     print(f"\n[sglang] server stopped in {srv.stop_seconds:.1f} s", file=sys.stderr)

@@ -49,7 +49,10 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
     """One RL step per loss (plus KL once); the first step's train-vs-rollout log-prob diff is recorded."""
     from mpo.config import AlgorithmSection
 
-    with _worker_run(out_dir, "every_loss") as (trainer, engines, sync, results):
+    from helpers.sync_worker import forbid_full_gather
+
+    with _worker_run(out_dir, "every_loss") as (trainer, engines, sync, results), forbid_full_gather():
+        # Every step and sync below runs with gather_full_state raising: the step loop never gathers the model.
         for step, loss in enumerate(losses):
             trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
                                                    filter_zero_variance=False))

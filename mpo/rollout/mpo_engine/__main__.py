@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_layers": runner.model_cfg.num_layers, "topk": runner.model_cfg.router_topk,
         "vocab_size": runner.vocab_size, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
         "context_length": runner.model_cfg.max_position_embeddings,
+        "tp_size": 1,  # one weight-update rank (SGLang reports its --tp here)
     })
     runner.add_weight_routes(app, group_init_timeout_s=args.group_init_timeout_s)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), idle_timeout_s=args.idle_timeout_s,

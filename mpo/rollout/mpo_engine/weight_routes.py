@@ -43,6 +43,7 @@ class WeightRoutes:
         self._joining: set[str] = set()  # group names being joined right now
         self._names_lock = threading.Lock()  # guards groups and _joining
         self._group_lock = threading.Lock()  # one collective at a time per engine
+        self._buffers: dict[str, torch.Tensor] = {}  # receive buffers of the distributed path, reused every sync
         self._expected: dict[str, tuple[int, ...]] = {
             name: tuple(shape) for unit in runner.mapping.units()
             for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)}
@@ -141,12 +142,22 @@ class WeightRoutes:
         received: dict[str, torch.Tensor] = {}
         with self._group_lock:
             for name, dtype, shape in specs:  # the sender broadcasts in this order
-                tensor = torch.empty(shape, dtype=dtype)
+                tensor = self._receive_buffer(name, dtype, shape)
                 dist.broadcast(tensor, src=0, group=group)
                 received[name] = tensor
         self._stage(received)
         self.pending_version = body.get("weight_version") or self.pending_version
         return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _receive_buffer(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Where a broadcast tensor lands: last sync's buffer for that name when it fits (kept after apply), so a
+        sync every step reuses memory instead of faulting in a fresh copy of the weights each time."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or tuple(buffer.shape) != shape or name in self.pending:
+            buffer = torch.empty(shape, dtype=dtype)
+            if name in self._expected:
+                self._buffers[name] = buffer
+        return buffer
 
     def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("group_name") or "weight_update_group"

@@ -1,0 +1,138 @@
+"""Per-rank body of the streaming weight-sync tests: the real Trainer at a 4-rank layout (gloo) and a real local mpo
+engine over HTTP; `_sync` runs with `gather_full_state` made to raise, so any full-model gather in the sync path
+fails the run."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
+    """Add noise that is a pure function of (key, global offset) to every shard, so DP replicas stay equal and the
+    trainer's weights differ from the engine's initial ones (same seed) everywhere."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    with torch.no_grad():
+        for item in nested_values(sharded):
+            if isinstance(item, ShardedTensor):
+                seed = zlib.crc32(f"{item.key}{tuple(item.global_offset)}".encode())
+                noise = torch.randn(item.data.shape, generator=torch.Generator().manual_seed(seed))
+                item.data.add_(scale * noise.to(item.data.dtype))
+
+
+@contextmanager
+def forbid_full_gather():
+    """gather_full_state raises inside the block (the weight sync and step loop must not gather the full model)."""
+    import mpo.models.full_state as full_state
+
+    original = full_state.gather_full_state
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("gather_full_state called in the step loop / weight sync")
+
+    full_state.gather_full_state = forbidden
+    try:
+        yield
+    finally:
+        full_state.gather_full_state = original
+
+
+def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
+    """For each transport: perturb the weights, sync (no full gather allowed), then compare the engine's checksum
+    with one computed from an independent full gather of the trainer (test-only), and record the sync metrics."""
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.cli import RECIPES
+    from mpo.config import load_config
+    from mpo.models.full_state import gather_full_state
+    from mpo.rollout.weight_sync import weights_checksum
+    from mpo.trainer.loop import EngineSet, _sync
+    from mpo.trainer.trainer import Trainer
+
+    import mpo.rollout.streaming  # noqa: F401  (the tree under test: its path is recorded below)
+
+    results: dict = {"mpo_path": mpo.rollout.streaming.__file__}
+    owner = None  # the EngineSet that started the one local engine; later transports reach it by URL
+    trainer = None
+    for transport in transports:
+        urls = [f"rollout.urls=[{owner.clients[0].url}]"] if owner is not None else []
+        config = load_config(RECIPES / "demo_cpu.yaml", [
+            f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
+            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0", *urls])
+        trainer = trainer or Trainer(config)
+        engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        owner = owner or engines
+        try:
+            before = engines.clients[0].call("/weights_checksum", method="GET")["checksum"] if engines else None
+            perturb(trainer.gpt)
+            with forbid_full_gather():
+                metrics = _sync(trainer, engines, f"{transport}-1")  # verifies the engine checksum itself
+            full = gather_full_state(trainer.gpt)
+            if engines is not None:
+                named = mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full)
+                expected = weights_checksum(named)
+                got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
+                results[transport] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
+                                      "engine_changed": got != before}
+        finally:
+            if engines is not None and engines is not owner:
+                engines.stop()  # closes its weight-update group; the engine itself belongs to the owner
+        dist.barrier()
+    if owner is not None:
+        owner.stop()
+    if dist.get_rank() == 0:
+        Path(out_dir, "sync.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_size: int, layout: list[str],
+                     transports: list[str]) -> None:
+    """A 4-rank trainer (the converted checkpoint of the HF model the SGLang server serves, at `layout`) perturbs its
+    weights, checks that the server's covering probe now disagrees (the check is not vacuous), then runs the loop's
+    `_sync` (stream + covering-probe verification, no full gather allowed) over each transport."""
+    from mpo.cli import RECIPES
+    from mpo.config import load_config
+    from mpo.rollout.client import EngineError
+    from mpo.trainer.loop import EngineSet, _sync, _verify_by_covering_probe
+    from mpo.trainer.trainer import Trainer
+
+    results: dict = {}
+    trainer = None
+    for i, transport in enumerate(transports):
+        config = load_config(RECIPES / "demo_cpu.yaml", [
+            f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
+            f"model.hf_dir={hf_dir}", f"model.mcore_dir={mcore_dir}", "model.fp32_lm_head=false",
+            "rollout.engine=sglang", f"rollout.urls=[{url}]", f"rollout.tensor_parallel={tp_size}",
+            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0"])
+        trainer = trainer or Trainer(config)
+        trainer.config = config
+        engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        try:
+            perturb(trainer.gpt, scale=0.05 * (i + 1))
+            stale = None
+            try:
+                _verify_by_covering_probe(trainer, engines)
+            except EngineError as exc:
+                stale = str(exc)
+            with forbid_full_gather():
+                metrics = _sync(trainer, engines, f"{transport}-{i}")  # raises if the probe disagrees
+            if engines is not None:
+                results[transport] = {"metrics": metrics, "stale_error": stale,
+                                      "tp_sizes": engines.weight_sync(1 << 20).tp_sizes}
+        finally:
+            if engines is not None:
+                engines.stop()
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out_dir, "sglang_sync.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,31 @@
+"""Streaming weight sync (mpo.rollout.streaming) from a 4-rank trainer (real megatron-core, gloo) to a real mpo engine
+over HTTP, with no full-model gather in the sync: `gather_full_state` raises if called (helpers/sync_worker)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import sync_worker
+from helpers.spawn import spawn_ranks
+
+LAYOUTS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
+           "ep2xpp2": ["parallel.expert_parallel=2", "parallel.pipeline_parallel=2"]}
+# One sender at TP2xEP2 (the distributed group); two at EP2xPP2, where both transports differ (HTTP senders push
+# concurrently, distributed senders each make their own group and take turns). One engine start per transport.
+TRANSPORTS = {"tp2xep2": ["distributed"], "ep2xpp2": ["tensor", "distributed"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_streaming_sync_reaches_the_engine_without_a_full_gather(tmp_path, layout):
+    spawn_ranks(4, sync_worker.streaming, str(tmp_path), LAYOUTS[layout], TRANSPORTS[layout])
+    results = json.loads((tmp_path / "sync.json").read_text())
+    assert results["mpo_path"].startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    for transport in TRANSPORTS[layout]:
+        got = results[transport]
+        assert got["engine_changed"], f"{transport}: the engine still has its initial weights"
+        assert got["engine_matches_full_gather"], f"{transport}: engine weights differ from the trainer's"
+        metrics = got["metrics"]
+        assert metrics["sync_bytes"] > 0 and metrics["sync_buckets"] > 1
+        assert metrics["sync_senders"] == (2 if layout == "ep2xpp2" else 1)
