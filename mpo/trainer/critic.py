@@ -21,10 +21,8 @@ class Critic:
     """Value model + optimizer on this rank; every method is collective over the trainer's ranks."""
 
     def __init__(self, trainer: Any) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
-        from mpo.models.ddp import wrap_ddp
+        from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.models.value_head import attach_value_head
 
         config = trainer.config
@@ -34,12 +32,10 @@ class Critic:
         # Initialised from the policy: its body as it is now (the checkpoint it loaded, or the same seeded init).
         unwrap(model).load_state_dict(trainer.gpt.state_dict())
         attach_value_head(model)
-        self.model = wrap_ddp(model)
+        self.model = wrap_ddp(model, **ddp_options(config.parallel, trainer.ctx.device))
         self.gpt = unwrap(model)
-        algo = config.algorithm
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=algo.critic_lr, clip_grad=config.schedule.clip_grad,
-                            bf16=config.model.dtype == "bf16", weight_decay=0.0), [self.model])
+        self.optimizer = make_optimizer(self.model, lr=config.algorithm.critic_lr, clip_grad=config.schedule.clip_grad,
+                                        bf16=config.model.dtype == "bf16")
         self.trainer = trainer
 
     def _run(self, microbatches: list[MicroBatch], loss_fn=None) -> list[dict]:
