@@ -4,7 +4,7 @@ One module fixture runs three jobs and the tests read their results:
   * a 2-rank job (its own process tree) that checkpoints step 1, then stalls inside the save of step 2 on rank 1,
     which the fixture kills with SIGKILL;
   * 4 ranks at TP2xEP2: the distributed optimizer against the plain one (3 steps from the same init), then the
-    reference run: 2 steps, a checkpoint, 2 more steps;
+    reference run: 2 steps, an async checkpoint (written while the run goes on), 2 more steps;
   * 2 ranks: the distributed optimizer against the plain one at DP2 and EP2; the TP2xEP2 checkpoint resumed at EP2,
     PP2 and DP2, 2 steps each; the killed run resumed from its previous checkpoint.
 The reference for every comparison is an independent run: the plain optimizer, or the uninterrupted run.
@@ -83,6 +83,7 @@ def test_reshard_tp2ep2_checkpoint_resumes_at(runs, layout):
     """Saved at TP2xEP2 (distributed optimizer), resumed at another layout: the next steps' losses are the
     uninterrupted run's."""
     resumed = runs[f"resumed_{layout}"]
+    assert runs["latest_while_saving"] == "None"  # the async save was not committed before it finished
     assert resumed["start"] == SAVE_AT
     assert resumed["optimizer"] == "DistributedOptimizer"
     reference = runs["reference_losses"]

@@ -95,10 +95,3 @@ class Critic:
         _, grad_norm, _ = self.optimizer.step()
         metrics["critic/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         return metrics
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.gpt.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -186,7 +186,7 @@ class DistCheckpointer:
         with self._no_space(tmp):
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
                                               async_sharded_save=self.async_save,
-                                              **({"async_strategy": _async_strategy()} if self.async_save else {}))
+                                              async_strategy="mcore")  # megatron's own queue (no NVRx here)
         trainer_state = {**trainer_state, "optimizer_steps": {p.prefix: optimizer_step(p.optimizer) for p in parts}}
         text = json.dumps(trainer_state, indent=1)  # fails here, before anything is committed, if not JSON-able
 
@@ -375,13 +375,3 @@ def with_optimizer_step(optimizer: Any, state: Any, step: int) -> Any:
         if isinstance(inner.optimizer, torch.optim.Adam) and torch_state["state"]:
             torch_state["state"]["common_step"] = torch.tensor(float(step))
     return state
-
-
-def _async_strategy() -> str:
-    """NVIDIA resiliency-ext's async writer when installed (megatron's recommendation), else megatron's own."""
-    try:
-        import nvidia_resiliency_ext  # noqa: F401
-    except ImportError:
-        return "mcore"
-    return "nvrx"
-

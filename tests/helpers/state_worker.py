@@ -97,14 +97,18 @@ def _write(out_dir: str, name: str, results: dict) -> None:
 
 
 def four_ranks(out_dir: str, ckpt_dir: str, save_at: int, more: int) -> None:
-    """At TP2xEP2: the distributed-vs-plain check; then the reference run: `save_at` steps, a checkpoint, `more`
-    steps (their losses are what the resharded resumes must reproduce)."""
+    """At TP2xEP2: the distributed-vs-plain check; then the reference run: `save_at` steps, an async checkpoint,
+    `more` steps (their losses are what the resharded resumes must reproduce)."""
     results = {"distributed_vs_plain": distributed_vs_plain(out_dir, "tp2ep2")}
-    trainer = make_trainer(ckpt_dir, "tp2ep2", distributed_optimizer=True)
+    # An async save (megatron's background writer): training goes on while it writes, so the resumes below also show
+    # that the checkpoint holds the state at save time, not what the next steps made of it.
+    trainer = make_trainer(ckpt_dir, "tp2ep2", distributed_optimizer=True, extra=["logging.checkpoint_async=true"])
     for step in range(save_at):
         train_step(trainer, step)
     trainer.save(save_at)
+    results["latest_while_saving"] = str(trainer.checkpoints.latest())
     results["reference_losses"] = [train_step(trainer, s) for s in range(save_at, save_at + more)]
+    trainer.checkpoints.wait()
     _write(out_dir, "four_ranks.json", results)
     dist.destroy_process_group()
 
