@@ -158,6 +158,7 @@ class DistCheckpointer:
         self.keep = keep
         self.async_save = async_save
         self._queue = None  # megatron AsyncCallsQueue, made on the first async save
+        self._pending = self.root  # the file an async save in flight names if the disk fills
 
     # -- pointer ---------------------------------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -183,7 +184,7 @@ class DistCheckpointer:
                 tmp.mkdir(parents=True)
         dist.barrier()
         state = sharded_state(parts, is_loading=False, rng=True)
-        with self._no_space(tmp):
+        with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
                                               async_sharded_save=self.async_save,
                                               async_strategy="mcore")  # megatron's own queue (no NVRx here)
@@ -201,6 +202,7 @@ class DistCheckpointer:
             request.add_finalize_fn(commit)
             self._queue = self._queue or AsyncCallsQueue()
             self._queue.schedule_async_request(request)
+            self._pending = tmp / f"__{rank}_0.distcp"
             if wait:
                 self.wait()
         return final
@@ -208,7 +210,7 @@ class DistCheckpointer:
     def wait(self) -> None:
         """Collective: finish (write, commit) an async save in flight, if any."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            with self._no_space(self.root):
+            with self._no_space(self._pending):
                 self._queue.maybe_finalize_async_calls(blocking=True)
 
     def _commit(self, step: int, tmp: Path, final: Path, trainer_state: str) -> None:
@@ -247,19 +249,19 @@ class DistCheckpointer:
     @staticmethod
     def _no_space(where: Path):
         """A full disk inside torch_dist's writers arrives wrapped (CheckpointException, per-rank failures): NoSpaceLeft
-        naming the checkpoint directory, as every other write of the run reports it."""
+        naming the checkpoint file, as every other write of the run reports it."""
         import contextlib
-
-        from torch.distributed.checkpoint.api import CheckpointException
 
         @contextlib.contextmanager
         def guard():
             try:
                 with writing(where):
                     yield
-            except CheckpointException as exc:
+            except NoSpaceLeft:
+                raise
+            except Exception as exc:
                 causes = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
-                if any(_no_space_error(c) for c in causes):
+                if any(_no_space_error(c) for c in causes) or _disk_full(where):
                     raise NoSpaceLeft(where) from exc
                 raise
 
@@ -298,6 +300,15 @@ class DistCheckpointer:
             log.info("resharding checkpoint %s: saved at %s, loading at %s (RNG not restored)", path,
                      trainer_state.get("layout"), layout)
         return trainer_state
+
+
+def _disk_full(where: Path) -> bool:
+    """megatron's writer workers pass their errors back as strings ("Worker failure: ..."), losing the ENOSPC: after a
+    failed write, a filesystem with under 1 MiB left is taken to be why."""
+    for path in (where, *where.parents):
+        if path.exists():
+            return shutil.disk_usage(path).free < (1 << 20)
+    return False
 
 
 _SHARDED = object()  # a skeleton leaf: the value comes from the checkpoint
