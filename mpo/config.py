@@ -225,12 +225,15 @@ class LoggingSection:
         out_dir: run directory: metrics.jsonl, TensorBoard events, checkpoints, logs.
         tensorboard: also write TensorBoard events (if the tensorboard package is installed).
         checkpoint_every: steps between checkpoints (0: only at the end).
+        checkpoint_async: write checkpoints in a background process (megatron's async torch_dist save) while
+            training goes on; null means on with CUDA, off on CPU. The run's last checkpoint is always waited for.
         progress: show a progress bar on rank 0.
     """
 
     out_dir: str = "runs/mpo"
     tensorboard: bool = True
     checkpoint_every: int = 5
+    checkpoint_async: bool | None = None
     progress: bool = True
 
 

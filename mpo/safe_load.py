@@ -140,8 +140,10 @@ def _install_into_megatron() -> None:
     serialization._get_filesystem_reader = _safe_filesystem_reader
 
 
-def load_sharded(sharded_state_dict: dict, checkpoint_dir: str | Path) -> dict:
+def load_sharded(sharded_state_dict: dict, checkpoint_dir: str | Path, *, strategy: Any = None) -> dict:
     """megatron's `dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`, reading only data from the files.
+    `strategy`: a megatron load strategy built on torch_dist's (e.g. FullyParallelLoadStrategyWrapper); its reads go
+    through the same safe reader.
 
     Raises CheckpointFileError (one line, names the file) for unsafe or corrupt metadata and stored objects.
     """
@@ -155,7 +157,7 @@ def load_sharded(sharded_state_dict: dict, checkpoint_dir: str | Path) -> dict:
     # Read once up front: inside DCP a refused .metadata is logged with a traceback and retried as rank-local files.
     read_dcp_metadata(Path(checkpoint_dir) / METADATA_FILE)
     try:
-        return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir))
+        return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), sharded_strategy=strategy)
     except CheckpointException as exc:
         raise unwrap_checkpoint_exception(exc, checkpoint_dir) from None
 

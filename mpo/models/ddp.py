@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False,
+             overlap_grad_reduce: bool = False) -> torch.nn.Module:
     """Wrap in megatron DDP (fp32 grad buffers) and register finalize_model_grads with the schedules.
+
+    distributed_optimizer: grads are reduce-scattered (not all-reduced) into the DistributedOptimizer's shards; the
+    optimizer must then be built with `use_distributed_optimizer` too. overlap_grad_reduce: each bucket's reduce
+    starts while the backward still runs (CUDA streams; GPU only). The param all-gather is not overlapped: the RL loop
+    pushes the new weights to the engines right after every optimizer step, so there is no next forward to hide the
+    gather behind, and megatron's overlapped gather would leave the parameters stale until one runs.
 
     finalize_model_grads reduces gradients over data parallel ranks and all-reduces the gradients of
     sequence-parallel-replicated parameters (norms, router) over TP, which megatron's schedules call after the last
@@ -22,7 +29,7 @@ def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> 
     config = model.config
     ddps = [DistributedDataParallel(
         config=config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
                                                  use_distributed_optimizer=distributed_optimizer),
         module=chunk,
         # megatron: only the first chunk's buffers are bucketed (the others are reduced in one go)
@@ -42,3 +49,27 @@ def is_ddp(model: torch.nn.Module) -> bool:
     from mpo.models.chunks import as_chunks
 
     return isinstance(as_chunks(model)[0], DistributedDataParallel)
+    return isinstance(model, DistributedDataParallel)
+
+
+def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, bf16: bool):
+    """megatron Adam over a model from wrap_ddp: the DistributedOptimizer when the DDP wrapper reduce-scatters grads
+    (use_distributed_optimizer), else the plain one. One place, so the policy and the critic agree. Under VPP it
+    takes every model chunk."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from mpo.models.chunks import as_chunks
+
+    chunks = as_chunks(ddp_model)
+    distributed = chunks[0].ddp_config.use_distributed_optimizer
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, clip_grad=clip_grad, bf16=bf16, weight_decay=0.0,
+                        use_distributed_optimizer=distributed), chunks)
+
+
+def ddp_options(parallel, device) -> dict[str, bool]:
+    """wrap_ddp's switches for a layout (mpo.parallel.ParallelConfig) on a device (DeviceProfile): the distributed
+    optimizer as configured (default: on with CUDA), and the overlapped grad reduce with it on GPU only (it runs the
+    reduce on a side CUDA stream)."""
+    distributed = parallel.use_distributed_optimizer(device.is_gpu)
+    return {"distributed_optimizer": distributed, "overlap_grad_reduce": distributed and device.is_gpu}

@@ -76,6 +76,9 @@ class ParallelConfig:
     def use_sequence_parallel(self) -> bool:
         return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
 
+    def use_distributed_optimizer(self, is_gpu: bool) -> bool:
+        return is_gpu if self.distributed_optimizer is None else self.distributed_optimizer
+
     @property
     def vpp(self) -> int:
         """Model chunks per pipeline stage (1 without virtual pipeline parallelism)."""
@@ -83,11 +86,10 @@ class ParallelConfig:
 
     @property
     def uses_distributed_optimizer(self) -> bool:
-        if self.distributed_optimizer is not None:
-            return self.distributed_optimizer
+        """use_distributed_optimizer on this machine (the memory plan's view, before any device is set up)."""
         import torch
 
-        return torch.cuda.is_available()
+        return self.use_distributed_optimizer(torch.cuda.is_available())
 
     def stage_layers(self, num_layers: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """Global (0-based) layer ids of every model chunk: ``[pp_rank][vp_stage] -> layer ids``.

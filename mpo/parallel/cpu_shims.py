@@ -301,6 +301,71 @@ def _build_tensor_type_strings() -> list[_Patch]:
     return [_Patch(torch.Tensor, "type", tensor_type)]
 
 
+def _build_ckpt_exchange() -> list[_Patch]:
+    # Fully parallel checkpoint loading (FullyParallelLoadStrategyWrapper) reads each replicated shard on one rank and
+    # broadcasts it: the exchange stages tensors on CUDA (`device="cuda"` factories, ShardedTensor.init_data("cuda"),
+    # `tensor.cuda()`). On CPU the tensors stay where they are.
+    exchange = _module("megatron.core.dist_checkpointing.exchange_utils")
+    mapping = _module("megatron.core.dist_checkpointing.mapping")
+    original_broadcast = exchange.exchange_loaded_tensors_broadcast
+    original_init = mapping.ShardedTensor.init_data
+
+    def init_data(self: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        return original_init(self, _to_cpu_device(device), *args, **kwargs)
+
+    @functools.wraps(original_broadcast)
+    def broadcast(*args: Any, **kwargs: Any) -> Any:
+        original_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # only for this call: the exchange's `.cuda()` staging
+        try:
+            return original_broadcast(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original_cuda
+
+    return [_Patch(exchange, "torch", _CpuDeviceTorch()), _Patch(exchange, "exchange_loaded_tensors_broadcast", broadcast),
+            _Patch(mapping.ShardedTensor, "init_data", init_data)]
+
+
+def _build_adam_step_state() -> list[_Patch]:
+    # Without TE or apex megatron's DistributedOptimizer runs torch Adam, whose per-parameter state holds a `step`
+    # tensor. Loading a 'fully_reshardable' checkpoint restores that step from the param groups first, then copies each
+    # state tensor it has into every tensor of the parameter's state, `step` included, which the checkpoint's per-param
+    # tensors do not have (KeyError 'step'). Keep the restored step: copy it onto itself.
+    distrib = _module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
+    original = distrib._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state.get(main_param, {})
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                # megatron restored that step as ONE tensor shared by every parameter; torch Adam increments each
+                # parameter's step in place, so shared it would advance once per parameter. Give each its own.
+                state["step"] = step.clone()
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    original_state_dict = distrib.state_dict
+
+    def state_dict(self: Any) -> Any:
+        # ... and its state_dict() reads the step from that per-parameter state, asserting one common value, which a
+        # fresh optimizer (resume at start-up: the sharded state dict to load into is built first) does not have yet.
+        # Create the state torch Adam would create at its first step (zero moments, step 0): the same run either way.
+        inner = self.optimizer
+        if isinstance(inner, torch.optim.Adam) and not any(inner.state.get(p) for g in inner.param_groups
+                                                             for p in g["params"]):
+            self.init_state_fn(inner, self.config)
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    inner.state[param]["step"] = torch.tensor(0.0)
+        return original_state_dict(self)
+
+    return [_Patch(distrib, "_set_main_param_and_optimizer_states", set_states),
+            _Patch(distrib, "state_dict", state_dict)]
+
+
 SHIMS: dict[str, Shim] = {
     shim.name: shim
     for shim in (
@@ -321,6 +386,10 @@ SHIMS: dict[str, Shim] = {
              _build_current_stream),
         Shim("tensor_type_strings", "megatron optimizers compare Tensor.type() with 'torch.cuda.*' names.",
              _build_tensor_type_strings),
+        Shim("adam_step_state", "torch Adam (no TE/apex) keeps a per-parameter step that megatron's reshardable "
+             "DistributedOptimizer load does not supply.", _build_adam_step_state),
+        Shim("ckpt_exchange", "fully parallel checkpoint loading stages the shards it exchanges on CUDA.",
+             _build_ckpt_exchange),
     )
 }
 

@@ -22,11 +22,8 @@ class Critic:
     """Value model + optimizer on this rank; every method is collective over the trainer's ranks."""
 
     def __init__(self, trainer: Any) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
-        from mpo.models.chunks import as_chunks  # VPP: one entry per virtual stage
-        from mpo.models.ddp import wrap_ddp
+        from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.models.value_head import attach_value_head
 
         config = trainer.config
@@ -36,12 +33,10 @@ class Critic:
         # Initialised from the policy: its body as it is now (the checkpoint it loaded, or the same seeded init).
         unwrap(model).load_state_dict(trainer.gpt.state_dict())
         attach_value_head(model)
-        self.model = wrap_ddp(model)
+        self.model = wrap_ddp(model, **ddp_options(config.parallel, trainer.ctx.device))
         self.gpt = unwrap(model)
-        algo = config.algorithm
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=algo.critic_lr, clip_grad=config.schedule.clip_grad,
-                            bf16=config.model.dtype == "bf16", weight_decay=0.0), as_chunks(self.model))
+        self.optimizer = make_optimizer(self.model, lr=config.algorithm.critic_lr, clip_grad=config.schedule.clip_grad,
+                                        bf16=config.model.dtype == "bf16")
         self.trainer = trainer
 
     def _run(self, microbatches: list[MicroBatch], loss_fn=None) -> list[dict]:
@@ -101,10 +96,3 @@ class Critic:
         _, grad_norm, _ = self.optimizer.step()
         metrics["critic/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         return metrics
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.gpt.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

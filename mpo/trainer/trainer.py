@@ -37,7 +37,7 @@ from mpo.data.retirement import PromptRetirement
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
-from mpo.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
 from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,9 @@ def _sampling_seed(seed: int, step: int, index: int) -> int:
 class Trainer:
     def __init__(self, config: TrainConfig, engines: list | None = None) -> None:
         from megatron.core import parallel_state
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
-        from mpo.models.chunks import as_chunks  # VPP: one entry per virtual stage
-        from mpo.models.ddp import wrap_ddp
+        from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.parallel import initialize_parallel
         from mpo.routing import attach_routing_hooks
 
@@ -85,11 +83,10 @@ class Trainer:
 
             gpt = unwrap(model)
             gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), config.model.mcore_dir))
-        self.model = wrap_ddp(model)
+        self.model = wrap_ddp(model, **ddp_options(config.parallel, self.ctx.device))
         self.gpt = unwrap(model)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
-                            bf16=config.model.dtype == "bf16", weight_decay=0.0), as_chunks(self.model))
+        self.optimizer = make_optimizer(self.model, lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
+                                        bf16=config.model.dtype == "bf16")
         self.routing = attach_routing_hooks(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.critic = None  # built by set_algorithm for gae / vapo
@@ -105,7 +102,9 @@ class Trainer:
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
-        self.checkpoints = CheckpointManager(config.logging.out_dir)
+        async_save = config.logging.checkpoint_async
+        self.checkpoints = DistCheckpointer(config.logging.out_dir,
+                                            async_save=self.ctx.device.is_gpu if async_save is None else async_save)
 
     # -- set-up helpers ------------------------------------------------------------------------------------------
     def set_algorithm(self, algorithm) -> None:
@@ -471,36 +470,45 @@ class Trainer:
         """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint, then stop saying why."""
         limit = self.config.schedule.max_nonfinite_steps
         if self.nonfinite_in_row >= limit:
-            self.save(next_step)
+            self.save(next_step, wait=True)
             raise NonFiniteStop(f"{self.nonfinite_in_row} consecutive steps had a non-finite loss or gradient "
                                 f"(schedule.max_nonfinite_steps={limit}); checkpoint saved at step {next_step}")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def save(self, step: int) -> None:
-        state = {"model": self.gpt.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()}
+    def _checkpoint_parts(self) -> list:
+        from mpo.trainer.dist_checkpoint import Part
+
+        parts = [Part("", self.gpt, self.optimizer)]
         if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-        self.checkpoints.save(step, state, {"step": step, "nonfinite_total": self.nonfinite_total,
-                                            "advantage_state": self.advantages.state_dict(),
-                                            "retirement": self.retirement.state_dict() if self.retirement else None,
-                                            "data": self.task.state_dict(),
-                                            "config": to_dict(self.config)})
+            parts.append(Part("critic.", self.critic.gpt, self.critic.optimizer))
+        return parts
+
+    def trainer_state(self, step: int) -> dict[str, Any]:
+        """The loop's own state (JSON): the data position (the step, and the task's stream position when the task has
+        one), counters, the advantage estimator's and the prompt retirement's state, the config and the layout."""
+        return {"step": step, "nonfinite_total": self.nonfinite_total,
+                "advantage_state": self.advantages.state_dict(),
+                "retirement": self.retirement.state_dict() if self.retirement else None,
+                "task": self.task.state_dict(),
+                "layout": layout_of(self.ctx), "config": to_dict(self.config)}
+
+    def save(self, step: int, *, wait: bool = False) -> None:
+        """Collective: a reshardable checkpoint of step `step` (mpo.trainer.dist_checkpoint). The run's last save
+        and `wait=True` finish before returning; other async saves finish at the next save."""
+        wait = wait or step >= self.config.schedule.steps
+        self.checkpoints.save(step, self._checkpoint_parts(), self.trainer_state(step), wait=wait)
 
     def resume(self) -> int:
-        """Load the newest checkpoint if there is one; returns the step to continue from."""
+        """Load the newest checkpoint if there is one (saved at any parallel layout); returns the step to continue
+        from."""
         path = self.checkpoints.latest()
         if path is None:
             return 0
-        state, trainer_state = self.checkpoints.load(path)
-        self.gpt.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
-        if self.critic is not None and "critic" in state:
-            self.critic.load_state_dict(state["critic"])
+        trainer_state = self.checkpoints.load(path, self._checkpoint_parts(), layout_of(self.ctx))
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
-        self.task.load_state_dict(trainer_state.get("data") or {})
         if self.retirement is not None and trainer_state.get("retirement"):
             self.retirement.load_state_dict(trainer_state["retirement"])
+        self.task.load_state_dict(trainer_state.get("task") or {})  # the data stream's position (rank 0's)
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
         return int(trainer_state["step"])

@@ -91,6 +91,45 @@ def scenario_tensor_type_strings() -> None:
     clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=2.0)
 
 
+def scenario_adam_step_state() -> None:
+    """A fresh DistributedOptimizer (torch Adam) builds the sharded state dict a resume loads into; after a step,
+    megatron's reshardable load hands each parameter its state without `step`."""
+    from mpo.models.ddp import make_optimizer, wrap_ddp
+    from mpo.models.forward import MicroBatch, run_microbatches
+    from mpo.trainer.dist_checkpoint import OPTIMIZER_SHARDING
+
+    model = wrap_ddp(_tiny_model(), distributed_optimizer=True)
+    optimizer = make_optimizer(model, lr=1e-3, clip_grad=1.0, bf16=False)
+    optimizer.sharded_state_dict(model.module.sharded_state_dict(), is_loading=True, metadata=OPTIMIZER_SHARDING)
+    run_microbatches(model, [MicroBatch(torch.randint(0, 256, (1, 8)))], vocab_size=256,
+                     loss_fn=lambda mb, lp, ent: (lp.sum(), {}))
+    optimizer.step()
+    inner = optimizer.chained_optimizers[0]
+    param = next(p for p in inner.model_param_group_index_map)
+    group, order = inner.model_param_group_index_map[param]
+    state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+    with torch.no_grad():  # as in megatron's load
+        inner._set_main_param_and_optimizer_states(param, {k: v.clone() for k, v in state.items() if k != "step"}
+                                                   | {"param": inner.optimizer.param_groups[group]["params"][order]})
+
+
+def scenario_ckpt_exchange() -> None:
+    """A fully parallel load's exchange: rank 0 read a shard both ranks need and broadcasts it to rank 1."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.exchange_utils import ShardDistribution, exchange_loaded_tensors_broadcast
+    from megatron.core.dist_checkpointing.utils import _sharded_tensor_shard_id
+
+    rank = torch.distributed.get_rank()
+    shard = ShardedTensor.from_rank_offsets("x", torch.zeros(4))
+    shard_id = _sharded_tensor_shard_id(shard)
+    shard.data = None  # what the loading rank has not read
+    distribution = ShardDistribution({shard_id: 0}, {shard_id}, {shard_id: shard}, {shard_id: [0, 1]})
+    loaded = {shard_id: torch.arange(4.0)} if rank == 0 else {}
+    result = exchange_loaded_tensors_broadcast(loaded, {} if rank == 0 else {shard_id: shard}, distribution,
+                                               torch.distributed.group.WORLD)
+    assert result[shard_id].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")
 }

@@ -1,0 +1,388 @@
+"""Reshardable trainer checkpoints: megatron `dist_checkpointing` (torch_dist) of the models, their optimizers' sharded
+state, every rank's RNG, and the loop's own JSON state.
+
+Layout: <out_dir>/checkpoints/step_<k>/{torch_dist files, trainer_state.json}, and <out_dir>/checkpoints/latest naming
+the newest complete one. Every tensor is stored as a shard of its global (model-space) tensor, so a checkpoint saved
+at one parallel layout loads at another (TP, PP, EP, DP): the models through their `sharded_state_dict`, the
+optimizers' Adam moments mapped onto the parameters' global tensors (see OPTIMIZER_SHARDING). Saves and loads are fully parallel:
+each replicated shard is written by one data-parallel rank and read once, then exchanged.
+
+Atomicity: all ranks write into step_<k>.tmp; each fsyncs what it wrote; only then rank 0 renames the directory to
+step_<k> and replaces `latest` (write, fsync, rename). A process killed anywhere before leaves `latest` naming the
+previous checkpoint, which stays intact. With `async_save` (default on GPU) the write runs in a background process and
+the rename happens when the next save (or `wait()`) finalises it: until then `latest` names the previous checkpoint.
+
+Loading reads only data (mpo.safe_load's reader: restricted metadata unpickler, weights-only objects). RNG states
+are restored when the layout is unchanged (same-layout resumes stay bit-exact); a resharded resume keeps the
+freshly seeded generators, as there is no per-rank correspondence between layouts (the loop draws its randomness
+from (seed, step) anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpo.lifecycle import NoSpaceLeft, _no_space_error, writing
+
+log = logging.getLogger(__name__)
+
+# Model-space optimizer state: reshardable over every parallel dimension. The plain optimizer's state is per model
+# shard already. The DistributedOptimizer's is per DP-rank range of the flat buffers; megatron 0.19.2 offers one
+# format that maps it to model space, 'fully_reshardable' ('fully_sharded_model_space' needs ShardedTensor
+# flattened_range, which 0.19.2 rejects): the DP ranks' ranges are gathered over gloo to DP rank 0 in host memory
+# (mem_efficient; the default NCCL all-gather would materialise a model shard's whole Adam state in GPU memory on every
+# DP rank), which writes them. Without the prefix switch a ChainedOptimizer (dense + expert parameters) would key its
+# state by its position in the chain, which depends on the layout.
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True, "chained_optim_avoid_prefix": True}
+TRAINER_STATE = "trainer_state.json"
+# Test hook (tests/test_trainer_state.py): "<rank>:<step>" makes that rank stop inside the save of that step, after its
+# shards are written and before the checkpoint is committed, and write its pid to <tmp dir>/stalled; the test then
+# kills it with SIGKILL. Unset in real runs.
+STALL_ENV = "MPO_TEST_STALL_IN_SAVE"
+
+
+@dataclass
+class Part:
+    """One model and its optimizer in the checkpoint. `prefix` keeps the keys of different models apart (the critic
+    has the policy's architecture, so the same parameter names)."""
+
+    prefix: str
+    gpt: torch.nn.Module
+    optimizer: Any
+
+
+def layout_of(ctx: Any) -> dict[str, int]:
+    """The parallel layout a checkpoint is written at (mpo.parallel.ParallelContext)."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": ctx.world_size, "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size(),
+            "context_parallel": ps.get_context_parallel_world_size()}
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's generators: torch's CPU one, CUDA's (on GPU) and megatron's model-parallel tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if state.get("tracker"):
+        get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_object(data: Any) -> Any:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return ShardedObject("rng", data, (world,), (rank,), replica_id=0)
+
+
+def sharded_state(parts: list[Part], *, is_loading: bool, rng: bool) -> dict[str, Any]:
+    """The sharded state dict of every part (model, then its optimizer's state mapped onto the model's tensors)."""
+    state: dict[str, Any] = {}
+    for part in parts:
+        model = part.gpt.sharded_state_dict(prefix=part.prefix)
+        state[f"{part.prefix}model"] = model
+        state[f"{part.prefix}optimizer"] = part.optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                                             metadata=OPTIMIZER_SHARDING)
+    if rng:
+        state["rng"] = _rng_object(rng_state() if not is_loading else None)
+    return state
+
+
+def _strategies(checkpoint_dir: Path | None):
+    """Fully parallel save/load over the data-parallel group: each replicated shard is written (read) by one rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if checkpoint_dir is None:
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(checkpoint_dir)), group)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _maybe_stall(step: int, tmp: Path) -> None:
+    spec = os.environ.get(STALL_ENV)
+    if not spec:
+        return
+    rank, at = (int(x) for x in spec.split(":"))
+    if rank == dist.get_rank() and at == step:
+        (tmp / "stalled").write_text(str(os.getpid()))
+        while True:  # until the test's SIGKILL
+            time.sleep(1)
+
+
+class DistCheckpointer:
+    """Collective save/load of trainer checkpoints; see the module docstring."""
+
+    def __init__(self, out_dir: str | Path, *, keep: int = 2, async_save: bool = False) -> None:
+        self.root = Path(out_dir) / "checkpoints"
+        self.keep = keep
+        self.async_save = async_save
+        self._queue = None  # megatron AsyncCallsQueue, made on the first async save
+        self._pending = self.root  # the file an async save in flight names if the disk fills
+
+    # -- pointer ---------------------------------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if (path / TRAINER_STATE).is_file() else None
+
+    # -- save ------------------------------------------------------------------------------------------------------
+    def save(self, step: int, parts: list[Part], trainer_state: dict[str, Any], *, wait: bool = False) -> Path:
+        """Collective. Writes step_<step>; `trainer_state` (JSON-able, rank 0's) goes next to the shards. An async save
+        returns once the tensors are staged; `wait=True` (or the next save) finishes it."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()  # one save in flight at a time: the previous one commits first
+        rank = dist.get_rank()
+        final, tmp = self.root / f"step_{step}", self.root / f"step_{step}.tmp"
+        if rank == 0:
+            for stale in self.root.glob("step_*.tmp"):  # partial saves of a crashed run: free the space
+                shutil.rmtree(stale, ignore_errors=True)
+            with writing(tmp):
+                tmp.mkdir(parents=True)
+        dist.barrier()
+        state = sharded_state(parts, is_loading=False, rng=True)
+        with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
+            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
+                                              async_sharded_save=self.async_save,
+                                              async_strategy="mcore")  # megatron's own queue (no NVRx here)
+        trainer_state = {**trainer_state, "optimizer_steps": {p.prefix: optimizer_step(p.optimizer) for p in parts}}
+        text = json.dumps(trainer_state, indent=1)  # fails here, before anything is committed, if not JSON-able
+
+        def commit() -> None:
+            self._commit(step, tmp, final, text)
+
+        if request is None:
+            commit()
+        else:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            request.add_finalize_fn(commit)
+            self._queue = self._queue or AsyncCallsQueue()
+            self._queue.schedule_async_request(request)
+            self._pending = tmp / f"__{rank}_0.distcp"
+            if wait:
+                self.wait()
+        return final
+
+    def wait(self) -> None:
+        """Collective: finish (write, commit) an async save in flight, if any."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            with self._no_space(self._pending):
+                self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def _commit(self, step: int, tmp: Path, final: Path, trainer_state: str) -> None:
+        """Every rank's shards are on disk (dist_checkpointing ends with a barrier): fsync, rename, move `latest`."""
+        rank = dist.get_rank()
+        for file in tmp.glob(f"__{rank}_*"):  # the shard files this rank wrote
+            _fsync(file)
+        _maybe_stall(step, tmp)
+        if rank == 0:
+            state_file = tmp / TRAINER_STATE
+            with writing(state_file):
+                with open(state_file, "w") as f:
+                    f.write(trainer_state)
+                    f.flush()
+                    os.fsync(f.fileno())
+            for file in tmp.iterdir():  # metadata files (rank 0 writes them)
+                if not file.name.startswith("__"):
+                    _fsync(file)
+            _fsync(tmp)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync(self.root)
+            pointer_tmp = self.root / "latest.tmp"
+            with writing(pointer_tmp):
+                with open(pointer_tmp, "w") as f:
+                    f.write(final.name)
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(pointer_tmp, self.root / "latest")
+            _fsync(self.root)
+            self._prune(keep_name=final.name)
+        dist.barrier()
+
+    @staticmethod
+    def _no_space(where: Path):
+        """A full disk inside torch_dist's writers arrives wrapped (CheckpointException, per-rank failures): NoSpaceLeft
+        naming the checkpoint file, as every other write of the run reports it."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def guard():
+            try:
+                with writing(where):
+                    yield
+            except NoSpaceLeft:
+                raise
+            except Exception as exc:
+                causes = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
+                if any(_no_space_error(c) for c in causes) or _disk_full(where):
+                    raise NoSpaceLeft(where) from exc
+                raise
+
+        return guard()
+
+    def _prune(self, keep_name: str) -> None:
+        steps = sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                       key=lambda p: int(p.name.split("_")[1]))
+        for old in steps[: -self.keep]:
+            if old.name != keep_name:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # -- load ------------------------------------------------------------------------------------------------------
+    def load(self, path: Path, parts: list[Part], layout: dict[str, int]) -> dict[str, Any]:
+        """Collective: load `path` into the parts (at this rank's layout, whatever the saved one) and, if the layout is
+        the saved one, the RNG; returns the trainer state."""
+        from mpo.safe_load import CheckpointFileError, load_sharded
+
+        trainer_state = json.loads((path / TRAINER_STATE).read_text())
+        same_layout = trainer_state.get("layout") == layout
+        state = sharded_state(parts, is_loading=True, rng=same_layout)
+        skeleton = _skeleton(state)
+        loaded = _fill(skeleton, load_sharded(state, path, strategy=_strategies(path)))
+        steps = trainer_state.get("optimizer_steps", {})
+        for part in parts:
+            model = loaded[f"{part.prefix}model"]
+            part.gpt.load_state_dict({k[len(part.prefix):]: v for k, v in model.items()})
+            if part.prefix not in steps:
+                raise CheckpointFileError(f"no optimizer_steps[{part.prefix!r}] (not an mpo trainer checkpoint, or "
+                                          "one without this model)", path / TRAINER_STATE)
+            part.optimizer.load_state_dict(with_optimizer_step(part.optimizer, loaded[f"{part.prefix}optimizer"],
+                                                               steps[part.prefix]))
+        if same_layout:
+            set_rng_state(loaded["rng"])
+        elif dist.get_rank() == 0:
+            log.info("resharding checkpoint %s: saved at %s, loading at %s (RNG not restored)", path,
+                     trainer_state.get("layout"), layout)
+        return trainer_state
+
+
+def _disk_full(where: Path) -> bool:
+    """megatron's writer workers pass their errors back as strings ("Worker failure: ..."), losing the ENOSPC: after a
+    failed write, a filesystem with under 1 MiB left is taken to be why."""
+    for path in (where, *where.parents):
+        if path.exists():
+            return shutil.disk_usage(path).free < (1 << 20)
+    return False
+
+
+_SHARDED = object()  # a skeleton leaf: the value comes from the checkpoint
+
+
+def _skeleton(state: Any) -> Any:
+    """The containers of a sharded state dict, with its sharded leaves marked and its other leaves kept (by reference).
+
+    Only the sharded leaves are read back from the checkpoint. The rest (optimizer param groups: learning rate, betas,
+    parameter indices; megatron keeps them in the checkpoint's common state) depends on the layout (a ChainedOptimizer
+    has one optimizer per parameter kind present, their param-index lists follow the local parameters) and, in this
+    trainer, on the config only, so the freshly built optimizer's own values are used. The one piece of it that is
+    run state, Adam's step count, travels in trainer_state.json (`optimizer_steps`)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensorFactory
+
+    if isinstance(state, LocalNonpersistentObject):  # never stored: the local value, as megatron's load returns it
+        return state.unwrap()
+    if isinstance(state, dict):
+        return {k: _skeleton(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_skeleton(v) for v in state]
+    if isinstance(state, (ShardedBase, ShardedTensorFactory)):
+        return _SHARDED
+    return state
+
+
+def _fill(skeleton: Any, loaded: Any) -> Any:
+    """`skeleton` with its marked leaves taken from `loaded` (what dist_checkpointing.load returned)."""
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        items = loaded if isinstance(loaded, list) else [None] * len(skeleton)
+        return [_fill(v, x) for v, x in zip(skeleton, items)]
+    return loaded if skeleton is _SHARDED else skeleton
+
+
+def _inner_optimizers(optimizer: Any) -> list:
+    """The torch optimizers behind a megatron (chained) optimizer."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def optimizer_step(optimizer: Any) -> int:
+    """Adam's step count: in the param groups (TE/apex fused Adam) or per parameter (torch Adam); one value for all."""
+    steps = set()
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                steps.add(int(group["step"]))
+            for param in group["params"]:
+                value = inner.state.get(param, {}).get("step")
+                if value is not None:
+                    steps.add(int(value))
+    if len(steps) > 1:
+        raise RuntimeError(f"optimizer parameters disagree on Adam's step count: {sorted(steps)}")
+    return steps.pop() if steps else 0
+
+
+def with_optimizer_step(optimizer: Any, state: Any, step: int) -> Any:
+    """`state` (a megatron optimizer's state dict, to load) with Adam's step count set where each optimizer reads it:
+    the DistributedOptimizer from its param groups, the plain one from `common_step` (torch Adam) or its param groups
+    (fused Adam)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    subs = [state] if len(chained) == 1 else [state[i] for i in range(len(chained))]
+    for inner, sub in zip(chained, subs):
+        torch_state = sub.get("optimizer", sub)  # FP32Optimizer's is torch's own; the others nest it
+        if isinstance(inner, DistributedOptimizer):
+            for group in torch_state["param_groups"]:
+                group["step"] = step
+            continue
+        for group in torch_state["param_groups"]:
+            if "step" in group:
+                group["step"] = step
+        if isinstance(inner.optimizer, torch.optim.Adam) and torch_state["state"]:
+            torch_state["state"]["common_step"] = torch.tensor(float(step))
+    return state
