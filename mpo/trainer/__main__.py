@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from mpo.lifecycle import (
     REPORTED_FAILURE_EXIT,
@@ -20,6 +21,8 @@ if __name__ == "__main__":
     exit_with_parent()  # before torch is imported: a rank must not outlive torchrun, even while it loads
 
 import torch  # noqa: E402
+
+PEER_REPORT_GRACE_S = 10.0  # how long a failing rank waits for a peer's one-line report before its own traceback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:  # a bad row names its file, line and key; the last checkpoint is intact
         stop_rank_with_one_line(f"data error: {exc}")
     except Exception:
-        if peer_reported_failure():  # our error is that rank leaving; its one line is the run's
-            os._exit(REPORTED_FAILURE_EXIT)
-        raise
+        # Our error may be a consequence of a peer's failure (its exit broke a collective, or a checkpoint write failed
+        # on its disk): give that rank a moment to write its one line, which is then the run's.
+        deadline = time.monotonic() + PEER_REPORT_GRACE_S
+        while True:
+            if peer_reported_failure():
+                os._exit(REPORTED_FAILURE_EXIT)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     return 0
 
 

@@ -154,6 +154,7 @@ class DistCheckpointer:
     """Collective save/load of trainer checkpoints; see the module docstring."""
 
     def __init__(self, out_dir: str | Path, *, keep: int = 2, async_save: bool = False) -> None:
+        self._need_bytes = 0  # the last save's estimated shard size (full-disk diagnosis)
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
         self.async_save = async_save
@@ -184,6 +185,7 @@ class DistCheckpointer:
                 tmp.mkdir(parents=True)
         dist.barrier()
         state = sharded_state(parts, is_loading=False, rng=True)
+        self._need_bytes = _shard_bytes(parts)
         with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
                                               async_sharded_save=self.async_save,
@@ -246,11 +248,12 @@ class DistCheckpointer:
             self._prune(keep_name=final.name)
         dist.barrier()
 
-    @staticmethod
-    def _no_space(where: Path):
+    def _no_space(self, where: Path):
         """A full disk inside torch_dist's writers arrives wrapped (CheckpointException, per-rank failures): NoSpaceLeft
         naming the checkpoint file, as every other write of the run reports it."""
         import contextlib
+
+        from torch.distributed.checkpoint.api import CheckpointException
 
         @contextlib.contextmanager
         def guard():
@@ -259,9 +262,9 @@ class DistCheckpointer:
                     yield
             except NoSpaceLeft:
                 raise
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
                 causes = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
-                if any(_no_space_error(c) for c in causes) or _disk_full(where):
+                if any(_no_space_error(c) for c in causes) or _disk_full(where, self._need_bytes):
                     raise NoSpaceLeft(where) from exc
                 raise
 
@@ -302,12 +305,17 @@ class DistCheckpointer:
         return trainer_state
 
 
-def _disk_full(where: Path) -> bool:
+def _shard_bytes(parts: list[Part]) -> int:
+    """About what one rank writes: its parameters and, per parameter, Adam's fp32 moments and master copy."""
+    return sum(p.numel() * (p.element_size() + 12) for part in parts for p in part.gpt.parameters())
+
+
+def _disk_full(where: Path, need_bytes: int = 0) -> bool:
     """megatron's writer workers pass their errors back as strings ("Worker failure: ..."), losing the ENOSPC: after a
-    failed write, a filesystem with under 1 MiB left is taken to be why."""
+    failed write, a filesystem with less room than this rank's shard (or under 1 MiB) is taken to be why."""
     for path in (where, *where.parents):
         if path.exists():
-            return shutil.disk_usage(path).free < (1 << 20)
+            return shutil.disk_usage(path).free < max(need_bytes, 1 << 20)
     return False
 
 
