@@ -203,6 +203,11 @@ class ScheduleSection:
         sft_steps: supervised warm-start steps before RL (toy tasks).
         sft_lr: warm-start learning rate.
         max_nonfinite_steps: stop (with a checkpoint) after this many non-finite steps in a row.
+        mode: when rollouts are generated (mpo.trainer.schedule): "sync" (generate, train, sync), "one_step_off"
+            (step n+1's rollouts are generated while step n trains; weights reach the engines between batches) or
+            "async" (a producer keeps the engines busy; weight updates reach them in flight; per-token versions).
+        max_staleness: async: a consumed token is at most this many policy versions older than the step training
+            on it (one_step_off is async with 1, updates between batches).
     """
 
     steps: int = 20
@@ -213,6 +218,8 @@ class ScheduleSection:
     sft_steps: int = 0
     sft_lr: float = 3e-3
     max_nonfinite_steps: int = 3
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = 1
 
 
 @dataclass(frozen=True)
@@ -486,6 +493,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "schedule.sft_steps": (lambda v: v >= 0, ">= 0"),
     "schedule.sft_lr": (lambda v: v > 0, "> 0"),
     "schedule.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
+    "schedule.max_staleness": (lambda v: v >= 1, ">= 1 (schedule.mode=sync has none)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "seed": (lambda v: v >= 0, ">= 0"),
     "world_size": (lambda v: v >= 1, ">= 1"),
