@@ -66,6 +66,8 @@ class RolloutSection:
             the usual train/inference mismatch that R3 and RSPO exist for.
         tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
             tensor_parallel engines on each rollout node.
+        colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
+            it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
         sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
             sets trainer node 0's host.
@@ -86,6 +88,7 @@ class RolloutSection:
     engine_dtype: Literal["fp32", "bf16"] | None = None
     tensor_parallel: int = 1
     sync_master_address: str | None = None
+    colocate: bool = False
 
 
 @dataclass(frozen=True)
@@ -418,6 +421,9 @@ def validate(config: TrainConfig) -> None:
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
+    if r.colocate and config.schedule.mode != "sync":
+        raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
+                          f"engines hand their memory to the trainer, so they cannot generate while it trains")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):

@@ -34,8 +34,10 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def test_demo_reward_rises(tmp_path):
+    """With rollout.colocate=true (the engine releases its memory after each batch and resumes it in two stages
+    around the weight sync; it refuses to generate or take weights while released, so a wrong order fails the run)."""
     out = tmp_path / "demo"
-    result = _run(_demo_command(out, 30), tmp_path / "demo.log")
+    result = _run(_demo_command(out, 30, "rollout.colocate=true"), tmp_path / "demo.log")
     log = (tmp_path / "demo.log").read_text()
     assert result.returncode == 0, log[-3000:]
     rows = _metrics(out)

@@ -99,3 +99,15 @@ def test_versions_parse_and_bad_mode():
     assert version_number("step12", 0) == 12 and version_number("default", 3) == 3 and version_number(None, 4) == 4
     with pytest.raises(ValueError, match="schedule.mode='bogus'; valid values: sync, one_step_off, async"):
         RolloutSchedule(lambda s, v: ([], {}), "bogus", 1, start=0, steps=1)
+
+
+def test_colocate_needs_sync_mode():
+    from mpo.cli import RECIPES
+    from mpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.colocate=true needs schedule.mode='sync' \\(got 'async'\\)"):
+        load_config(RECIPES / "demo_cpu.yaml", ["rollout.colocate=true", "schedule.mode=async"])
+    with pytest.raises(ConfigError, match="schedule.max_staleness=0; valid values: >= 1"):
+        load_config(RECIPES / "demo_cpu.yaml", ["schedule.max_staleness=0"])
+    with pytest.raises(ConfigError, match="schedule.mode='later'; valid values: 'sync', 'one_step_off', 'async'"):
+        load_config(RECIPES / "demo_cpu.yaml", ["schedule.mode=later"])

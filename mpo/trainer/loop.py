@@ -216,6 +216,16 @@ def supervised_warm_start(trainer: Trainer) -> float:
     return loss_value
 
 
+def _memory_hook(engines: EngineSet):
+    """Colocated engines: release / resume every engine's memory (SGLang's memory-saver endpoints)."""
+
+    def memory(action: str, tags: list[str] | None) -> None:
+        for client in engines.clients:
+            getattr(client, f"{action}_memory_occupation")(tags)
+
+    return memory
+
+
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
@@ -242,7 +252,8 @@ def run(config: TrainConfig) -> None:
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
             schedule = RolloutSchedule(trainer.collect, config.schedule.mode, config.schedule.max_staleness,
-                                       start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions)
+                                       start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
+                                       memory=_memory_hook(engines) if config.rollout.colocate else None)
             trainer.rollout_source = schedule.take
         for step in range(start, config.schedule.steps):
             metrics = trainer.train_step(step)

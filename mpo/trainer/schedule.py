@@ -22,6 +22,10 @@ The engine log-probs of a stale sample come from an older policy than the traine
 rollout-correction options (algorithm.rollout_correction, e.g. tis_token / icepop_token) weight or mask exactly this
 mismatch, and its metrics (train_rollout_logprob_absdiff, ...) are logged as in sync mode.
 
+Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
+they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages
+around the weight sync: /resume_memory_occupation {"tags": ["weights"]}, the push, then {"tags": ["kv_cache"]}.
+
 Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are
 dropped on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the
 engines hold then: off-policy runs are not bit-reproducible, their timing decides the versions). Producer and
@@ -74,6 +78,9 @@ class RolloutSchedule:
     start: int
     steps: int
     on_versions: Callable[[int, list[list[int]]], None] | None = None
+    # Colocated engines (rollout.colocate, sync mode): memory(action, tags) releases the engines' GPU memory after
+    # each batch and resumes it in two stages around the weight sync (weights first, then the KV cache).
+    memory: Callable[[str, list[str] | None], None] | None = None
     version: int = 0
     _batches: dict[int, _Produced] = field(default_factory=dict)
     _busy: list[tuple[float, float]] = field(default_factory=list)  # engine generating intervals (perf_counter)
@@ -134,6 +141,8 @@ class RolloutSchedule:
         waited = time.perf_counter()
         if self.mode == "sync":
             produced = self._generate(step)
+            if self.memory is not None:
+                self.memory("release", None)  # the trainer gets the device while it trains
         else:
             with self._cv:
                 while step not in self._batches and self._error is None:
@@ -166,10 +175,14 @@ class RolloutSchedule:
         """one_step_off: weights change only between batches, so wait for the batch in flight."""
         if self.mode == "one_step_off":
             self._generating.acquire()
+        if self.memory is not None:
+            self.memory("resume", ["weights"])  # the update needs the weights resident, not yet the KV cache
 
     def after_sync(self, version: int) -> None:
         if self.mode == "one_step_off":
             self._generating.release()
+        if self.memory is not None:
+            self.memory("resume", ["kv_cache"])
         with self._cv:
             self.version = version
             self._cv.notify_all()

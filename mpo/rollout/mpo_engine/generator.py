@@ -117,6 +117,10 @@ class MpoGenerator:
             self._finish(request, score=False)
         return len(victims)
 
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self._pending or self._active)
+
     def pause(self) -> None:
         with self._cv:
             self._paused = True
