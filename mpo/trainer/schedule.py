@@ -25,6 +25,9 @@ mismatch, and its metrics (train_rollout_logprob_absdiff, ...) are logged as in 
 Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
 they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages
 around the weight sync: /resume_memory_occupation {"tags": ["weights"]}, the push, then {"tags": ["kv_cache"]}.
+Not done yet: the trainer's side (offloading optimizer states and gradients while the engines generate); on CPU
+there is no device memory to hand over, and real SGLang's release dies without CUDA (spec/sglang.md), so the GPU
+path of this protocol is unverified.
 
 Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are
 dropped on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the
