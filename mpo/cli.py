@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="tiny MoE learns a toy task with RL on CPU (2 gloo ranks, EP2)")
     demo.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo", help="run directory (a rerun resumes from its checkpoint)")
-    demo.add_argument("--loss", default=None, help="policy loss: gspo (default), sapo, rspo, grpo, ...")
+    demo.add_argument("--loss", default=None, help="policy loss: grpo (default), gspo, sapo, rspo, ...")
     demo.add_argument("--replay", default=None, choices=("none", "r2", "r3"), help="routing replay mode")
     demo.add_argument("overrides", nargs="*", help="section.field=value")
     sub.add_parser("bench", help="mpo bench NAME [args] (same as python -m mpo.bench)", add_help=False)

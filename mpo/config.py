@@ -68,6 +68,8 @@ class RolloutSection:
             the usual train/inference mismatch that R3 and RSPO exist for.
         tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
             tensor_parallel engines on each rollout node.
+        colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
+            it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
         sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
             sets trainer node 0's host.
@@ -88,6 +90,7 @@ class RolloutSection:
     engine_dtype: Literal["fp32", "bf16"] | None = None
     tensor_parallel: int = 1
     sync_master_address: str | None = None
+    colocate: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,11 @@ class ScheduleSection:
         sft_steps: supervised warm-start steps before RL (toy tasks).
         sft_lr: warm-start learning rate.
         max_nonfinite_steps: stop (with a checkpoint) after this many non-finite steps in a row.
+        mode: when rollouts are generated (mpo.trainer.schedule): "sync" (generate, train, sync), "one_step_off"
+            (step n+1's rollouts are generated while step n trains; weights reach the engines between batches) or
+            "async" (a producer keeps the engines busy; weight updates reach them in flight; per-token versions).
+        max_staleness: async: a consumed token is at most this many policy versions older than the step training
+            on it (one_step_off is async with 1, updates between batches).
     """
 
     steps: int = 20
@@ -215,6 +223,8 @@ class ScheduleSection:
     sft_steps: int = 0
     sft_lr: float = 3e-3
     max_nonfinite_steps: int = 3
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = 1
 
 
 @dataclass(frozen=True)
@@ -421,6 +431,9 @@ def validate(config: TrainConfig) -> None:
     if r.sync == "cuda_ipc" and r.engine != "sglang":
         raise ConfigError(f"rollout.sync='cuda_ipc' is SGLang's colocated GPU path; rollout.engine={r.engine!r} "
                           f"takes sync 'tensor' or 'distributed'")
+    if r.colocate and config.schedule.mode != "sync":
+        raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
+                          f"engines hand their memory to the trainer, so they cannot generate while it trains")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
@@ -496,6 +509,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "schedule.sft_steps": (lambda v: v >= 0, ">= 0"),
     "schedule.sft_lr": (lambda v: v > 0, "> 0"),
     "schedule.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
+    "schedule.max_staleness": (lambda v: v >= 1, ">= 1 (schedule.mode=sync has none)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "seed": (lambda v: v >= 0, ">= 0"),
     "world_size": (lambda v: v >= 1, ">= 1"),

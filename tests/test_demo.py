@@ -16,7 +16,7 @@ import pytest
 
 # Wall-clock measurements differ between runs by nature; everything else must be identical after a resume.
 TIMING_KEYS = ("rollout_time_s", "rollout_tokens_per_s", "train_time_s", "train_tokens_per_s", "sync_time_s",
-               "sync_bytes_per_s")
+               "sync_bytes_per_s", "schedule/wait_s", "schedule/step_s", "engine_busy_frac", "overlap_frac")
 
 
 def _demo_command(out: Path, steps: int, *overrides: str) -> list[str]:
@@ -34,12 +34,14 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def test_demo_reward_rises(tmp_path):
+    """With rollout.colocate=true (the engine releases its memory after each batch and resumes it in two stages
+    around the weight sync; it refuses to generate or take weights while released, so a wrong order fails the run)."""
     out = tmp_path / "demo"
-    result = _run(_demo_command(out, 40), tmp_path / "demo.log")
+    result = _run(_demo_command(out, 30, "rollout.colocate=true"), tmp_path / "demo.log")
     log = (tmp_path / "demo.log").read_text()
     assert result.returncode == 0, log[-3000:]
     rows = _metrics(out)
-    assert [r["step"] for r in rows] == list(range(40))
+    assert [r["step"] for r in rows] == list(range(30))
     before = sum(r["reward_mean"] for r in rows[:5]) / 5
     after = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"
@@ -95,3 +97,69 @@ def test_killed_run_resumes_bit_exact(tmp_path, algorithm):
         for key in TIMING_KEYS:
             want.pop(key, None), have.pop(key, None)
         assert have == want, f"step {want['step']} differs after resume"
+
+
+def _versions(out: Path) -> dict[int, list[list[int]]]:
+    """versions.jsonl: per consumed sample, the policy version each of its tokens was sampled under (rank 0 wrote
+    what the mpo engine stamped per token)."""
+    rows = [json.loads(line) for line in (out / "versions.jsonl").read_text().splitlines()]
+    return {row["step"]: row["versions"] for row in rows}
+
+
+def _ages(out: Path) -> list[int]:
+    return [step - v for step, samples in _versions(out).items() for tokens in samples for v in tokens]
+
+
+def test_one_step_off_raises_the_reward_one_version_behind(tmp_path):
+    """schedule.mode=one_step_off: step n+1's rollouts are generated while step n trains, weights reach the engine
+    between batches: every consumed token is at most one version old (and some are), the engine was generating
+    during training, and RL still raises the reward."""
+    out = tmp_path / "off"
+    result = _run(_demo_command(out, 20, "schedule.mode=one_step_off", "logging.tensorboard=false"),
+                  tmp_path / "off.log")
+    assert result.returncode == 0, (tmp_path / "off.log").read_text()[-3000:]
+    rows = _metrics(out)
+    ages = _ages(out)
+    assert set(ages) == {0, 1}  # 0 only where the trainer caught up with the producer (step 0, say)
+    assert max(r["staleness_max"] for r in rows) == 1
+    assert sum(r["overlap_frac"] for r in rows[1:]) / (len(rows) - 1) > 0.05
+    before = sum(r["reward_mean"] for r in rows[:5]) / 5
+    after = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"
+
+
+def test_async_bounds_staleness_survives_a_kill_and_raises_the_reward(tmp_path):
+    """schedule.mode=async, max_staleness=2: the producer keeps the engine busy and weight updates reach it in
+    flight (some responses mix two versions, stamped per token by the engine). The run is SIGKILLed mid-run (the
+    producer has rollouts in flight, often while an update is being pushed), restarted, and finishes: every step once,
+    no consumed token staler than 2 versions (from the logged per-token versions), and the reward rises."""
+    out = tmp_path / "async"
+    settings = ("schedule.mode=async", "schedule.max_staleness=2", "logging.checkpoint_every=4",
+                "logging.tensorboard=false")
+    with (tmp_path / "a.log").open("w") as log:
+        job = subprocess.Popen(_demo_command(out, 20, *settings), stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        pointer = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job.poll() is None:
+            if pointer.exists() and pointer.read_text().strip() == "step_8":
+                break
+            time.sleep(0.05)
+        assert job.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.3)  # into the next steps: the producer is generating, an update may be in flight
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert _run(_demo_command(out, 20, *settings), tmp_path / "b.log").returncode == 0, \
+        (tmp_path / "b.log").read_text()[-3000:]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(20))
+    versions = _versions(out)
+    assert sorted(versions) == list(range(20))
+    ages = _ages(out)
+    assert max(ages) <= 2 and max(r["staleness_max"] for r in rows) <= 2
+    assert max(ages) >= 1  # off-policy for real: the producer ran ahead of the trainer
+    assert any(len(set(tokens)) > 1 for samples in versions.values() for tokens in samples), \
+        "no response was generated across a weight update (in-flight updates never happened)"
+    before = sum(r["reward_mean"] for r in rows[:5]) / 5
+    after = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"

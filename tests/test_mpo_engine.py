@@ -244,3 +244,40 @@ def test_loop_probe_verification_covers_every_expert_and_catches_a_stale_one(tmp
     assert results["stale_tensors"] == 3
     assert results["stale_error"] is not None and "probe log-probs differ" in results["stale_error"]
     assert results["restored"]["sync_probe_logprob_maxdiff"] <= 1e-5
+
+
+def test_colocated_memory_release_and_staged_resume(engines):
+    """rollout.colocate's protocol on mpo's engine, SGLang's endpoints and rules (release_memory_occupation needs an
+    idle server; tags "weights" / "kv_cache", none = all; resume in two stages around the weight update). Real SGLang
+    on CPU cannot serve it: its release calls torch.cuda.synchronize and the server dies (spec/sglang.md); on CPU
+    the mpo engine has no device memory to hand back, so what is checked is the state machine."""
+    from mpo.rollout.weight_sync import MPO_FORMAT, encode_mpo_bucket
+
+    client = engines[1].client
+    pool = RolloutPool([EngineHandle(client)])
+    long = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=200, sampling_seed=1))
+    running = threading.Thread(target=lambda: pool.generate([long]))
+    running.start()
+    time.sleep(0.3)
+    with pytest.raises(EngineError, match="requests are running"):
+        client.release_memory_occupation()
+    running.join()
+    client.release_memory_occupation()
+    try:
+        with pytest.raises(EngineError, match=r"generate: memory of \['kv_cache', 'weights'\] is released"):
+            client.call("/generate", _requests(1)[0].to_json())
+        client.begin_weight_update()
+        try:
+            with pytest.raises(EngineError, match=r"memory of \['weights'\] is released"):
+                client.update_weights_from_tensor([encode_mpo_bucket([])], load_format=MPO_FORMAT)
+            client.resume_memory_occupation(["weights"])
+            client.update_weights_from_tensor([encode_mpo_bucket([])], load_format=MPO_FORMAT)  # weights back
+        finally:
+            client.end_weight_update()
+        with pytest.raises(EngineError, match=r"memory of \['kv_cache'\] is released"):
+            client.call("/generate", _requests(1)[0].to_json())
+        with pytest.raises(EngineError, match="tags=\\['gpu'\\]: expected null or a list of 'weights', 'kv_cache'"):
+            client.resume_memory_occupation(["gpu"])
+    finally:
+        client.resume_memory_occupation(["kv_cache"])
+    assert pool.generate(_requests(1))[0].output_ids

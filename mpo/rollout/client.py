@@ -144,6 +144,14 @@ class EngineClient:
     def continue_generation(self) -> None:
         self.call("/continue_generation", {})
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Colocated engines: hand back GPU memory ("weights", "kv_cache"; None: all) while the trainer runs.
+        SGLang needs --enable-memory-saver and an idle server."""
+        self.call("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.call("/resume_memory_occupation", {"tags": tags})
+
     def flush_cache(self) -> None:
         self.call("/flush_cache", {})
 

@@ -50,6 +50,8 @@ class EngineSettings:
         mem_fraction: SGLang --mem-fraction-static (None: SGLang's default).
         bucket_mb: the weight-sync bucket (rollout.bucket_mb): mpo's engine accepts request bodies of a bucket after
             base64 plus headroom (--max-body-mb), never less than its default.
+        memory_saver: colocated engines (rollout.colocate): SGLang gets --enable-memory-saver, so it can release and
+            resume its GPU memory (mpo's engine serves the same endpoints without a flag).
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -64,6 +66,7 @@ class EngineSettings:
     max_batch: int = 256
     mem_fraction: float | None = None
     bucket_mb: int = 64
+    memory_saver: bool = False
 
     @property
     def max_body_mb(self) -> int:
@@ -77,7 +80,7 @@ class EngineSettings:
         return cls(engine=r.engine, dtype=r.engine_dtype or m.dtype, fp32_lm_head=m.fp32_lm_head, seed=config.seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
                    tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,
-                   mem_fraction=mem_fraction, bucket_mb=r.bucket_mb)
+                   mem_fraction=mem_fraction, bucket_mb=r.bucket_mb, memory_saver=r.colocate)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ def engine_command(settings: EngineSettings, *, python: str, host: str, port: in
             argv.append("--enable-fp32-lm-head")
         if s.mem_fraction is not None:
             argv += ["--mem-fraction-static", str(s.mem_fraction)]
+        if s.memory_saver:
+            argv.append("--enable-memory-saver")
         return EngineCommand(tuple(argv), env, host, port)
     argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port), "--preset", s.preset,
             "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--enable-return-routed-experts",

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mpo.config import TrainConfig, model_config
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.trainer.metrics_log import MetricsLog
+from mpo.trainer.schedule import RolloutSchedule
 from mpo.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,16 @@ def supervised_warm_start(trainer: Trainer) -> float:
     return loss_value
 
 
+def _memory_hook(engines: EngineSet):
+    """Colocated engines: release / resume every engine's memory (SGLang's memory-saver endpoints)."""
+
+    def memory(action: str, tags: list[str] | None) -> None:
+        for client in engines.clients:
+            getattr(client, f"{action}_memory_occupation")(tags)
+
+    return memory
+
+
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
@@ -238,6 +249,7 @@ def run(config: TrainConfig) -> None:
     start = trainer.resume()
     engines = None
     metrics_log = None
+    schedule: RolloutSchedule | None = None
     try:
         if trainer.rank == 0:
             engines = EngineSet(config, out_dir)
@@ -251,9 +263,22 @@ def run(config: TrainConfig) -> None:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
                                      progress=config.logging.progress, start_step=start)
             metrics_log.truncate_after(start - 1)
+            # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
+            schedule = RolloutSchedule(trainer.collect, config.schedule.mode, config.schedule.max_staleness,
+                                       start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
+                                       memory=_memory_hook(engines) if config.rollout.colocate else None)
+            trainer.rollout_source = schedule.take
         for step in range(start, config.schedule.steps):
             metrics = trainer.train_step(step)
-            metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
+            if schedule is not None:
+                schedule.before_sync()
+            try:
+                metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
+            finally:
+                if schedule is not None:
+                    schedule.after_sync(step + 1)
+            if schedule is not None:
+                metrics.update(schedule.step_metrics())
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
                 metrics_log.log_samples(trainer.samples_log)
@@ -262,6 +287,8 @@ def run(config: TrainConfig) -> None:
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
                 trainer.save(step + 1)
     finally:
+        if schedule is not None:  # first: a producer mid-batch is aborted before its engines stop
+            schedule.stop(abort=lambda: [client.abort_all() for client in engines.clients])
         try:
             if metrics_log is not None:
                 metrics_log.close()

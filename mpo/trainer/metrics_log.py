@@ -43,6 +43,7 @@ class MetricsLog:
                  start_step: int = 0) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.samples_path = Path(out_dir) / "samples.jsonl"  # a few decoded responses per step
+        self.versions_path = Path(out_dir) / "versions.jsonl"  # per consumed sample, each token's policy version
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.writer = None
         if tensorboard:
@@ -60,7 +61,7 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint (they will be recomputed)."""
-        for path in (self.path, self.samples_path):
+        for path in (self.path, self.samples_path, self.versions_path):
             if not path.exists():
                 continue
             kept = [row for row in read_metrics(path) if row["step"] <= step]
@@ -75,6 +76,11 @@ class MetricsLog:
             return
         with writing(self.samples_path), self.samples_path.open("a") as f:
             f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+
+    def log_versions(self, step: int, versions: list[list[int]]) -> None:
+        """Append the policy version of every token of every sample consumed at `step` to versions.jsonl."""
+        with writing(self.versions_path), self.versions_path.open("a") as f:
+            f.write(json.dumps({"step": step, "versions": versions}) + "\n")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}

@@ -22,6 +22,7 @@ class Sample:
         advantage: the advantage of each completion token, or one scalar broadcast to all of them.
         rollout_logprobs: the engine's log-probs of the completion tokens.
         routes: the engine's routed experts [len(ids)-1, layers, top_k] (R3), or None.
+        versions: the policy version (weights after that many RL steps) each completion token was sampled under.
     """
 
     ids: list[int]
@@ -31,6 +32,7 @@ class Sample:
     advantage: float | list[float] = 0.0
     rollout_logprobs: list[float] | None = None
     routes: np.ndarray | None = None
+    versions: list[int] | None = None
 
 
 def _pad_sample(length: int) -> Sample:

@@ -99,6 +99,7 @@ class Trainer:
         self.retirement = PromptRetirement(retire) if retire is not None else None  # rank 0 samples and keeps it
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.engines = engines or []  # rank 0 only: (EngineClient, restart callable or None) pairs
+        self.rollout_source = None  # rank 0: step -> (samples, metrics); set by loop.run (mpo.trainer.schedule)
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -136,8 +137,13 @@ class Trainer:
         return gather_full_state(self.gpt)
 
     # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
-    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+    def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s batch from the engines, which hold policy `version` (default: `step`) when it is submitted;
+        each sample records the version of each token (the engine's per-token stamps when it returns them)."""
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+        from mpo.trainer.schedule import version_number
+
+        version = step if version is None else version
 
         cfg = self.config
         prompts = self.task.draw(step, cfg.data.prompts_per_step, self.retirement)
@@ -183,7 +189,9 @@ class Trainer:
             keep &= ~torch.tensor(truncated, dtype=torch.bool)
         samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
                           reward=rewards[i], advantage=advantages[i],
-                          rollout_logprobs=r.output_logprobs, routes=r.routed_experts)
+                          rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
+                          versions=[version_number(v, version) for v in
+                                    r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
                    for i, r in enumerate(results) if keep[i]]
         metrics = {
             "reward_mean": sum(rewards) / len(rewards),
@@ -417,10 +425,11 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
         cfg = self.config
-        started = time.perf_counter()
-        samples, rollout_metrics = self.collect(step) if self.rank == 0 else (None, {})
+        source = self.rollout_source or self.collect
+        samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
         # Every other rank waits here while rank 0 generates: on the gloo object group (parallel.distributed_timeout_s)
         samples = _broadcast_object(samples, group=self.ctx.object_group)
+        started = time.perf_counter()  # training time from here: under one_step_off/async rollouts overlap it
         metrics: dict[str, float] = dict(rollout_metrics)
         metrics["nonfinite_total"] = float(self.nonfinite_total)
         if not samples:  # every group had equal rewards: no update; the loss row is 0 (no gradient was taken)
@@ -457,7 +466,7 @@ class Trainer:
             metrics[key] = sum(values) / len(values)
         metrics["nonfinite_total"] = float(self.nonfinite_total)
         tokens = sum(len(s.ids) for s in samples)
-        metrics["train_time_s"] = time.perf_counter() - started - metrics.get("rollout_time_s", 0.0)
+        metrics["train_time_s"] = time.perf_counter() - started
         metrics["train_tokens_per_s"] = tokens / max(metrics["train_time_s"], 1e-9)
         # Metrics live on the last pipeline stage; rank 0 reports them.
         gathered: list = [None] * dist.get_world_size()

@@ -31,6 +31,7 @@ class _Active:
     generator: torch.Generator | None
     logprob_start_len: int = -1  # SGLang's: >= 0 returns input_token_logprobs of the prompt from that position
     output: list[int] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # the weight version each output token was sampled under
     finish_reason: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     response: dict[str, Any] | None = None
@@ -116,6 +117,10 @@ class MpoGenerator:
             self._finish(request, score=False)
         return len(victims)
 
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self._pending or self._active)
+
     def pause(self) -> None:
         with self._cv:
             self._paused = True
@@ -184,6 +189,7 @@ class MpoGenerator:
             ids[i, : len(row)] = torch.tensor(row)
         with self.model_lock, torch.no_grad():
             logits = self.logits_fn(ids)
+            version = self.weight_version  # updates apply under model_lock: this is the version of these logits
         for i, request in enumerate(batch):
             if request.finish_reason is not None:
                 continue  # aborted meanwhile
@@ -193,6 +199,7 @@ class MpoGenerator:
                 self._fail(request, exc)
                 continue
             request.output.append(token)
+            request.versions.append(version)
             if token in request.sampling.stop_token_ids:
                 request.finish_reason = {"type": "stop", "matched": token}
             elif len(request.output) >= request.sampling.max_new_tokens:
@@ -237,6 +244,8 @@ class MpoGenerator:
         meta["output_token_logprobs"] = [[float(lp), int(tok), None]
                                          for lp, tok in zip(completion_logprobs, request.output)]
         meta["output_token_logprobs_length"] = len(request.output)
+        # mpo extension (SGLang has no such field): weights can change mid-request (an async run's in-flight update)
+        meta["output_token_weight_versions"] = list(request.versions)
         # SGLang's shape: [logprob, token_id, text] per prompt token from logprob_start_len; position 0 has no logprob.
         start = request.logprob_start_len
         meta["input_token_logprobs"] = [[None if p == 0 or not score else float(logprobs[p]), int(request.prompt[p]),

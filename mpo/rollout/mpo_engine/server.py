@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 Route = Callable[[dict[str, Any]], Any]
 
 
+MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's GPU memory tags (ReleaseMemoryOccupationReqInput.tags)
+
+
 class RequestError(Exception):
     """The request is wrong: answered with HTTP 400 and this message."""
 
@@ -68,11 +71,18 @@ class EngineApp:
         self.add("POST", "/flush_cache", lambda body: {"success": True, "message": "no cache to flush"})
         self.add("POST", "/begin_weight_update", self._begin)
         self.add("POST", "/end_weight_update", self._end)
+        # Colocated engines (SGLang --enable-memory-saver): free GPU memory while the trainer runs, take it back
+        # for generation. Tags as SGLang's: "weights", "kv_cache"; none means all.
+        self.released: set[str] = set()
+        for method in ("GET", "POST"):
+            self.add(method, "/release_memory_occupation", self._release)
+            self.add(method, "/resume_memory_occupation", self._resume)
 
     def add(self, method: str, path: str, route: Route) -> None:
         self.routes[(method, path)] = route
 
     def require_weight_update_session(self, endpoint: str) -> None:
+        self.require_memory(endpoint, ("weights",))
         if not self.in_weight_update:
             raise RequestError(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
 
@@ -88,7 +98,36 @@ class EngineApp:
             raise EngineUnhealthy(str(exc)) from exc
         return {"status": "ok"}
 
+    @staticmethod
+    def _tags(body: dict[str, Any]) -> set[str]:
+        tags = body.get("tags")
+        if tags is None:
+            return set(MEMORY_TAGS)
+        if not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS):
+            raise RequestError(f"tags={tags!r}: expected null or a list of {', '.join(map(repr, MEMORY_TAGS))}")
+        return set(tags)
+
+    def _release(self, body: dict[str, Any]) -> dict[str, Any]:
+        tags = self._tags(body)
+        # SGLang asserts the scheduler is idle: releasing under running requests would pull memory from under them.
+        if self.generator.busy():
+            raise RequestError("release_memory_occupation: requests are running; wait for them or pause first")
+        self.released |= tags
+        # This engine's weights and activations live in process memory on CPU: there is nothing to hand back, so
+        # only the protocol state changes (generation and weight updates are refused while their memory is out).
+        return {"success": True, "message": f"released {sorted(tags)}"}
+
+    def _resume(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.released -= self._tags(body)
+        return {"success": True, "message": f"resumed; still released: {sorted(self.released)}"}
+
+    def require_memory(self, endpoint: str, tags: tuple[str, ...]) -> None:
+        missing = sorted(set(tags) & self.released)
+        if missing:
+            raise RequestError(f"{endpoint}: memory of {missing} is released; call resume_memory_occupation first")
+
     def _generate(self, body: dict[str, Any]) -> Any:
+        self.require_memory("generate", MEMORY_TAGS)
         # Everything is checked before anything is queued: a bad request is refused alone and never joins a batch.
         try:
             request = parse_generate_request(body, vocab_size=self.generator.vocab_size,

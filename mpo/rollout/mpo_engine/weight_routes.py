@@ -191,8 +191,8 @@ class WeightRoutes:
     def apply(self) -> None:
         if not self.pending:
             return
-        with self.runner_lock():
+        with self.runner_lock():  # weights and their version change together (tokens are stamped with it)
             self.runner.load_hf(self.pending)
-        if self.pending_version:
-            self.app.generator.weight_version = self.pending_version
+            if self.pending_version:
+                self.app.generator.weight_version = self.pending_version
         self.pending, self.pending_version = {}, None

@@ -1,0 +1,220 @@
+"""When rollouts are generated relative to training: `schedule.mode` (sync, one_step_off, async).
+
+* sync: step n generates with the weights of step n, then trains, then syncs (engines idle while the trainer works).
+* one_step_off: a producer thread on rank 0 generates the batch of step n+1 while step n trains: a batch is started
+  at version >= its step - 1 and the weight sync waits until the batch in flight is finished (updates reach the
+  engines between requests), so every token is at most 1 version stale.
+* async: the producer keeps the engines busy: it starts the batch of step p as soon as the engines hold version
+  >= p - schedule.max_staleness, and the weight sync does not wait for it: the push pauses the engines in place
+  (SGLang's pause_generation(mode="in_place") inside WeightSync.push), swaps the weights and continues, so a partial
+  rollout finishes under the new weights. The mpo engine stamps every generated token with the weight version it
+  was sampled under (meta_info.output_token_weight_versions); for engines that do not (SGLang), every token gets the
+  version current when its batch was submitted, the oldest it can have (staleness is then an upper bound).
+
+The consumer (the training step) takes the batch of its step and drops any sample with a token older than
+step - max_staleness (the gate makes this a check that should never fire; `staleness_dropped_samples` counts it).
+Staleness of a token consumed at step n is n - its version. Logged every step: staleness_max / staleness_mean
+(over consumed tokens), engine_busy_frac (wall time of the step during which the engines were generating) and
+overlap_frac (fraction of the trainer's busy time, train + sync, during which the engines were generating).
+Rank 0 writes every consumed sample's per-token versions to versions.jsonl.
+
+The engine log-probs of a stale sample come from an older policy than the trainer's old-logprob forward: the
+rollout-correction options (algorithm.rollout_correction, e.g. tis_token / icepop_token) weight or mask exactly this
+mismatch, and its metrics (train_rollout_logprob_absdiff, ...) are logged as in sync mode.
+
+Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
+they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages
+around the weight sync: /resume_memory_occupation {"tags": ["weights"]}, the push, then {"tags": ["kv_cache"]}.
+Not done yet: the trainer's side (offloading optimizer states and gradients while the engines generate); on CPU
+there is no device memory to hand over, and real SGLang's release dies without CUDA (spec/sglang.md), so the GPU
+path of this protocol is unverified.
+
+Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are
+dropped on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the
+engines hold then: off-policy runs are not bit-reproducible, their timing decides the versions). Producer and
+trainer never share a collective: the producer only talks HTTP to the engines and scores on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "one_step_off", "async")
+
+
+def version_number(version: str | int | None, default: int) -> int:
+    """The step number of a weight version ("step12" -> 12, as loop.run names them); `default` if unknown."""
+    if isinstance(version, int):
+        return version
+    if isinstance(version, str) and version.startswith("step") and version[4:].isdigit():
+        return int(version[4:])
+    return default
+
+
+def _overlap(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)
+
+
+@dataclass
+class _Produced:
+    samples: list
+    metrics: dict[str, float]
+
+
+@dataclass
+class RolloutSchedule:
+    """Rank 0's source of each step's samples; `collect(step, version)` generates and scores one step's batch.
+
+    The training loop calls, per step: take(step) (inside train_step), before_sync() / after_sync(version) around
+    the weight sync, step_metrics() after it, and stop() at the end.
+    """
+
+    collect: Callable[[int, int], tuple[list, dict[str, float]]]
+    mode: str
+    max_staleness: int
+    start: int
+    steps: int
+    on_versions: Callable[[int, list[list[int]]], None] | None = None
+    # Colocated engines (rollout.colocate, sync mode): memory(action, tags) releases the engines' GPU memory after
+    # each batch and resumes it in two stages around the weight sync (weights first, then the KV cache).
+    memory: Callable[[str, list[str] | None], None] | None = None
+    version: int = 0
+    _batches: dict[int, _Produced] = field(default_factory=dict)
+    _busy: list[tuple[float, float]] = field(default_factory=list)  # engine generating intervals (perf_counter)
+    _generating: threading.Lock = field(default_factory=threading.Lock)
+    _cv: threading.Condition = field(default_factory=threading.Condition)
+    _error: BaseException | None = None
+    _stopped: bool = False
+    _thread: threading.Thread | None = None
+    _trainer_from: float = 0.0  # when the trainer got its batch this step
+    _step_from: float = 0.0  # when the previous step ended
+    _batch_began: float = 0.0  # when the batch in flight was started
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"schedule.mode={self.mode!r}; valid values: {', '.join(MODES)}")
+        self.version = self.start
+        self._step_from = time.perf_counter()
+        if self.mode != "sync":
+            self._thread = threading.Thread(target=self._produce, name="mpo-rollout-producer", daemon=True)
+            self._thread.start()
+
+    @property
+    def lag(self) -> int:
+        """How many versions behind its step a batch may be started."""
+        return 0 if self.mode == "sync" else 1 if self.mode == "one_step_off" else self.max_staleness
+
+    # -- producer (a thread on rank 0) ---------------------------------------------------------------------------
+    def _generate(self, step: int) -> _Produced:
+        with self._generating:
+            began = self._batch_began = time.perf_counter()
+            try:
+                samples, metrics = self.collect(step, self.version)
+            finally:
+                with self._cv:
+                    self._busy.append((began, time.perf_counter()))
+        return _Produced(samples, metrics)
+
+    def _produce(self) -> None:
+        try:
+            for step in range(self.start, self.steps):
+                with self._cv:
+                    while not self._stopped and self.version < step - self.lag:
+                        self._cv.wait()
+                    if self._stopped:
+                        return
+                produced = self._generate(step)
+                with self._cv:
+                    self._batches[step] = produced
+                    self._cv.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it in take()
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+
+    # -- consumer (the training step) ----------------------------------------------------------------------------
+    def take(self, step: int) -> tuple[list, dict[str, float]]:
+        """The samples of `step` no staler than the mode allows, with the batch's rollout metrics."""
+        waited = time.perf_counter()
+        if self.mode == "sync":
+            produced = self._generate(step)
+            if self.memory is not None:
+                self.memory("release", None)  # the trainer gets the device while it trains
+        else:
+            with self._cv:
+                while step not in self._batches and self._error is None:
+                    self._cv.wait(timeout=1.0)
+                if self._error is not None:
+                    raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
+                produced = self._batches.pop(step)
+        self._trainer_from = time.perf_counter()
+        limit = step - (self.lag if self.mode != "sync" else 0)
+        kept, dropped, ages = [], 0, []
+        for sample in produced.samples:
+            versions = sample.versions or []
+            if versions and min(versions) < limit:
+                dropped += 1
+                continue
+            kept.append(sample)
+            ages += [step - v for v in versions]
+        if self.on_versions is not None:
+            self.on_versions(step, [list(s.versions or []) for s in kept])
+        metrics = dict(produced.metrics)
+        metrics.update({"staleness_max": float(max(ages, default=0)),
+                        "staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+                        "staleness_dropped_samples": float(dropped),
+                        "schedule/wait_s": self._trainer_from - waited})
+        if dropped:
+            log.warning("step %d: dropped %d samples staler than %d versions", step, dropped, self.lag)
+        return kept, metrics
+
+    def before_sync(self) -> None:
+        """one_step_off: weights change only between batches, so wait for the batch in flight."""
+        if self.mode == "one_step_off":
+            self._generating.acquire()
+        if self.memory is not None:
+            self.memory("resume", ["weights"])  # the update needs the weights resident, not yet the KV cache
+
+    def after_sync(self, version: int) -> None:
+        if self.mode == "one_step_off":
+            self._generating.release()
+        if self.memory is not None:
+            self.memory("resume", ["kv_cache"])
+        with self._cv:
+            self.version = version
+            self._cv.notify_all()
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's wall time (end of the previous step to now), engine_busy_frac over it, and overlap_frac over the
+        trainer's busy time (train + sync)."""
+        now = time.perf_counter()
+        with self._cv:
+            busy = list(self._busy)
+            if self._generating.locked():  # a batch in flight counts as busy up to now
+                busy.append((self._batch_began, now))
+            self._busy = [(a, b) for a, b in self._busy if b > self._trainer_from]
+        wall, trainer = now - self._step_from, now - self._trainer_from
+        metrics = {"schedule/step_s": wall,
+                   "engine_busy_frac": _overlap(busy, self._step_from, now) / max(wall, 1e-9),
+                   "overlap_frac": _overlap(busy, self._trainer_from, now) / max(trainer, 1e-9)}
+        self._step_from = now
+        return metrics
+
+    def stop(self, abort: Callable[[], None] | None = None) -> None:
+        """End the producer; `abort` (engines' abort_all) ends a batch in flight so the thread returns promptly."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread.is_alive():
+            if abort is not None:
+                try:
+                    abort()
+                except Exception as exc:  # noqa: BLE001 - engines may be gone already
+                    log.warning("aborting rollouts in flight failed: %s", exc)
+            self._thread.join(timeout=30)

@@ -1,0 +1,113 @@
+"""schedule.mode: the producer/consumer protocol of mpo.trainer.schedule, then the real thing (tests/test_demo.py runs
+one_step_off and async demos end to end: real torchrun ranks, the mpo engine, in-flight weight updates, kill/resume).
+
+Here `collect` is a stand-in for Trainer.collect (it stamps each token with the engine version it is called at, as
+the mpo engine does), so the ordering rules are checked without processes: what a batch may be started at, when
+the weight update may happen, and that the consumer never takes a token staler than the mode allows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mpo.trainer.rows import Sample
+from mpo.trainer.schedule import RolloutSchedule, version_number
+
+
+def _run(mode: str, k: int, steps: int = 8, train_s: float = 0.01, gen_s: float = 0.005):
+    """Drive the schedule like loop.run: take, 'train', before_sync, 'push' (the engine version), after_sync."""
+    engine = {"version": 0}
+    started_at: dict[int, int] = {}
+    during_sync: list[bool] = []
+    syncing = threading.Event()
+
+    def collect(step: int, version: int):
+        started_at[step] = version
+        assert version == engine["version"], "the schedule's version is the engines' version"
+        time.sleep(gen_s)
+        first = engine["version"]
+        time.sleep(gen_s)
+        during_sync.append(syncing.is_set())
+        return [Sample(ids=[1, 2, 3, 4], prompt_len=2, group=0, reward=0.0, versions=[first, engine["version"]])], {}
+
+    logged: list[tuple[int, list]] = []
+    schedule = RolloutSchedule(collect, mode, k, start=0, steps=steps, on_versions=lambda s, v: logged.append((s, v)))
+    rows = []
+    for step in range(steps):
+        samples, metrics = schedule.take(step)
+        time.sleep(train_s)
+        schedule.before_sync()
+        syncing.set()
+        engine["version"] = step + 1
+        time.sleep(0.002)
+        syncing.clear()
+        schedule.after_sync(step + 1)
+        rows.append({**metrics, **schedule.step_metrics()})
+    schedule.stop()
+    return started_at, during_sync, logged, rows
+
+
+def test_sync_generates_with_the_current_weights():
+    started_at, _, logged, rows = _run("sync", 1)
+    assert started_at == {s: s for s in range(8)}
+    assert all(r["staleness_max"] == 0 and r["overlap_frac"] == 0 for r in rows)
+    assert [s for s, _ in logged] == list(range(8))
+
+
+def test_one_step_off_is_exactly_one_version_behind_and_updates_between_batches():
+    started_at, during_sync, logged, rows = _run("one_step_off", 1)
+    assert started_at == {0: 0, **{s: s - 1 for s in range(1, 8)}}
+    assert not any(during_sync), "a weight update reached the engine while a batch was generating"
+    assert max(r["staleness_max"] for r in rows) == 1
+    assert max(r["overlap_frac"] for r in rows) > 0  # the next batch ran while the trainer trained
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_never_hands_out_a_token_staler_than_k(k):
+    started_at, _, logged, rows = _run("async", k, steps=10, train_s=0.02, gen_s=0.002)
+    assert all(started_at[s] >= s - k for s in started_at)
+    ages = [step - v for step, samples in logged for versions in samples for v in versions]
+    assert ages and max(ages) <= k and all(r["staleness_dropped_samples"] == 0 for r in rows)
+    # with fast generation the producer runs ahead to the limit: the bound is reached, not just respected
+    assert max(ages) == k
+
+
+def test_a_stale_sample_is_dropped():
+    def collect(step: int, version: int):
+        return [Sample(ids=[1, 2], prompt_len=1, group=0, reward=0.0, versions=[step - 3]),
+                Sample(ids=[1, 2], prompt_len=1, group=0, reward=0.0, versions=[step])], {}
+
+    schedule = RolloutSchedule(collect, "async", 2, start=5, steps=6)
+    samples, metrics = schedule.take(5)
+    schedule.stop()
+    assert [s.versions for s in samples] == [[5]] and metrics["staleness_dropped_samples"] == 1
+
+
+def test_producer_errors_reach_the_trainer():
+    def collect(step: int, version: int):
+        raise ConnectionError("engine gone")
+
+    schedule = RolloutSchedule(collect, "async", 1, start=0, steps=3)
+    with pytest.raises(RuntimeError, match="engine gone"):
+        schedule.take(0)
+    schedule.stop()
+
+
+def test_versions_parse_and_bad_mode():
+    assert version_number("step12", 0) == 12 and version_number("default", 3) == 3 and version_number(None, 4) == 4
+    with pytest.raises(ValueError, match="schedule.mode='bogus'; valid values: sync, one_step_off, async"):
+        RolloutSchedule(lambda s, v: ([], {}), "bogus", 1, start=0, steps=1)
+
+
+def test_colocate_needs_sync_mode():
+    from mpo.cli import RECIPES
+    from mpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.colocate=true needs schedule.mode='sync' \\(got 'async'\\)"):
+        load_config(RECIPES / "demo_cpu.yaml", ["rollout.colocate=true", "schedule.mode=async"])
+    with pytest.raises(ConfigError, match="schedule.max_staleness=0; valid values: >= 1"):
+        load_config(RECIPES / "demo_cpu.yaml", ["schedule.max_staleness=0"])
+    with pytest.raises(ConfigError, match="schedule.mode='later'; valid values: 'sync', 'one_step_off', 'async'"):
+        load_config(RECIPES / "demo_cpu.yaml", ["schedule.mode=later"])
