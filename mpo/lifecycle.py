@@ -82,6 +82,12 @@ def exit_with_parent(*, signal_by_default: bool = True) -> None:
     threading.Thread(target=watch, name="mpo-parent-watchdog", daemon=True).start()
 
 
+def die_with_parent() -> None:
+    """exit_with_parent for a multiprocessing child's initializer (picklable by name): the child stops within a
+    second of the process that started it, however that one ended."""
+    exit_with_parent(signal_by_default=True)
+
+
 def preexec_exit_with_this_process() -> Callable[[], None]:
     """A `subprocess.Popen(preexec_fn=...)` for children that are not mpo code (torchrun run directly, SGLang): the
     death signal is set between fork and exec, and survives the exec. Call it in the thread that starts the child and

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpo.lifecycle import NoSpaceLeft, _no_space_error, writing
+from mpo.lifecycle import NoSpaceLeft, _no_space_error, die_with_parent, writing
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ class DistCheckpointer:
                 tmp.mkdir(parents=True)
         dist.barrier()
         state = sharded_state(parts, is_loading=False, rng=True)
+        _writer_results_queue_dies_with_this_rank()
         self._need_bytes = _shard_bytes(parts)
         with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
@@ -303,6 +304,23 @@ class DistCheckpointer:
             log.info("resharding checkpoint %s: saved at %s, loading at %s (RNG not restored)", path,
                      trainer_state.get("layout"), layout)
         return trainer_state
+
+
+def _writer_results_queue_dies_with_this_rank() -> None:
+    """megatron's torch_dist writer reports results through a multiprocessing Manager (a server process) that it
+    starts on first use and that nothing stops if the rank dies by SIGKILL or os._exit (a one-line stop): it would
+    outlive the run. Start that Manager ourselves, once, with mpo.lifecycle's parent-death hook in it."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    filesystem_async._manager = manager  # kept referenced: the Manager stops when garbage-collected
+    filesystem_async._results_queue = manager.Queue()
 
 
 def _shard_bytes(parts: list[Part]) -> int:
