@@ -47,6 +47,10 @@ class ToyRun:
             return retirement.sample(self.task, seed, step, count)
         return self.task.prompts(seed, step, count)
 
+    def prompts(self, seed: int, step: int, count: int) -> list:
+        """The toy task's prompts of (seed, step): a pure function (mpo.data.retirement.PromptSource)."""
+        return self.task.prompts(seed, step, count)
+
     def warm_start_prompts(self, step: int, count: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(prompt ids, answer ids ending in EOS) pairs for the supervised warm start."""
         return [(p.ids, p.answer) for p in self.task.prompts(self.config.seed + 7919, step, count)]
