@@ -13,7 +13,7 @@ from mpo.config import TrainConfig, model_config
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.trainer.metrics_log import MetricsLog
 from mpo.trainer.schedule import RolloutSchedule
-from mpo.trainer.trainer import Trainer
+from mpo.trainer.trainer import Trainer, _broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +153,8 @@ def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[l
                                     vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
             for row, j in enumerate(rows if outs else []):
                 scored[j] = outs[0]["logprobs"][row].tolist()
-    box = [scored]
     # the last global rank is on the last stage
-    dist.broadcast_object_list(box, src=dist.get_world_size() - 1, group=trainer.ctx.object_group)
-    return box[0]
+    return _broadcast_object(scored, src=dist.get_world_size() - 1, group=trainer.ctx.object_group)
 
 
 def _verify_by_covering_probe(trainer: Trainer, engines: EngineSet | None) -> dict[str, float]:
@@ -205,9 +203,7 @@ def supervised_warm_start(trainer: Trainer) -> float:
     dp_rank, dp_size = trainer._dp()
     for step in range(cfg.schedule.sft_steps):
         pairs = trainer.task.warm_start_prompts(step, 64) if trainer.rank == 0 else None
-        box = [pairs]
-        dist.broadcast_object_list(box, src=0, group=trainer.ctx.object_group)  # rank 0 reads the data
-        pairs = box[0]
+        pairs = _broadcast_object(pairs, group=trainer.ctx.object_group)  # rank 0 reads the data
         samples = [Sample(ids=[*ids, *answer], prompt_len=len(ids), group=0, reward=0.0) for ids, answer in pairs]
         mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size,
                                 micro_batch_size=cfg.schedule.micro_batch_size,
