@@ -60,8 +60,9 @@ class RolloutSection:
         request_timeout_s: a request slower than this counts as a hung engine.
         sync: weight-sync path after each step (mpo.rollout.streaming: one sender per pipeline stage): "tensor"
             (HTTP payload; SGLang engines must be on the trainer's node), "distributed" (a process group between
-            each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes) or "cuda_ipc"
-            (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only).
+            each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes), "cuda_ipc"
+            (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only) or "shm"
+            (mpo engines on the trainer's host read the buckets in place from shared memory; CPU).
         bucket_mb: weight-sync bucket size.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
@@ -70,6 +71,9 @@ class RolloutSection:
             tensor_parallel engines on each rollout node.
         colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
             it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
+        host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a sync bucket through shared-memory
+            slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.rollout.streaming). None: on when
+            training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
         sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
             sets trainer node 0's host.
@@ -84,13 +88,14 @@ class RolloutSection:
     top_p: float = 1.0
     api_key: str | None = None
     request_timeout_s: float = 300.0
-    sync: Literal["tensor", "distributed", "cuda_ipc"] = "tensor"
+    sync: Literal["tensor", "distributed", "cuda_ipc", "shm"] = "tensor"
     bucket_mb: int = 64
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
     tensor_parallel: int = 1
     sync_master_address: str | None = None
     colocate: bool = False
+    host_shared_memory: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -430,7 +435,10 @@ def validate(config: TrainConfig) -> None:
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
     if r.sync == "cuda_ipc" and r.engine != "sglang":
         raise ConfigError(f"rollout.sync='cuda_ipc' is SGLang's colocated GPU path; rollout.engine={r.engine!r} "
-                          f"takes sync 'tensor' or 'distributed'")
+                          f"takes sync 'tensor', 'distributed' or 'shm'")
+    if r.sync == "shm" and r.engine != "mpo":
+        raise ConfigError(f"rollout.sync='shm' is mpo's engine's same-host path; rollout.engine={r.engine!r} takes "
+                          f"sync 'tensor', 'distributed' or 'cuda_ipc'")
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")

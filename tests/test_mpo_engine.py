@@ -219,6 +219,44 @@ def test_weight_sync_distributed_path_reaches_every_engine(engines, tmp_path):
           f"worker {time.perf_counter() - started:.1f} s")
 
 
+def test_weight_sync_shm_path_checksum_and_refusals(engines, tmp_path):
+    """rollout.sync=shm from a plain list of tensors (every bucket through WeightSync's shared spill buffer): the
+    engine's checksum equals the trainer's; a locator outside the shm directory, one reaching past its file, and a
+    wrong shape are refused with the reason, and the engine still serves."""
+    import json
+    import os
+
+    from mpo.rollout.shared_memory import SharedBuffer, file_name, locate, new_token
+    from mpo.rollout.weight_sync import SHM_FORMAT
+
+    out = tmp_path / "shm.pt"
+    spawn_ranks(1, engine_worker.perturb_and_sync, str(out), engines[1].url, "k", 32 << 10, "shm")
+    trainer = torch.load(out, weights_only=True)
+    assert trainer["buckets"] > 1
+    assert engines[1].client.call("/weights_checksum", method="GET")["checksum"] == trainer["checksum"]
+    assert not list(Path("/dev/shm").glob("mpo-sync-*-spill")), "the spill buffer outlived its WeightSync"
+
+    client = engines[1].client
+    buffer = SharedBuffer(file_name(new_token(), "test"), 64, torch.float32, create=True)
+    good = locate("lm_head.weight", buffer.tensor[:8].view(2, 4)).to_json()
+    outside = tmp_path / "mpo-sync-aa-p1-x"
+    outside.write_bytes(bytes(1024))
+    cases = [({**good, "path": str(outside)}, "is not an mpo-sync-\\* file in /dev/shm"),
+             ({**good, "shape": [16, 4]}, "differs from the model's"),
+             ({**good, "name": "model.norm.weight", "shape": [64], "stride": [1], "offset": 8},
+              "the view ends at element 71 but .* holds 64")]
+    client.begin_weight_update()
+    try:
+        for locator, reason in cases:
+            with pytest.raises(EngineError, match=reason):
+                client.update_weights_from_tensor([json.dumps([locator])], load_format=SHM_FORMAT)
+    finally:
+        client.end_weight_update()
+        buffer.close()
+    assert not os.path.exists(buffer.path)
+    assert client.healthy()
+
+
 def test_distributed_shape_mismatch_names_engine_and_tensor(engines):
     from mpo.rollout.weight_sync import WeightSync
 

@@ -12,18 +12,23 @@ from helpers.spawn import spawn_ranks
 
 LAYOUTS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
            "ep2xpp2": ["parallel.expert_parallel=2", "parallel.pipeline_parallel=2"]}
-# One sender at TP2xEP2 (the distributed group); two at EP2xPP2, where both transports differ (HTTP senders push
-# concurrently, distributed senders each make their own group and take turns). One engine start per transport.
-TRANSPORTS = {"tp2xep2": ["distributed"], "ep2xpp2": ["tensor", "distributed"]}
+# One sender at TP2xEP2 (the distributed group); two at EP2xPP2, where the transports differ (HTTP senders push
+# concurrently, distributed senders each make their own group and take turns). "/gloo": the pieces reach their
+# sender over gloo (the path NCCL takes on GPU) instead of being written into its shared-memory slot (the CPU
+# default; strided in place for TP2's row-parallel slices). "shm": the engine reads the buckets from those slots.
+TRANSPORTS = {"tp2xep2": ["distributed/gloo", "shm"], "ep2xpp2": ["tensor/gloo", "distributed", "shm"]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_streaming_sync_reaches_the_engine_without_a_full_gather(tmp_path, layout):
     spawn_ranks(4, sync_worker.streaming, str(tmp_path), LAYOUTS[layout], TRANSPORTS[layout])
     results = json.loads((tmp_path / "sync.json").read_text())
+    assert results["leftover_after_stop"] == []
     assert results["mpo_path"].startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     for transport in TRANSPORTS[layout]:
         got = results[transport]
+        assert got["shared"] == (not transport.endswith("/gloo"))
+        assert got["leftover_shm_files"] == [], "a sync left its shared-memory slots behind"
         assert got["engine_changed"], f"{transport}: the engine still has its initial weights"
         assert got["engine_matches_full_gather"], f"{transport}: engine weights differ from the trainer's"
         metrics = got["metrics"]

@@ -3,7 +3,10 @@ plain in-process memcpy (torch `copy_`) of the same bytes, in one run.
 
 `--sweep`: the trainer's real streaming sync (mpo.rollout.streaming, as mpo.trainer.sync drives it) from 4 gloo
 ranks holding a megatron model at TP2xEP2 into a locally started mpo engine of the same shape, at two model sizes
-(presets sync_bench_1l / sync_bench_12l: ~36M and ~342M parameters, same largest tensor). Per rank it records the
+(presets sync_bench_1l / sync_bench_12l: ~36M and ~342M parameters, same largest tensor). By default the way a
+CPU trainer syncs an engine on its own host: pieces written into the sender's shared-memory slots, the engine
+reading the buckets from them (`--transport shm`); `--transport distributed --gloo-gather` is the all-gloo path
+(pieces and buckets over TCP loopback), the shape of what NCCL does on GPU. Per rank it records the
 peak RSS increase during each sync (Linux: VmHWM after resetting it with /proc/self/clear_refs, minus VmRSS before;
 every allocation of the sync path counts, page cache does not) and the push time (first gather to the last bucket
 acknowledged by the engine; the engine's own apply at /end_weight_update is reported apart). The last line is
@@ -71,7 +74,7 @@ def _reset_peak() -> bool:
 
 
 def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transport: str, bucket_bytes: int,
-                rounds: int, out: str, layout: tuple[int, int, int]) -> None:
+                rounds: int, out: str, layout: tuple[int, int, int], shared: bool) -> None:
     """One trainer rank of a sweep run: build the model at the layout, stream it `rounds` times, record peaks."""
     import json
     import os
@@ -100,7 +103,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
 
     streamer = WeightStreamer(gpt, mapping_for(cfg, spec="local"),
                               stage=parallel_state.get_pipeline_model_parallel_rank(), bucket_bytes=bucket_bytes,
-                              device=ctx.device.device)
+                              device=ctx.device.device, host_shared_memory=shared)
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport=transport,
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender else None)
     records = []
@@ -166,7 +169,8 @@ def _sweep_run(preset: str, args, tmp: Path) -> dict:
                 raise
     try:
         mp.start_processes(_sweep_rank, args=(4, free_port(), preset, engine.url, args.transport,
-                                              int(args.bucket_mb * 2**20), args.rounds, str(out), layout),
+                                              int(args.bucket_mb * 2**20), args.rounds, str(out), layout,
+                                              not args.gloo_gather),
                            nprocs=4, join=True, start_method="spawn")
     finally:
         engine.stop()
@@ -191,7 +195,9 @@ def sweep(args) -> int:
     with tempfile.TemporaryDirectory(prefix="mpo-bench-sweep-") as tmp:
         for preset in sizes:
             runs[preset] = _sweep_run(preset, args, Path(tmp))
-    print(f"streaming sync, 4 gloo ranks at TP,EP,PP={args.layout}, transport {args.transport}, buckets of "
+    gather = "gloo" if args.gloo_gather else "shared-memory slots"
+    print(f"streaming sync, 4 gloo ranks at TP,EP,PP={args.layout}, pieces via {gather}, transport "
+          f"{args.transport}, buckets of "
           f"{args.bucket_mb:g} MiB, {args.rounds} rounds after one warm-up; memcpy {memcpy / 2**20:.0f} MiB/s")
     print(f"{'preset':16s} {'params':>10s} {'MiB':>8s} {'buckets':>8s} {'push s':>8s} {'total s':>8s} "
           f"{'push MiB/s':>11s} {'peak +MiB/rank (0..3)':>28s}")
@@ -216,7 +222,9 @@ def sweep(args) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpo.bench weight_sync", description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="the trainer's streaming sync at two model sizes")
-    parser.add_argument("--transport", default="distributed", help="--sweep: tensor or distributed")
+    parser.add_argument("--transport", default="shm", help="--sweep: shm, tensor or distributed")
+    parser.add_argument("--gloo-gather", action="store_true",
+                        help="--sweep: pieces reach their sender over gloo, not through shared memory")
     parser.add_argument("--layout", default="2,2,1", help="--sweep: TP,EP,PP of the 4 ranks")
     parser.add_argument("--preset", default="tiny", help="engine model preset (names and shapes of the tensors)")
     parser.add_argument("--rounds", type=int, default=None, help="default 5 (--sweep: 3)")

@@ -21,6 +21,13 @@ pickles per rank per step. Here every rank knows one fixed plan, built once from
   flight. Peak extra memory on any rank is therefore two slots plus the conversion/transport copies of one bucket,
   whatever the model size (measured: `python -m mpo.bench weight_sync --sweep`).
 
+Same-host pieces on CPU (`host_shared_memory`, default: on when the training device is the CPU): gloo's only path
+between two processes of one host is TCP over loopback, several times slower than memcpy, so there the sender's
+slots are shared-memory files (mpo.rollout.shared_memory) and a holder on the sender's host writes its pieces
+straight into place (strided where the place is not contiguous: no landing buffer), told by a small "go" message
+when the slot is free and answering "done". Holders on other hosts, and every holder on GPU (NCCL, NVLink), send as
+above. A slot in shared memory also lets same-host mpo engines read the bucket in place (rollout.sync=shm).
+
 Why one sender per stage that talks to the engines itself, rather than forwarding to rank 0: at 32 GPUs with PP4 the
 stages' bytes then leave from four NICs instead of converging on one, and no rank ever holds more than its buckets.
 The cost is that every sender is an engine client: HTTP senders push concurrently (each request stands alone);
@@ -191,56 +198,87 @@ def _numel(shape: Sequence[int]) -> int:
     return torch.Size(shape).numel()
 
 
-def _slot_numel(bucket: Bucket, rank: int) -> int:
-    """Elements one bucket needs on its sender: every unit tensor plus a landing buffer for each remote piece whose
-    place in the unit is not contiguous (e.g. a row-parallel slice)."""
-    total = 0
-    for pu in bucket.units:
-        total += _numel(pu.shape)
+def _holders(bucket: Bucket) -> list[int]:
+    """The ranks other than the sender that hold a piece of the bucket, in rank order."""
+    return sorted({p.holder for pu in bucket.units for p in pu.pieces if p.holder != bucket.sender})
+
+
+def _slot_layout(bucket: Bucket, in_place: frozenset[int]) -> tuple[list[int], dict[tuple[int, int], int], int]:
+    """Where a bucket lies in its sender's slot, in elements (sender and same-host holders compute it alike): each
+    unit's tensor, then, for each piece received over the process group whose place in the unit is not contiguous
+    (e.g. a row-parallel slice), a landing buffer. Pieces written in place (the sender's own; same-host holders'
+    through shared memory, `in_place`) need none. Returns (unit offsets, {(unit, piece): landing offset}, total)."""
+    offsets, landing, used = [], {}, 0
+    for u, pu in enumerate(bucket.units):
+        offsets.append(used)
+        used += _numel(pu.shape)
         probe = torch.empty(pu.shape, device="meta")
-        total += sum(_numel(probe[p.dst].shape) for p in pu.pieces
-                     if p.holder != rank and not probe[p.dst].is_contiguous())
-    return total
+        for j, piece in enumerate(pu.pieces):
+            if piece.holder == bucket.sender or piece.holder in in_place:
+                continue
+            target = probe[piece.dst]
+            if not target.is_contiguous():
+                landing[(u, j)] = used
+                used += _numel(target.shape)
+    return offsets, landing, used
+
+
+def _unit_views(bucket: Bucket, slot: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    return [slot[o: o + _numel(pu.shape)].view(pu.shape) for pu, o in zip(bucket.units, offsets)]
 
 
 class _Gather:
     """The in-flight receives of one bucket on its sender: unit tensors carved out of one preallocated slot (so a
-    sync allocates two slots, not a tensor per unit), filled by irecv straight into place where contiguous."""
+    sync allocates two slots, not a tensor per unit), filled by irecv straight into place where contiguous, and by
+    same-host holders writing into the shared slot themselves (`in_place`: a go message out, a done message back)."""
 
-    def __init__(self, bucket: Bucket, rank: int, local: list[torch.Tensor], slot: torch.Tensor) -> None:
+    def __init__(self, bucket: Bucket, index: int, local: list[torch.Tensor], slot: torch.Tensor,
+                 in_place: frozenset[int]) -> None:
         self.bucket, self.works, self.copies = bucket, [], []
-        self.tensors: list[torch.Tensor] = []
-        used = 0
-
-        def carve(shape: Sequence[int]) -> torch.Tensor:
-            nonlocal used
-            n = _numel(shape)
-            view = slot[used: used + n].view(tuple(shape))
-            used += n
-            return view
-
-        for pu in bucket.units:
-            full = carve(pu.shape)
-            self.tensors.append(full)
-            for piece in pu.pieces:
+        offsets, landing, _ = _slot_layout(bucket, in_place)
+        self.tensors = _unit_views(bucket, slot, offsets)
+        go = torch.tensor([index], dtype=torch.int64)
+        self._tokens = [go]  # alive until the sends completed
+        shared = [h for h in _holders(bucket) if h in in_place]
+        for holder in shared:  # the slot is free: same-host holders may write now
+            self.works.append(dist.isend(go, dst=holder))
+        for u, (pu, full) in enumerate(zip(bucket.units, self.tensors)):
+            for j, piece in enumerate(pu.pieces):
                 target = full[piece.dst]
-                if piece.holder == rank:
+                if piece.holder == bucket.sender:
                     target.copy_(local[piece.shard][piece.src].reshape(target.shape))
+                elif piece.holder in in_place:
                     continue
-                if target.is_contiguous():
-                    self.works.append(dist.irecv(target, src=piece.holder))
-                else:  # e.g. a row-parallel slice: receive whole, place after
-                    buffer = carve(target.shape)
+                elif (u, j) in landing:  # received whole, placed after
+                    at = landing[(u, j)]
+                    buffer = slot[at: at + target.numel()].view(target.shape)
                     self.works.append(dist.irecv(buffer, src=piece.holder))
                     self.copies.append((target, buffer))
+                else:
+                    self.works.append(dist.irecv(target, src=piece.holder))
+        for holder in shared:
+            done = torch.empty(1, dtype=torch.int64)
+            self._tokens.append(done)
+            self.works.append(dist.irecv(done, src=holder))
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()
         for target, buffer in self.copies:
             target.copy_(buffer)
-        self.works, self.copies = [], []
+        self.works, self.copies, self._tokens = [], [], []
         return self.tensors
+
+
+def _write_pieces(bucket: Bucket, rank: int, local: list[torch.Tensor], slot: torch.Tensor,
+                  in_place: frozenset[int]) -> None:
+    """A same-host holder's pieces of one bucket, written straight into the sender's shared slot."""
+    offsets, _, _ = _slot_layout(bucket, in_place)
+    for pu, full in zip(bucket.units, _unit_views(bucket, slot, offsets)):
+        for piece in pu.pieces:
+            if piece.holder == rank:
+                target = full[piece.dst]
+                target.copy_(local[piece.shard][piece.src].reshape(target.shape))
 
 
 def _send_pieces(bucket: Bucket, rank: int, local: list[torch.Tensor]) -> list:
@@ -272,18 +310,32 @@ class WeightStreamer:
         stage: this rank's pipeline stage.
         bucket_bytes: bucket size (HF bytes).
         device: where pieces are gathered (the training device).
+        host_shared_memory: same-host pieces through shared-memory slots (module docstring); None: on when the
+            device is the CPU.
     """
 
     def __init__(self, model: torch.nn.Module, mapping, *, stage: int, bucket_bytes: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", host_shared_memory: bool | None = None) -> None:
+        import os
+
+        from mpo.rollout.shared_memory import host_key, new_token
+
         self.model, self.mapping, self.bucket_bytes = model, mapping, bucket_bytes
         self.device = torch.device(device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.shared = self.device.type == "cpu" if host_shared_memory is None else host_shared_memory
+        if self.shared and self.device.type != "cpu":
+            raise ValueError("host_shared_memory needs the CPU as the gather device (on GPU pieces move over NCCL)")
         metas, tensors = local_shards(model)
         self.dtype = tensors[0].dtype
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (stage, metas))  # metadata only, once
+        mine = (stage, metas, host_key() if self.shared else f"rank{self.rank}", os.getpid(), new_token())
+        dist.all_gather_object(gathered, mine)  # metadata only, once
         self.stage_of_rank = [g[0] for g in gathered]
+        self.host_of_rank = [g[2] for g in gathered]
+        self.pid_of_rank = [g[3] for g in gathered]
+        self.token = gathered[0][4]  # rank 0's: one name space for this streamer's files
+        self.syncs = 0  # counts stream() calls (every rank alike): a sync's slot files have their own names
         self.units, self.buckets = build_plan(mapping, [g[1] for g in gathered], self.stage_of_rank, bucket_bytes,
                                               torch.empty((), dtype=self.dtype).element_size())
         self.senders = sorted({b.sender for b in self.buckets})
@@ -292,6 +344,18 @@ class WeightStreamer:
     @property
     def is_sender(self) -> bool:
         return self.rank in self.senders
+
+    def in_place(self, sender: int) -> frozenset[int]:
+        """The ranks that write their pieces straight into `sender`'s shared slots (same host; none without
+        host_shared_memory)."""
+        if not self.shared:
+            return frozenset()
+        return frozenset(r for r in range(self.world) if r != sender and self.host_of_rank[r] == self.host_of_rank[sender])
+
+    def _slot_name(self, sender: int, index: int) -> str:
+        from mpo.rollout.shared_memory import file_name
+
+        return file_name(self.token, self.syncs, f"r{sender}", index, pid=self.pid_of_rank[sender])
 
     def stream(self, push: Callable[[list[tuple[str, torch.Tensor]]], None] | None, *, sequential: bool,
                digest: Callable[[str, torch.Tensor], str] | None = None) -> StreamResult:
@@ -312,6 +376,7 @@ class WeightStreamer:
                     self._hold_buckets(mine, local)
             if turn is not None and len(order) > 1:
                 dist.barrier()
+        self.syncs += 1
         result.seconds = time.perf_counter() - started
         return result
 
@@ -320,12 +385,29 @@ class WeightStreamer:
             return
         # Two slots, allocated once per sync: bucket k is converted and pushed from one while bucket k+1's receives
         # land in the other (double buffering), so the gathers overlap the push and memory stays two buckets.
-        numel = max(_slot_numel(b, self.rank) for b in buckets)
-        slots = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(min(2, len(buckets)))]
-        pending = _Gather(buckets[0], self.rank, local, slots[0])
+        in_place = self.in_place(self.rank)
+        numel = max(_slot_layout(b, in_place)[2] for b in buckets)
+        count = min(2, len(buckets))
+        if self.shared:
+            from mpo.rollout.shared_memory import SharedBuffer
+
+            shared = [SharedBuffer(self._slot_name(self.rank, i), numel, self.dtype, create=True) for i in range(count)]
+            slots = [buffer.tensor for buffer in shared]
+        else:
+            shared, slots = [], [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(count)]
+        try:
+            self._push_from_slots(buckets, local, slots, in_place, push, digest, result)
+        finally:
+            del slots
+            for buffer in shared:  # holders are done with them (their done messages arrived): unlink
+                buffer.close()
+
+    def _push_from_slots(self, buckets: list[Bucket], local, slots: list[torch.Tensor], in_place: frozenset[int],
+                         push, digest, result: StreamResult) -> None:
+        pending = _Gather(buckets[0], 0, local, slots[0], in_place)
         for k, bucket in enumerate(buckets):
             tensors = pending.wait()
-            pending = (_Gather(buckets[k + 1], self.rank, local, slots[(k + 1) % 2])
+            pending = (_Gather(buckets[k + 1], k + 1, local, slots[(k + 1) % 2], in_place)
                        if k + 1 < len(buckets) else None)
             named: list[tuple[str, torch.Tensor]] = []
             for pu, tensor in zip(bucket.units, tensors):
@@ -340,13 +422,35 @@ class WeightStreamer:
 
     def _hold_buckets(self, buckets: list[Bucket], local) -> None:
         previous: list = []
-        for bucket in buckets:
-            current = _send_pieces(bucket, self.rank, local)
-            for work in previous:  # at most two buckets of sends in flight
+        mapped: dict[int, Any] = {}  # slot index -> the sender's shared slot, mapped on first use
+        try:
+            for k, bucket in enumerate(buckets):
+                if self.rank not in _holders(bucket):
+                    continue
+                in_place = self.in_place(bucket.sender)
+                if self.rank in in_place:  # wait until the slot is free, write in place, say so
+                    go = torch.empty(1, dtype=torch.int64)
+                    dist.recv(go, src=bucket.sender)
+                    if int(go) != k:
+                        raise RuntimeError(f"streaming sync out of step: rank {self.rank} expected bucket {k}, "
+                                           f"sender {bucket.sender} announced {int(go)}")
+                    if k % 2 not in mapped:
+                        from mpo.rollout.shared_memory import SharedBuffer
+
+                        mapped[k % 2] = SharedBuffer(self._slot_name(bucket.sender, k % 2), None, self.dtype,
+                                                     create=False)
+                    _write_pieces(bucket, self.rank, local, mapped[k % 2].tensor, in_place)
+                    dist.send(go, dst=bucket.sender)
+                    continue
+                current = _send_pieces(bucket, self.rank, local)
+                for work in previous:  # at most two buckets of sends in flight
+                    work.wait()
+                previous = current
+            for work in previous:
                 work.wait()
-            previous = current
-        for work in previous:
-            work.wait()
+        finally:
+            for buffer in mapped.values():
+                buffer.close()
 
 
 def routable_address(peer_host: str) -> str:

@@ -22,7 +22,11 @@ Two transports, for both engine kinds (config `rollout.sync`):
   order, on that group.
 * "cuda_ipc" (GPU only, not run on CPU): SGLang engines on the trainer's own GPUs get /update_weights_from_tensor
   with a flattened bucket whose tensor is a CUDA IPC handle (cuda_ipc_payload); no bytes are copied.
-Both run inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue).
+* "shm" (CPU, mpo engines on the trainer's host): the same idea in host memory. A bucket that lies in a shared
+  slot (mpo.rollout.streaming allocates its slots in /dev/shm on CPU) travels as locators (file, offset, shape,
+  stride: `load_format="mpo_shm"`); tensors elsewhere are first copied into this WeightSync's shared spill buffer.
+  The engine copies the values out before it answers, so the sender may reuse the slot right after.
+All run inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ from mpo.rollout.protocol import decode_routed_experts
 from mpo.rollout.sglang_wire import dtype_name, flattened_bucket_payload, join_weight_update_group, split_by_dtype
 
 MPO_FORMAT = "mpo_safetensors"
+SHM_FORMAT = "mpo_shm"
 SGLANG_FORMAT = "flattened_bucket"
 NamedTensors = list[tuple[str, torch.Tensor]]
 EngineKind = Literal["mpo", "sglang"]
-Transport = Literal["tensor", "distributed", "cuda_ipc"]
+Transport = Literal["tensor", "distributed", "cuda_ipc", "shm"]
+TRANSPORTS = ("tensor", "distributed", "cuda_ipc", "shm")
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -195,10 +201,21 @@ class WeightSync:
                  master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
         if engine not in ("mpo", "sglang"):
             raise ValueError(f"engine must be 'mpo' or 'sglang', got {engine!r}")
-        if transport not in ("tensor", "distributed", "cuda_ipc"):
-            raise ValueError(f"transport must be 'tensor', 'distributed' or 'cuda_ipc', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if transport == "cuda_ipc" and engine != "sglang":
             raise ValueError("transport 'cuda_ipc' is SGLang's colocated path; engine must be 'sglang'")
+        if transport == "shm":
+            from urllib.parse import urlsplit
+
+            from mpo.parallel.ports import is_local_host
+
+            if engine != "mpo":
+                raise ValueError("transport 'shm' is mpo's engine's same-host path; engine must be 'mpo'")
+            remote = [c.url for c in clients if not is_local_host(urlsplit(c.url).hostname or "")]
+            if remote:
+                raise ValueError(f"transport 'shm' needs engines on this host; {', '.join(remote)} is on another: "
+                                 f"use 'distributed'")
         self.clients = list(clients)
         self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
         self.tp_sizes = list(tp_sizes or [1] * len(self.clients))
@@ -208,6 +225,7 @@ class WeightSync:
         self.master_address, self.timeout_s = master_address, timeout_s
         self.group: torch.distributed.ProcessGroup | None = None
         self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
+        self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
 
     # -- pushing ---------------------------------------------------------------------------------------------------
     def push(self, named: NamedTensors, version: str) -> SyncReport:
@@ -244,6 +262,8 @@ class WeightSync:
             self._push_tensor(bucket, version)
         elif self.transport == "cuda_ipc":
             self._push_cuda_ipc(bucket, version)
+        elif self.transport == "shm":
+            self._push_shm(bucket, version)
         else:
             self._push_distributed(bucket, version)
 
@@ -272,6 +292,37 @@ class WeightSync:
             for client, tp in zip(self.clients, self.tp_sizes):
                 client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
             torch.cuda.synchronize(device)
+
+    def _push_shm(self, bucket: NamedTensors, version: str) -> None:
+        """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot, one copy
+        into the spill buffer for the rest (e.g. the q/k/v parts the conversion had to make contiguous)."""
+        import json
+
+        from mpo.rollout.shared_memory import SharedBuffer, file_name, locate, new_token
+
+        located, missing = [], []
+        for name, tensor in bucket:
+            tensor = tensor.detach()
+            loc = locate(name, tensor) if tensor.device.type == "cpu" else None
+            (located.append(loc) if loc is not None else missing.append((name, tensor)))
+        if missing:
+            align = 64
+            sizes = [-(-t.numel() * t.element_size() // align) * align for _, t in missing]
+            if self._spill is None or self._spill.numel < sum(sizes):
+                if self._spill is not None:
+                    self._spill.close()
+                self._spill = SharedBuffer(file_name(new_token(), "spill"), max(sum(sizes), self.bucket_bytes),
+                                           torch.uint8, create=True)
+            at = 0
+            for (name, tensor), size in zip(missing, sizes):
+                nbytes = tensor.numel() * tensor.element_size()
+                view = self._spill.tensor[at: at + nbytes].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor)
+                located.append(locate(name, view))
+                at += size
+        payload = json.dumps([loc.to_json() for loc in located])
+        for client, tp in zip(self.clients, self.tp_sizes):
+            client.update_weights_from_tensor([payload] * tp, load_format=SHM_FORMAT, weight_version=version)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -333,7 +384,10 @@ class WeightSync:
         self.group = joined["group"]
 
     def close(self) -> None:
-        """Tear the weight-update group down on the engines and here (distributed transport)."""
+        """Tear the weight-update group down on the engines and here (distributed transport); free the shm spill."""
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
         if self.group is None:
             return
         try:

@@ -35,11 +35,13 @@ def _state(trainer) -> _RankState:
     from mpo.rollout.streaming import WeightStreamer
 
     state = _STATE.get(trainer)
-    if state is None:
+    r = trainer.config.rollout
+    shared = r.host_shared_memory
+    if state is None or (shared is not None and state.streamer.shared != shared):  # made once (collective)
         streamer = WeightStreamer(trainer.gpt, mapping_for(trainer.model_cfg, spec="local"),
                                   stage=trainer.ps.get_pipeline_model_parallel_rank(),
-                                  bucket_bytes=trainer.config.rollout.bucket_mb << 20,
-                                  device=trainer.ctx.device.device)
+                                  bucket_bytes=r.bucket_mb << 20, device=trainer.ctx.device.device,
+                                  host_shared_memory=shared)
         state = _STATE[trainer] = _RankState(streamer)
     return state
 

@@ -5,6 +5,7 @@ fails the run."""
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,12 @@ def forbid_full_gather():
         full_state.gather_full_state = original
 
 
+def trainer_shared(trainer) -> bool:
+    from mpo.trainer.sync import _state
+
+    return _state(trainer).streamer.shared
+
+
 def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
     """For each transport: perturb the weights, sync (no full gather allowed), then compare the engine's checksum
     with one computed from an independent full gather of the trainer (test-only), and record the sync metrics."""
@@ -62,12 +69,15 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
     results: dict = {"mpo_path": mpo.rollout.streaming.__file__}
     owner = None  # the EngineSet that started the one local engine; later transports reach it by URL
     trainer = None
-    for transport in transports:
+    for item in transports:  # "TRANSPORT" or "TRANSPORT/gloo" (pieces over gloo, not shared memory)
+        transport, _, gather = item.partition("/")
         urls = [f"rollout.urls=[{owner.clients[0].url}]"] if owner is not None else []
         config = load_config(RECIPES / "demo_cpu.yaml", [
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
-            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0", *urls])
+            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0", *urls,
+            f"rollout.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
         trainer = trainer or Trainer(config)
+        trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
         owner = owner or engines
         try:
@@ -80,15 +90,18 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
                 named = mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full)
                 expected = weights_checksum(named)
                 got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
-                results[transport] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
-                                      "engine_changed": got != before}
+                leftover = sorted(p.name for p in Path("/dev/shm").glob(f"mpo-sync-*-p{os.getpid()}-*-r*"))
+                results[item] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
+                                 "engine_changed": got != before, "shared": trainer_shared(trainer),
+                                 "leftover_shm_files": leftover}
         finally:
             if engines is not None and engines is not owner:
                 engines.stop()  # closes its weight-update group; the engine itself belongs to the owner
         dist.barrier()
     if owner is not None:
-        owner.stop()
+        owner.stop()  # closes its WeightSync, whose spill buffer (shm transport) is the last shared file
     if dist.get_rank() == 0:
+        results["leftover_after_stop"] = sorted(p.name for p in Path("/dev/shm").glob(f"mpo-sync-*-p{os.getpid()}-*"))
         Path(out_dir, "sync.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,8 +1,11 @@
 """Weight-update endpoints of mpo's engine, with SGLang 0.5.23's session rule: updates arrive between
 /begin_weight_update and /end_weight_update and take effect at the end (a unit such as QKV may span buckets).
 
-Both transports of mpo.rollout.weight_sync are served with SGLang's semantics:
+The transports of mpo.rollout.weight_sync are served with SGLang's semantics:
 * tensor: /update_weights_from_tensor with `load_format="mpo_safetensors"`;
+* shm (a trainer on this host): /update_weights_from_tensor with `load_format="mpo_shm"`, whose payload is a JSON
+  list of locators into the sender's shared-memory slot (mpo.rollout.shared_memory); the values are copied out
+  before the request returns, since the sender reuses the slot for its next bucket;
 * distributed: /init_weights_update_group joins the trainer's group with the same rendezvous calls SGLang makes
   (mpo.rollout.sglang_wire.join_weight_update_group; this engine runs at TP1, so its rank is rank_offset),
   /update_weights_from_distributed receives one broadcast from rank 0 per tensor, in list order, into tensors of the
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from mpo.rollout.mpo_engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
 from mpo.rollout.sglang_wire import dtype_from_name, join_weight_update_group
-from mpo.rollout.weight_sync import MPO_FORMAT, decode_mpo_bucket
+from mpo.rollout.weight_sync import MPO_FORMAT, SHM_FORMAT, decode_mpo_bucket
 
 
 class WeightRoutes:
@@ -68,15 +71,43 @@ class WeightRoutes:
 
     def from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         self.app.require_weight_update_session("update_weights_from_tensor")
-        if body.get("load_format") != MPO_FORMAT:
-            raise RequestError(f"mpo engine: update_weights_from_tensor takes load_format={MPO_FORMAT!r} "
-                               f"(safetensors payloads), got {body.get('load_format')!r}")
+        load_format = body.get("load_format")
+        if load_format not in (MPO_FORMAT, SHM_FORMAT):
+            raise RequestError(f"mpo engine: update_weights_from_tensor takes load_format {MPO_FORMAT!r} "
+                               f"(safetensors payloads) or {SHM_FORMAT!r} (shared-memory locators), got "
+                               f"{load_format!r}")
         payloads = body.get("serialized_named_tensors") or []
         if len(payloads) != 1:
             raise RequestError(f"mpo engine runs at TP1: expected 1 serialized payload, got {len(payloads)}")
-        self._stage(decode_mpo_bucket(payloads[0]))
+        self._stage(decode_mpo_bucket(payloads[0]) if load_format == MPO_FORMAT else self._from_shared(payloads[0]))
         self.pending_version = body.get("weight_version") or self.pending_version
         return {"success": True, "message": "Success"}
+
+    def _from_shared(self, payload: Any) -> dict[str, torch.Tensor]:
+        """Copy every located tensor out of the sender's shared slot into this engine's receive buffers."""
+        import json
+
+        from mpo.rollout.shared_memory import read_view
+
+        try:
+            locators = json.loads(payload) if isinstance(payload, str) else None
+        except ValueError:
+            locators = None
+        if not isinstance(locators, list) or not all(isinstance(x, dict) for x in locators):
+            raise RequestError(f"{SHM_FORMAT}: the payload must be a JSON list of locator objects")
+        received: dict[str, torch.Tensor] = {}
+        for i, locator in enumerate(locators):
+            name = locator.get("name")
+            if name not in self._expected:
+                raise RequestError(f"weight update: unknown tensor {name!r} for this model")
+            try:
+                view = read_view(locator, expected_shape=self._expected[name])
+            except (ValueError, OSError) as exc:
+                raise RequestError(f"{SHM_FORMAT}: locator {i} ({name}): {exc}") from exc
+            buffer = self._receive_buffer(name, view.dtype, tuple(view.shape))
+            buffer.copy_(view)
+            received[name] = buffer
+        return received
 
     # -- distributed transport -----------------------------------------------------------------------------------
     def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
