@@ -67,10 +67,11 @@ def test_ppo_with_a_critic_raises_the_reward(tmp_path):
 PPO = ("algorithm.loss=grpo", "algorithm.advantage=gae", "algorithm.filter_zero_variance=false")
 
 
-@pytest.mark.parametrize("algorithm", [(), PPO], ids=["gspo", "ppo-critic"])
-def test_killed_run_resumes_bit_exact(tmp_path, algorithm):
-    """PPO included: the critic's weights and optimizer are part of the checkpoint."""
-    settings = ("schedule.sft_steps=5", "logging.checkpoint_every=2", "logging.tensorboard=false", *algorithm)
+def test_killed_run_resumes_bit_exact(tmp_path):
+    """With PPO's critic, the most state a demo run has: policy and critic weights and optimizers, RNG, the task's
+    position, the advantage estimator's state. (A GRPO-only case was dropped to keep the suite in budget: its
+    state is a subset of this one, and the async test below resumes a GRPO run after a kill.)"""
+    settings = ("schedule.sft_steps=5", "logging.checkpoint_every=2", "logging.tensorboard=false", *PPO)
     reference = tmp_path / "uninterrupted"
     assert _run(_demo_command(reference, 6, *settings), tmp_path / "a.log").returncode == 0
 

@@ -127,7 +127,8 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
         done = time.perf_counter()
         peak = (_rss_kib("VmHWM") if exact else _rss_kib("VmRSS")) - rss_before
         records.append({"push_s": pushed - started, "total_s": done - started, "bytes": result.bytes,
-                        "buckets": result.buckets, "peak_kib": peak, "exact_peak": exact})
+                        "buckets": result.buckets, "peak_kib": peak, "exact_peak": exact,
+                        "gather_s": result.gather_s, "engine_push_s": result.push_s})
         if digest is not None:
             parts = [None] * world if rank == 0 else None
             dist.gather_object(result.digests, parts, dst=0)
@@ -211,6 +212,9 @@ def sweep(args) -> int:
         per_rank = [max(rnd[i]["peak_kib"] for rnd in rounds) / 1024 for i in range(len(ranks))]
         peaks[preset], rates[preset] = max(per_rank), nbytes / push
         buckets = sum(r["buckets"] for r in rounds[0])
+        waits = statistics.median(sum(r["gather_s"] for r in rnd) for rnd in rounds)
+        engine = statistics.median(sum(r["engine_push_s"] for r in rnd) for rnd in rounds)
+        print(f"  {preset}: senders waited {waits:.2f} s for pieces, {engine:.2f} s in engine pushes")
         print(f"{preset:16s} {sizes[preset] / 1e6:9.1f}M {nbytes / 2**20:8.1f} {buckets:8d} "
               f"{push:8.2f} {total:8.2f} {nbytes / push / 2**20:11.1f} {' '.join(f'{p:6.1f}' for p in per_rank):>28s}")
     small, large = sizes

@@ -47,6 +47,7 @@ class WeightRoutes:
         self._names_lock = threading.Lock()  # guards groups and _joining
         self._group_lock = threading.Lock()  # one collective at a time per engine
         self._buffers: dict[str, torch.Tensor] = {}  # receive buffers of the distributed path, reused every sync
+        self._mapped: dict = {}  # shm transport: the sender's slots mapped once per session (dropped at its end)
         self._expected: dict[str, tuple[int, ...]] = {
             name: tuple(shape) for unit in runner.mapping.units()
             for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)}
@@ -59,6 +60,7 @@ class WeightRoutes:
         self.app.add("POST", "/update_weights_from_distributed", self.from_distributed)
         self.app.add("POST", "/destroy_weights_update_group", self.destroy_group)
         self.app.end_hooks.append(self.apply)
+        self.app.end_hooks.append(self._mapped.clear)  # the slots are the trainer's: unmapped when the session ends
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -101,7 +103,7 @@ class WeightRoutes:
             if name not in self._expected:
                 raise RequestError(f"weight update: unknown tensor {name!r} for this model")
             try:
-                view = read_view(locator, expected_shape=self._expected[name])
+                view = read_view(locator, expected_shape=self._expected[name], cache=self._mapped)
             except (ValueError, OSError) as exc:
                 raise RequestError(f"{SHM_FORMAT}: locator {i} ({name}): {exc}") from exc
             buffer = self._receive_buffer(name, view.dtype, tuple(view.shape))
