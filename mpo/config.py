@@ -70,6 +70,10 @@ class RolloutSection:
             tensor_parallel engines on each rollout node.
         colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
             it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
+        offload_trainer: with colocated engines, every trainer rank moves its parameters and optimizer state to
+            (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
+            trains (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident (when both
+            fit, it saves the host copies' time every step).
         sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
             sets trainer node 0's host.
@@ -91,6 +95,7 @@ class RolloutSection:
     tensor_parallel: int = 1
     sync_master_address: str | None = None
     colocate: bool = False
+    offload_trainer: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -434,6 +439,9 @@ def validate(config: TrainConfig) -> None:
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
+    if r.offload_trainer and not r.colocate:
+        raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
+                          "room for engines on its own GPUs")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
