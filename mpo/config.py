@@ -74,6 +74,10 @@ class RolloutSection:
         host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a sync bucket through shared-memory
             slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.rollout.streaming). None: on when
             training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
+        offload_trainer: with colocated engines, every trainer rank moves its parameters and optimizer state to
+            (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
+            trains (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident (when both
+            fit, it saves the host copies' time every step).
         sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
             sets trainer node 0's host.
@@ -96,6 +100,7 @@ class RolloutSection:
     sync_master_address: str | None = None
     colocate: bool = False
     host_shared_memory: bool | None = None
+    offload_trainer: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -442,6 +447,9 @@ def validate(config: TrainConfig) -> None:
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
+    if r.offload_trainer and not r.colocate:
+        raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
+                          "room for engines on its own GPUs")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):

@@ -25,9 +25,15 @@ mismatch, and its metrics (train_rollout_logprob_absdiff, ...) are logged as in 
 Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
 they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages
 around the weight sync: /resume_memory_occupation {"tags": ["weights"]}, the push, then {"tags": ["kv_cache"]}.
-Not done yet: the trainer's side (offloading optimizer states and gradients while the engines generate); on CPU
-there is no device memory to hand over, and real SGLang's release dies without CUDA (spec/sglang.md), so the GPU
-path of this protocol is unverified.
+The trainer's side (rollout.offload_trainer, on with colocate; mpo.trainer.offload): every rank moves its
+parameters and optimizer state to (pinned) host memory and frees its gradients at the start of Trainer.train_step,
+before rank 0 generates, and takes them back once the batch has arrived (after the engines released theirs). One
+step is then: trainer offloaded while the engines generate, engines release, trainer reloads and trains, engines
+resume their weights, the push (reads the trainer's resident parameters), engines resume the KV cache. The warm
+start and the first push run before the first step, resident. Logged per step: offload/bytes (device bytes freed
+on the reporting rank), offload/host_bytes, offload/offload_s, offload/reload_s. On CPU there is no device memory to
+hand over (the protocol runs and is tested: storages freed to 0 bytes, bit-exact reloads, a colocated run equal to
+a resident one), and real SGLang's release dies without CUDA (spec/sglang.md), so the GPU path is unverified.
 
 Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are
 dropped on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the

@@ -38,6 +38,7 @@ from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
 from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
+from mpo.trainer.offload import TrainerOffload, offload_enabled
 from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class Trainer:
         """Use another algorithm section (loss, replay, KL) from the next step on; the reference policy for KL is
         the weights at this moment."""
         self.config = replace(self.config, algorithm=algorithm)
+        self._offload = None  # the critic or the KL reference may change below: TrainerOffload made anew
         self.loss_spec = get_loss(algorithm.loss)
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
         self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
@@ -126,6 +128,17 @@ class Trainer:
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """The initial weights, kept on the host for the KL reference forward."""
         return {k: v.detach().clone() for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def _trainer_offload(self) -> TrainerOffload | None:
+        """rollout.colocate's trainer side (mpo.trainer.offload) over this rank's policy, critic, optimizers and KL
+        reference (their storages are walked at every offload); None when rollout.offload_trainer is off."""
+        if not offload_enabled(self.config.rollout):
+            return None
+        if self._offload is None:
+            parts = [self] + ([self.critic] if self.critic is not None else [])
+            self._offload = TrainerOffload([p.model for p in parts], [p.optimizer for p in parts], device=self.device,
+                                           extra=(self.reference or {}).values())
+        return self._offload
 
     @property
     def is_last_stage(self) -> bool:
@@ -426,11 +439,24 @@ class Trainer:
         """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
         cfg = self.config
         source = self.rollout_source or self.collect
-        samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
-        # Every other rank waits here while rank 0 generates: on the gloo object group (parallel.distributed_timeout_s)
-        samples = _broadcast_object(samples, group=self.ctx.object_group)
+        # Colocated engines: every rank's trainer memory is on the host while rank 0's engines generate (they share
+        # every rank's GPU); the engines release theirs when the batch is done (RolloutSchedule.take), then the
+        # trainer takes its back. The weight sync after this step reads the parameters resident.
+        offload = self._trainer_offload()
+        if offload is not None:
+            offload.offload()
+        try:
+            samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
+            # Every other rank waits here while rank 0 generates: on the gloo object group
+            # (parallel.distributed_timeout_s), which holds none of the offloaded storages
+            samples = _broadcast_object(samples, group=self.ctx.object_group)
+        finally:
+            if offload is not None:
+                offload.reload()
         started = time.perf_counter()  # training time from here: under one_step_off/async rollouts overlap it
         metrics: dict[str, float] = dict(rollout_metrics)
+        if offload is not None:
+            metrics.update(offload.metrics())  # the reporting rank's (the first last-stage rank)
         metrics["nonfinite_total"] = float(self.nonfinite_total)
         if not samples:  # every group had equal rewards: no update; the loss row is 0 (no gradient was taken)
             metrics.update(skipped_no_signal=1.0, loss=0.0)
