@@ -33,35 +33,30 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_demo_reward_rises(tmp_path):
-    """With rollout.colocate=true (the engine releases its memory after each batch and resumes it in two stages
-    around the weight sync; it refuses to generate or take weights while released, so a wrong order fails the run)."""
-    out = tmp_path / "demo"
-    result = _run(_demo_command(out, 30, "rollout.colocate=true"), tmp_path / "demo.log")
-    log = (tmp_path / "demo.log").read_text()
-    assert result.returncode == 0, log[-3000:]
-    rows = _metrics(out)
-    assert [r["step"] for r in rows] == list(range(30))
-    before = sum(r["reward_mean"] for r in rows[:5]) / 5
-    after = sum(r["reward_mean"] for r in rows[-5:]) / 5
-    assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"
-    assert "before RL" in log and (out / "demo.png").stat().st_size > 1000
-    assert all(r["train_rollout_logprob_absdiff"] < 1e-5 for r in rows if "train_rollout_logprob_absdiff" in r)
-
-
-def test_ppo_with_a_critic_raises_the_reward(tmp_path):
+def test_ppo_with_a_critic_raises_the_reward_with_colocated_engines(tmp_path):
     """PPO on the demo task: GAE advantages from the megatron critic (mpo/recipes/demo_cpu_ppo.yaml's algorithm);
-    the critic is scored and trained every step, and the policy's reward rises over a short run."""
+    the critic is scored and trained every step, and the policy's reward rises over a short run.
+
+    With rollout.colocate=true: the engine releases its memory after each batch and resumes it in two stages around
+    the weight sync (it refuses to generate or take weights while released, so a wrong order fails the run), and
+    every trainer rank offloads policy, critic and both optimizers while the engine generates (offload/bytes).
+    One run covers both, and the demo's own outputs (the plot, the "before RL" line), to keep the suite short."""
     out = tmp_path / "ppo"
     overrides = ("algorithm.loss=grpo", "algorithm.advantage=gae", "algorithm.advantage_args={lam: 0.95}",
-                 "algorithm.critic_lr=0.002", "algorithm.filter_zero_variance=false", "logging.tensorboard=false")
+                 "algorithm.critic_lr=0.002", "algorithm.filter_zero_variance=false", "logging.tensorboard=false",
+                 "rollout.colocate=true")
     result = _run(_demo_command(out, 24, *overrides), tmp_path / "ppo.log")
-    assert result.returncode == 0, (tmp_path / "ppo.log").read_text()[-3000:]
+    log = (tmp_path / "ppo.log").read_text()
+    assert result.returncode == 0, log[-3000:]
     rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(24))
     before = sum(r["reward_mean"] for r in rows[:5]) / 5
     after = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"
     assert all(math.isfinite(r["critic/value_loss"]) and r["critic/grad_norm"] > 0 for r in rows)
+    assert all(r["offload/bytes"] > 0 for r in rows)
+    assert "before RL" in log and (out / "demo.png").stat().st_size > 1000
+    assert all(r["train_rollout_logprob_absdiff"] < 1e-5 for r in rows if "train_rollout_logprob_absdiff" in r)
 
 
 PPO = ("algorithm.loss=grpo", "algorithm.advantage=gae", "algorithm.filter_zero_variance=false")
