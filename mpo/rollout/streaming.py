@@ -223,6 +223,11 @@ def _slot_layout(bucket: Bucket, in_place: frozenset[int]) -> tuple[list[int], d
     return offsets, landing, used
 
 
+def _place(target: torch.Tensor, local: list[torch.Tensor], piece: Piece) -> None:
+    """Copy a piece this process holds into its place in the unit (the sender's own, or a same-host holder's)."""
+    target.copy_(local[piece.shard][piece.src].reshape(target.shape))
+
+
 def _unit_views(bucket: Bucket, slot: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
     return [slot[o: o + _numel(pu.shape)].view(pu.shape) for pu, o in zip(bucket.units, offsets)]
 
@@ -246,7 +251,7 @@ class _Gather:
             for j, piece in enumerate(pu.pieces):
                 target = full[piece.dst]
                 if piece.holder == bucket.sender:
-                    target.copy_(local[piece.shard][piece.src].reshape(target.shape))
+                    _place(target, local, piece)
                 elif piece.holder in in_place:
                     continue
                 elif (u, j) in landing:  # received whole, placed after
@@ -277,8 +282,7 @@ def _write_pieces(bucket: Bucket, rank: int, local: list[torch.Tensor], slot: to
     for pu, full in zip(bucket.units, _unit_views(bucket, slot, offsets)):
         for piece in pu.pieces:
             if piece.holder == rank:
-                target = full[piece.dst]
-                target.copy_(local[piece.shard][piece.src].reshape(target.shape))
+                _place(full[piece.dst], local, piece)
 
 
 def _send_pieces(bucket: Bucket, rank: int, local: list[torch.Tensor]) -> list:
@@ -349,7 +353,10 @@ class WeightStreamer:
         return self.rank in self.senders
 
     def _params_key(self) -> tuple:
-        return tuple((p.data_ptr(), p.untyped_storage().data_ptr()) for p in self.model.parameters())
+        # The storage's identity (its StorageImpl) and the place in it, not the data address: the trainer's offload
+        # (mpo.trainer.offload) frees and reallocates storages in place every colocated step, which moves the
+        # address but keeps every view valid; only a re-seated parameter (a new storage) needs new views.
+        return tuple((p.untyped_storage()._cdata, p.storage_offset(), tuple(p.shape)) for p in self.model.parameters())
 
     def in_place(self, sender: int) -> frozenset[int]:
         """The ranks that write their pieces straight into `sender`'s shared slots (same host; none without

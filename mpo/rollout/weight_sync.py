@@ -303,7 +303,7 @@ class WeightSync:
         located, missing = [], []
         for name, tensor in bucket:
             tensor = tensor.detach()
-            loc = locate(name, tensor) if tensor.device.type == "cpu" else None
+            loc = locate(name, tensor)  # None unless it lies in a shared buffer of this process (CPU)
             (located.append(loc) if loc is not None else missing.append((name, tensor)))
         if missing:
             align = 64
