@@ -189,8 +189,13 @@ class ModelMapping:
                                   tensor=unit.hf_names[0])
         return out.contiguous()
 
-    def to_hf(self, unit: Unit, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The megatron slice of one unit -> its HF (name, tensor) pairs."""
+    def to_hf(self, unit: Unit, tensor: torch.Tensor, *, views: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """The megatron slice of one unit -> its HF (name, tensor) pairs.
+
+        views=True: no copies. Every part is a view of `tensor` whose values, in row-major order, are the HF
+        tensor's; q/k/v keep their head-group axis ((groups, rows, hidden) strided views, since the HF rows are
+        not one stride apart), every other part has the HF shape. For a consumer that reads strided memory itself
+        (the shared-memory weight sync: the engine copies each view into a buffer of the HF shape)."""
         rule, info = unit.rule, self.info
         if rule.kind == "copy":
             parts = [tensor]
@@ -200,12 +205,14 @@ class ModelMapping:
             ng, hd = info.num_query_groups, info.head_dim
             grouped = tensor.reshape(ng, -1, tensor.shape[-1])
             q, k, v = torch.split(grouped, [info.heads_per_group * hd, hd, hd], dim=1)
+            if views:
+                return list(zip(unit.hf_names, (q, k, v)))
             parts = [x.reshape(-1, tensor.shape[-1]) for x in (q, k, v)]
         elif rule.kind == "gate_up":
             parts = list(torch.chunk(tensor, len(rule.hf), dim=0))
         else:  # pragma: no cover
             raise AssertionError(rule.kind)
-        return [(name, part.contiguous()) for name, part in zip(unit.hf_names, parts)]
+        return [(name, part if views else part.contiguous()) for name, part in zip(unit.hf_names, parts)]
 
     # -- whole-state helpers (weight sync, tests) -------------------------------------------------------------
 

@@ -80,3 +80,27 @@ def test_cuda_ipc_sync_is_sglang_only():
         load_config(RECIPES / "demo_cpu.yaml", ["rollout.sync=cuda_ipc"])
     with pytest.raises(ConfigError, match="rollout.sync"):
         load_config(RECIPES / "demo_cpu.yaml", ["rollout.sync=ipc"])  # not a transport
+
+
+def test_to_hf_views_are_the_hf_values_without_copies():
+    """The shm sync pushes ModelMapping.to_hf(views=True): for every unit of a model with grouped-query attention,
+    each part is a view into the unit's tensor (no copy) whose row-major values equal the HF tensor to_hf makes
+    (the engine copies it into a buffer of the HF shape), and a q/k/v view is strided (not one contiguous run)."""
+    import torch
+
+    cfg = preset("sync_bench_1l")
+    mapping = mapping_for(cfg, spec="local")
+    generator = torch.Generator().manual_seed(0)
+    strided = 0
+    for unit in mapping.units():
+        tensor = torch.randn(unit.rule.unit_shape, generator=generator)
+        if unit.rule.kind == "vocab":
+            tensor = torch.randn((cfg.vocab_size + 64, *unit.rule.unit_shape[1:]), generator=generator)
+        copies, views = mapping.to_hf(unit, tensor), mapping.to_hf(unit, tensor, views=True)
+        assert [n for n, _ in copies] == [n for n, _ in views] == list(unit.hf_names)
+        for (_, hf), (_, view), shape in zip(copies, views, unit.rule.hf_shapes):
+            assert tuple(hf.shape) == tuple(shape) and view.numel() == hf.numel()
+            assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            assert torch.equal(view.reshape(shape), hf)
+            strided += not view.is_contiguous()
+    assert strided == 3 * cfg.num_layers  # q, k and v of every layer (two head groups: none is one run)

@@ -16,7 +16,8 @@ LAYOUTS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2
 # concurrently, distributed senders each make their own group and take turns). "/gloo": the pieces reach their
 # sender over gloo (the path NCCL takes on GPU) instead of being written into its shared-memory slot (the CPU
 # default; strided in place for TP2's row-parallel slices). "shm": the engine reads the buckets from those slots.
-TRANSPORTS = {"tp2xep2": ["distributed/gloo", "shm"], "ep2xpp2": ["tensor/gloo", "distributed", "shm"]}
+# The first transport's EngineSet starts the engine and keeps the last weights for a restart (checked too).
+TRANSPORTS = {"tp2xep2": ["shm", "distributed/gloo"], "ep2xpp2": ["tensor/gloo", "distributed", "shm"]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -31,6 +32,8 @@ def test_streaming_sync_reaches_the_engine_without_a_full_gather(tmp_path, layou
         assert got["leftover_shm_files"] == [], "a sync left its shared-memory slots behind"
         assert got["engine_changed"], f"{transport}: the engine still has its initial weights"
         assert got["engine_matches_full_gather"], f"{transport}: engine weights differ from the trainer's"
+        if layout == "tp2xep2":  # one sender: the copies kept for a restarted engine are the whole model
+            assert got["kept_for_restart_matches"], f"{transport}: the weights kept for a restart differ"
         metrics = got["metrics"]
         assert metrics["sync_bytes"] > 0 and metrics["sync_buckets"] > 1
         assert metrics["sync_senders"] == (2 if layout == "ep2xpp2" else 1)

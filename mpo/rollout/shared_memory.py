@@ -175,8 +175,10 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     """The engine's side: a read-only (copy-on-write) view of the located values, after checking that the file is a
     regular `mpo-sync-*` file directly in shm_dir() and that the view lies inside it. Raises ValueError naming the
     field otherwise. The caller copies the values out before the request returns (the trainer reuses the slot).
-    `cache`: mappings by file identity, kept by the caller for one weight-update session: a slot mapped once has its
-    page tables filled once (mapping anew per tensor made the engine's copy about 3x slower)."""
+    `cache`: mappings by file name, kept by the caller for one weight-update session: a slot mapped once has its
+    page tables filled once (mapping anew per tensor made the engine's copy about 3x slower) and is opened and
+    checked once. `expected_shape`: the model's shape for this tensor; the view may refine it (q/k/v keep their
+    head-group axis: mpo.rollout.streaming) as long as it holds as many elements, in the same row-major order."""
     from mpo.rollout.sglang_wire import dtype_from_name
 
     path = Path(str(locator.get("path", "")))
@@ -188,11 +190,31 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     if not (ints(shape) and ints(stride) and len(shape) == len(stride)) or not ints([offset]):
         raise ValueError(f"shape/stride/offset {shape!r}/{stride!r}/{offset!r} must be lists of equal length and an "
                          f"integer, all >= 0")
-    if expected_shape is not None and tuple(shape) != tuple(expected_shape):
-        raise ValueError(f"shape {tuple(shape)} differs from the model's {tuple(expected_shape)}")
+    if expected_shape is not None and _numel(shape) != _numel(expected_shape):
+        raise ValueError(f"shape {tuple(shape)} ({_numel(shape)} elements) differs from the model's "
+                         f"{tuple(expected_shape)} ({_numel(expected_shape)} elements)")
+    flat = _mapped(path, dtype, cache)
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else offset - 1
+    if last >= flat.numel():
+        raise ValueError(f"the view ends at element {last} but {path.name} holds {flat.numel()}")
+    if not all(shape):
+        return torch.empty(tuple(shape), dtype=dtype)
+    return flat.as_strided(tuple(shape), tuple(stride), offset)
+
+
+def _numel(shape) -> int:
+    return torch.Size(shape).numel()
+
+
+def _mapped(path: Path, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+    """The whole file as a flat tensor of `dtype`: mapped once per session (`cache`, keyed by name: a slot's name
+    belongs to one sync), after checking that the name opened without following a link is a regular file."""
     import mmap
     import stat
 
+    key = (str(path), dtype)
+    if cache is not None and key in cache:
+        return cache[key]
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the file checked is the file mapped (no second open by name)
     try:
         info = os.fstat(fd)
@@ -200,21 +222,15 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
             raise ValueError(f"{path} is not a regular file")
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel_file = info.st_size // itemsize
-        last = offset + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else offset - 1
-        if last >= numel_file:
-            raise ValueError(f"the view ends at element {last} but {path.name} holds {numel_file}")
-        if not all(shape):
-            return torch.empty(tuple(shape), dtype=dtype)
-        key = (str(path), info.st_dev, info.st_ino, info.st_size, dtype)
-        flat = cache.get(key) if cache is not None else None
-        if flat is None:
-            # ACCESS_COPY: a private copy-on-write mapping; the engine only reads and can never write the trainer's
-            # pages. frombuffer keeps the mapping alive while a view of it lives.
-            mapped = mmap.mmap(fd, numel_file * itemsize, access=mmap.ACCESS_COPY)
-            flat = torch.frombuffer(mapped, dtype=dtype, count=numel_file)
-            if cache is not None:
-                cache[key] = flat
+        if numel_file == 0:
+            return torch.empty(0, dtype=dtype)
+        # ACCESS_COPY: a private copy-on-write mapping; the engine only reads and can never write the trainer's
+        # pages. frombuffer keeps the mapping alive while a view of it lives.
+        mapped = mmap.mmap(fd, numel_file * itemsize, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(mapped, dtype=dtype, count=numel_file)
     finally:
         os.close(fd)
-    return flat.as_strided(tuple(shape), tuple(stride), offset)
+    if cache is not None:
+        cache[key] = flat
+    return flat
 

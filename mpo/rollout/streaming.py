@@ -114,6 +114,7 @@ class Bucket:
     sender: int
     units: list[PlannedUnit] = field(default_factory=list)
     nbytes: int = 0
+    layouts: dict = field(default_factory=dict, repr=False, compare=False)  # _slot_layout's, computed once
 
 
 def local_shards(model: torch.nn.Module) -> tuple[list[ShardMeta], list[torch.Tensor]]:
@@ -207,7 +208,10 @@ def _slot_layout(bucket: Bucket, in_place: frozenset[int]) -> tuple[list[int], d
     """Where a bucket lies in its sender's slot, in elements (sender and same-host holders compute it alike): each
     unit's tensor, then, for each piece received over the process group whose place in the unit is not contiguous
     (e.g. a row-parallel slice), a landing buffer. Pieces written in place (the sender's own; same-host holders'
-    through shared memory, `in_place`) need none. Returns (unit offsets, {(unit, piece): landing offset}, total)."""
+    through shared memory, `in_place`) need none. Returns (unit offsets, {(unit, piece): landing offset}, total).
+    Fixed by the plan: computed once per bucket and kept."""
+    if in_place in bucket.layouts:
+        return bucket.layouts[in_place]
     offsets, landing, used = [], {}, 0
     for u, pu in enumerate(bucket.units):
         offsets.append(used)
@@ -220,6 +224,7 @@ def _slot_layout(bucket: Bucket, in_place: frozenset[int]) -> tuple[list[int], d
             if not target.is_contiguous():
                 landing[(u, j)] = used
                 used += _numel(target.shape)
+    bucket.layouts[in_place] = (offsets, landing, used)
     return offsets, landing, used
 
 
@@ -239,9 +244,10 @@ class _Gather:
 
     def __init__(self, bucket: Bucket, index: int, local: list[torch.Tensor], slot: torch.Tensor,
                  in_place: frozenset[int]) -> None:
-        self.bucket, self.works, self.copies = bucket, [], []
+        self.bucket, self.works, self.copies, self.local = bucket, [], [], local
         offsets, landing, _ = _slot_layout(bucket, in_place)
         self.tensors = _unit_views(bucket, slot, offsets)
+        self.own: list[tuple[torch.Tensor, Piece]] = []  # the sender's own pieces, placed by place_own()
         go = torch.tensor([index], dtype=torch.int64)
         self._tokens = [go]  # alive until the sends completed
         shared = [h for h in _holders(bucket) if h in in_place]
@@ -251,7 +257,7 @@ class _Gather:
             for j, piece in enumerate(pu.pieces):
                 target = full[piece.dst]
                 if piece.holder == bucket.sender:
-                    _place(target, local, piece)
+                    self.own.append((target, piece))
                 elif piece.holder in in_place:
                     continue
                 elif (u, j) in landing:  # received whole, placed after
@@ -266,7 +272,15 @@ class _Gather:
             self._tokens.append(done)
             self.works.append(dist.irecv(done, src=holder))
 
+    def place_own(self) -> None:
+        """Copy the sender's own pieces into place (apart from __init__, so that it can run while the engines read
+        the previous bucket)."""
+        for target, piece in self.own:
+            _place(target, self.local, piece)
+        self.own = []
+
     def wait(self) -> list[torch.Tensor]:
+        self.place_own()
         for work in self.works:
             work.wait()
         for target, buffer in self.copies:
@@ -304,7 +318,7 @@ class StreamResult:
     buckets: int = 0
     digests: dict[str, str] = field(default_factory=dict)
     gather_s: float = 0.0  # a sender's wait for its pieces (what double buffering did not hide)
-    push_s: float = 0.0  # a sender's time in push() (transport and the engines' staging)
+    push_s: float = 0.0  # a sender's time in push() and waiting for the engines to finish reading its buckets
 
 
 class WeightStreamer:
@@ -346,6 +360,8 @@ class WeightStreamer:
         self.units, self.buckets = build_plan(mapping, [g[1] for g in gathered], self.stage_of_rank, bucket_bytes,
                                               torch.empty((), dtype=self.dtype).element_size())
         self.senders = sorted({b.sender for b in self.buckets})
+        self.hf_shapes = {name: tuple(shape) for unit in mapping.units()
+                          for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)}
         self.stage = stage
 
     @property
@@ -370,12 +386,15 @@ class WeightStreamer:
 
         return file_name(self.token, self.syncs, f"r{sender}", index, pid=self.pid_of_rank[sender])
 
-    def stream(self, push: Callable[[list[tuple[str, torch.Tensor]]], None] | None, *, sequential: bool,
-               digest: Callable[[str, torch.Tensor], str] | None = None) -> StreamResult:
+    def stream(self, push: Callable[[list[tuple[str, torch.Tensor]]], Any] | None, *, sequential: bool,
+               digest: Callable[[str, torch.Tensor], str] | None = None, hf_views: bool = False) -> StreamResult:
         """Collective over the trainer world: every bucket to its sender, which converts it to HF names and calls
-        push(bucket) (None: gather and convert only, e.g. a sender with no engines). sequential: stages push one
-        after the other (distributed transport), else concurrently. digest(name, tensor): per-tensor digests to
-        collect (mpo engine verification)."""
+        push(bucket) (None: gather and convert only, e.g. a sender with no engines). push may return an object
+        with wait() (WeightSync.push_bucket(wait=False)): the bucket's slot is reused only after it returned, so the
+        sender places the next bucket while the engines read this one. sequential: stages push one after the other
+        (distributed transport), else concurrently. digest(name, tensor): per-tensor digests to collect (mpo engine
+        verification). hf_views: push gets views of the slot with no conversion copies (ModelMapping.to_hf(views=
+        True): q/k/v keep their head-group axis), for a push that reads strided memory (the shm transport)."""
         started = time.perf_counter()
         key = self._params_key()
         if key != self._local_key:  # a parameter was re-seated (not just written in place): views anew
@@ -387,7 +406,7 @@ class WeightStreamer:
             if turn is None or turn == self.stage:
                 mine = [b for b in self.buckets if self.stage_of_rank[b.sender] == self.stage]
                 if self.is_sender:
-                    self._send_buckets(mine, local, push, digest, result)
+                    self._send_buckets(mine, local, push, digest, result, hf_views)
                 else:
                     self._hold_buckets(mine, local)
             if turn is not None and len(order) > 1:
@@ -396,7 +415,8 @@ class WeightStreamer:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _send_buckets(self, buckets: list[Bucket], local, push, digest, result: StreamResult) -> None:
+    def _send_buckets(self, buckets: list[Bucket], local, push, digest, result: StreamResult,
+                      hf_views: bool) -> None:
         if not buckets:
             return
         # Two slots, allocated once per sync: bucket k is converted and pushed from one while bucket k+1's receives
@@ -412,33 +432,58 @@ class WeightStreamer:
         else:
             shared, slots = [], [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(count)]
         try:
-            self._push_from_slots(buckets, local, slots, in_place, push, digest, result)
+            self._push_from_slots(buckets, local, slots, in_place, push, digest, result, hf_views)
         finally:
             del slots
             for buffer in shared:  # holders are done with them (their done messages arrived): unlink
                 buffer.close()
 
     def _push_from_slots(self, buckets: list[Bucket], local, slots: list[torch.Tensor], in_place: frozenset[int],
-                         push, digest, result: StreamResult) -> None:
-        pending = _Gather(buckets[0], 0, local, slots[0], in_place)
-        for k, bucket in enumerate(buckets):
-            began = time.perf_counter()
-            tensors = pending.wait()
-            result.gather_s += time.perf_counter() - began
-            pending = (_Gather(buckets[k + 1], k + 1, local, slots[(k + 1) % 2], in_place)
-                       if k + 1 < len(buckets) else None)
-            named: list[tuple[str, torch.Tensor]] = []
-            for pu, tensor in zip(bucket.units, tensors):
-                named += self.mapping.to_hf(pu.unit, tensor)
-            if digest is not None:
-                result.digests.update((name, digest(name, t)) for name, t in named)
-            if push is not None:
+                         push, digest, result: StreamResult, hf_views: bool) -> None:
+        reading: list = [None] * len(slots)  # per slot: the engines' read of the bucket pushed from it, if pending
+
+        def settle(slot: int) -> None:  # the engines are done with this slot (it may be written again)
+            if reading[slot] is not None:
                 began = time.perf_counter()
-                push(named)
+                ticket, reading[slot] = reading[slot], None
+                ticket.wait()
                 result.push_s += time.perf_counter() - began
-            result.bytes += sum(t.numel() * t.element_size() for _, t in named)
-            result.buckets += 1
-            del named, tensors
+
+        try:
+            pending = _Gather(buckets[0], 0, local, slots[0], in_place)
+            for k, bucket in enumerate(buckets):
+                began = time.perf_counter()
+                tensors = pending.wait()
+                result.gather_s += time.perf_counter() - began
+                pending = None
+                if k + 1 < len(buckets):  # bucket k+1's receives and go messages now; its own pieces after the push
+                    settle((k + 1) % 2)
+                    pending = _Gather(buckets[k + 1], k + 1, local, slots[(k + 1) % 2], in_place)
+                named: list[tuple[str, torch.Tensor]] = []
+                for pu, tensor in zip(bucket.units, tensors):
+                    named += self.mapping.to_hf(pu.unit, tensor, views=hf_views)
+                if digest is not None:
+                    result.digests.update((name, digest(name, t)) for name, t in named)
+                if push is not None:
+                    began = time.perf_counter()
+                    ticket = push(named)
+                    result.push_s += time.perf_counter() - began
+                    if ticket is not None:
+                        reading[k % 2] = ticket
+                if pending is not None:
+                    pending.place_own()  # while the engines copy bucket k out of the other slot
+                result.bytes += sum(t.numel() * t.element_size() for _, t in named)
+                result.buckets += 1
+                del named, tensors
+        except BaseException:  # never free a slot an engine may still be reading; the first error is the one raised
+            for slot in range(len(slots)):
+                try:
+                    settle(slot)
+                except Exception:  # noqa: BLE001, S110 - an engine failing the same sync again says nothing new
+                    pass
+            raise
+        for slot in range(len(slots)):
+            settle(slot)
 
     def _hold_buckets(self, buckets: list[Bucket], local) -> None:
         previous: list = []

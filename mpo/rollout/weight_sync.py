@@ -62,8 +62,8 @@ TRANSPORTS = ("tensor", "distributed", "cuda_ipc", "shm")
 def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of one tensor's values upcast to fp32 (exact for bf16), so a bf16 engine can be checked against an fp32
     trainer whose weights are rounded the way the engine stores them (see WeightSync.verify)."""
-    data = tensor.detach().float().contiguous().cpu()
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+    data = tensor.detach().float().contiguous().cpu()  # no copy for a contiguous fp32 CPU tensor
+    return hashlib.sha256(data.view(-1).view(torch.uint8).numpy() if data.numel() else b"").hexdigest()
 
 
 def combine_digests(digests: dict[str, str]) -> str:
@@ -182,6 +182,17 @@ class _Calls:
             raise TimeoutError(f"engine calls did not return within {timeout_s:.0f} s")
 
 
+class PendingPush:
+    """One bucket's engine calls, still running in threads (WeightSync.push_bucket(wait=False))."""
+
+    def __init__(self, calls: _Calls, timeout_s: float) -> None:
+        self.calls, self.timeout_s = calls, timeout_s
+
+    def wait(self) -> None:
+        """Return once every engine answered; raise the first engine's error, or TimeoutError after timeout_s."""
+        self.calls.join(self.timeout_s)
+
+
 class WeightSync:
     """Pushes HF-named weights to every engine of one kind over one transport, and verifies them.
 
@@ -254,8 +265,12 @@ class WeightSync:
             client.end_weight_update()
             client.continue_generation()
 
-    def push_bucket(self, bucket: NamedTensors, version: str) -> None:
-        """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it)."""
+    def push_bucket(self, bucket: NamedTensors, version: str, *, wait: bool = True) -> "PendingPush | None":
+        """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it).
+
+        wait=False (shm transport; the others always wait): return once the engines were asked, with a PendingPush
+        whose wait() returns when every engine has copied the bucket out; until then its memory must not change.
+        The streaming sync uses this to place the next bucket while the engines read this one."""
         if self.transport == "distributed" and self.group is None:
             self.connect()
         if self.transport == "tensor":
@@ -263,9 +278,10 @@ class WeightSync:
         elif self.transport == "cuda_ipc":
             self._push_cuda_ipc(bucket, version)
         elif self.transport == "shm":
-            self._push_shm(bucket, version)
+            return self._push_shm(bucket, version, wait)
         else:
             self._push_distributed(bucket, version)
+        return None
 
     def _push_tensor(self, bucket: NamedTensors, version: str) -> None:
         if self.engine == "mpo":
@@ -293,9 +309,11 @@ class WeightSync:
                 client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
             torch.cuda.synchronize(device)
 
-    def _push_shm(self, bucket: NamedTensors, version: str) -> None:
-        """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot, one copy
-        into the spill buffer for the rest (e.g. the q/k/v parts the conversion had to make contiguous)."""
+    def _push_shm(self, bucket: NamedTensors, version: str, wait: bool) -> "PendingPush | None":
+        """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot (strided
+        views included: the streaming sync's q/k/v), one copy into the spill buffer for the rest (a plain list of
+        tensors, as push() gets). A bucket that needed the spill buffer is always waited for (the buffer is reused
+        by the next bucket)."""
         import json
 
         from mpo.rollout.shared_memory import SharedBuffer, file_name, locate, new_token
@@ -321,8 +339,13 @@ class WeightSync:
                 located.append(locate(name, view))
                 at += size
         payload = json.dumps([loc.to_json() for loc in located])
-        for client, tp in zip(self.clients, self.tp_sizes):
-            client.update_weights_from_tensor([payload] * tp, load_format=SHM_FORMAT, weight_version=version)
+        tp_of = dict(zip((id(c) for c in self.clients), self.tp_sizes))
+        pending = PendingPush(_Calls(self.clients, lambda client: client.update_weights_from_tensor(
+            [payload] * tp_of[id(client)], load_format=SHM_FORMAT, weight_version=version)), self.timeout_s)
+        if wait or missing:
+            pending.wait()
+            return None
+        return pending
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")

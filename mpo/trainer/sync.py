@@ -69,6 +69,13 @@ def _sender_sync(trainer, state: _RankState, engines, info: dict):
     return state.sync
 
 
+def _copy_as(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A copy of a bucket tensor in its HF shape (one copy, whatever the view's layout)."""
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    out.view(tensor.shape).copy_(tensor)
+    return out
+
+
 def stream_sync(trainer, engines, version: str) -> dict[str, float]:
     """Collective over the trainer world: every rank streams its shards; each stage's sender pushes HF buckets to
     every engine inside one weight-update session opened and closed by rank 0; mpo engines are then verified by
@@ -101,18 +108,20 @@ def stream_sync(trainer, engines, version: str) -> dict[str, float]:
 
     remembered: list = []
     keep = engines is not None and bool(engines.processes)  # a restarted local engine gets them (CPU demo sizes)
+    shm = info["transport"] == "shm"  # the engines read strided views of the slots: no conversion copies
 
     def push(named):
-        sync.push_bucket(named, version)
-        if keep:  # the bucket's tensors are views of a slot the next buckets reuse
-            remembered.extend((name, tensor.clone()) for name, tensor in named)
+        pending = sync.push_bucket(named, version, wait=False)
+        if keep:  # the bucket's tensors are views of a slot the next buckets reuse (q/k/v: of another shape)
+            remembered.extend((name, _copy_as(tensor, streamer.hf_shapes[name])) for name, tensor in named)
+        return pending
 
     if engines is not None:
         sync.begin_session()
     try:
         dist.barrier()
         result = streamer.stream(push if sync is not None else None,
-                                 sequential=info["transport"] == "distributed", digest=digest)
+                                 sequential=info["transport"] == "distributed", digest=digest, hf_views=shm)
         dist.barrier()
     finally:
         if engines is not None:

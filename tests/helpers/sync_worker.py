@@ -91,7 +91,9 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
                 expected = weights_checksum(named)
                 got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
                 leftover = sorted(p.name for p in Path("/dev/shm").glob(f"mpo-sync-*-p{os.getpid()}-*-r*"))
+                kept = weights_checksum(engines.last_weights[0]) if engines.processes else expected
                 results[item] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
+                                 "kept_for_restart_matches": kept == expected,
                                  "engine_changed": got != before, "shared": trainer_shared(trainer),
                                  "leftover_shm_files": leftover}
         finally:

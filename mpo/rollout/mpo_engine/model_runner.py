@@ -33,6 +33,29 @@ def _load_hf_weights(gpt: torch.nn.Module, cfg: MoEModelConfig, hf_dir: str) -> 
     load_full_state(gpt, full)
 
 
+def _whole(key: str, parts: list[tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]]) -> torch.Tensor:
+    """One whole parameter from the sharded items that describe it at TP1 (megatron splits SwiGLU's fc1 into its
+    gate and up halves, each a view of the one weight): the row-major tensor of the full shape over the first part's
+    storage, checked to be exactly the memory of every part."""
+    full_shape = parts[0][2]
+    origin = next((data for offset, data, _ in parts if not any(offset)), None)
+    if origin is None:
+        raise RuntimeError(f"{key}: no part at offset 0 (mpo's engine runs at TP1, with whole parameters)")
+    strides = [1] * len(full_shape)
+    for axis in range(len(full_shape) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * full_shape[axis + 1]
+    whole = origin.as_strided(full_shape, strides, origin.storage_offset())
+    covered = 0
+    for offset, data, _ in parts:
+        place = whole[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))]
+        if place.data_ptr() != data.data_ptr() or place.stride() != data.stride() or place.shape != data.shape:
+            raise RuntimeError(f"{key}: the parts at TP1 are not one row-major parameter (mpo's engine runs at TP1)")
+        covered += data.numel()
+    if covered != whole.numel():
+        raise RuntimeError(f"{key}: the parts cover {covered} of {whole.numel()} elements")
+    return whole
+
+
 @dataclass
 class EngineModel:
     model: torch.nn.Module
@@ -109,14 +132,53 @@ class EngineModel:
 
         return weights_checksum(self.hf_weights())
 
-    def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace weights from HF-named tensors; names not given keep their current values."""
-        from mpo.models.builder import unwrap
-        from mpo.models.full_state import load_full_state
+    @functools.cached_property
+    def _targets(self) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+        """(HF name -> the views of this model's parameters its values go to, the vocabulary padding rows).
 
-        current = dict(self.hf_weights()) if set(tensors) != self.mapping.hf_names() else {}
-        full = self.mapping.hf_to_full_state(lambda name, shape: tensors.get(name, current.get(name)))
-        load_full_state(unwrap(self.model), full)
+        The views are the mapping's to_hf(views=True) of each unit's parameter (q/k/v: (groups, rows, hidden) views
+        into the fused QKV weight). The engine runs at TP1, so every parameter is whole; a name has several views
+        when a unit is stored under several keys."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+        from checkpoints_tools.errors import ConversionError
+        from mpo.models.builder import unwrap
+
+        sharded = unwrap(self.model).sharded_state_dict()
+        apply_factories(sharded)
+        parts: dict[str, dict[tuple[int, ...], list]] = {}  # key -> stacked index -> [(offset, data)]
+        for item in nested_values(sharded):
+            if isinstance(item, ShardedTensor):
+                stacked = len(item.global_shape) - item.data.dim()
+                parts.setdefault(item.key, {}).setdefault(tuple(item.global_offset[:stacked]), []).append(
+                    (tuple(item.global_offset[stacked:]), item.data, tuple(item.global_shape[stacked:])))
+        params = {key: {index: _whole(key, found) for index, found in by_index.items()}
+                  for key, by_index in parts.items()}
+        views: dict[str, list[torch.Tensor]] = {}
+        padding: list[torch.Tensor] = []
+        for unit in self.mapping.units():
+            found = [params[key][tuple(unit.index)] for key in unit.keys if key in params]
+            if not found:
+                raise ConversionError("the engine's model has no parameter for this tensor", tensor=unit.keys[0])
+            for data in found:
+                for name, view in self.mapping.to_hf(unit, data, views=True):
+                    views.setdefault(name, []).append(view)
+                if unit.rule.kind == "vocab":  # rows past the vocabulary stay zero, as to_mcore pads them
+                    padding.append(data[self.mapping.info.vocab_size:])
+        return views, padding
+
+    def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace weights from HF-named tensors, each copied once straight into its parameters (dtype converted on
+        copy); names not given keep their current values. (It used to build the full megatron state first: two
+        more copies of the model and fresh pages every sync, most of a sync's apply time.)"""
+        views, padding = self._targets
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                for view in views[name]:
+                    view.copy_(tensor.reshape(view.shape))
+            for rows in padding:
+                rows.zero_()
 
     def add_weight_routes(self, app: Any, *, group_init_timeout_s: float = 60.0) -> None:
         """SGLang's weight-update endpoints, tensor, distributed and disk paths (mpo_engine.weight_routes)."""

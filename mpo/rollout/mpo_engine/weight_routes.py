@@ -106,8 +106,8 @@ class WeightRoutes:
                 view = read_view(locator, expected_shape=self._expected[name], cache=self._mapped)
             except (ValueError, OSError) as exc:
                 raise RequestError(f"{SHM_FORMAT}: locator {i} ({name}): {exc}") from exc
-            buffer = self._receive_buffer(name, view.dtype, tuple(view.shape))
-            buffer.copy_(view)
+            buffer = self._receive_buffer(name, view.dtype, self._expected[name])
+            buffer.view(view.shape).copy_(view)  # the view may keep an extra axis (q/k/v's head groups)
             received[name] = buffer
         return received
 
