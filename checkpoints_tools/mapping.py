@@ -245,6 +245,10 @@ class ModelMapping:
     def hf_names(self) -> set[str]:
         return {name for unit in self.units() for name in unit.hf_names}
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> the HF tensor's shape, for every tensor of the model."""
+        return {name: tuple(shape) for unit in self.units() for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)}
+
 
 def _lookup(full_state: Mapping[str, torch.Tensor], unit: Unit) -> torch.Tensor | None:
     for key in (*unit.keys, unit.rule.key, unit.rule.te_key):

@@ -41,10 +41,8 @@ def _whole(key: str, parts: list[tuple[tuple[int, ...], torch.Tensor, tuple[int,
     origin = next((data for offset, data, _ in parts if not any(offset)), None)
     if origin is None:
         raise RuntimeError(f"{key}: no part at offset 0 (mpo's engine runs at TP1, with whole parameters)")
-    strides = [1] * len(full_shape)
-    for axis in range(len(full_shape) - 2, -1, -1):
-        strides[axis] = strides[axis + 1] * full_shape[axis + 1]
-    whole = origin.as_strided(full_shape, strides, origin.storage_offset())
+    row_major = torch.empty(full_shape, device="meta").stride()
+    whole = origin.as_strided(full_shape, row_major, origin.storage_offset())
     covered = 0
     for offset, data, _ in parts:
         place = whole[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))]

@@ -48,9 +48,7 @@ class WeightRoutes:
         self._group_lock = threading.Lock()  # one collective at a time per engine
         self._buffers: dict[str, torch.Tensor] = {}  # receive buffers of the distributed path, reused every sync
         self._mapped: dict = {}  # shm transport: the sender's slots mapped once per session (dropped at its end)
-        self._expected: dict[str, tuple[int, ...]] = {
-            name: tuple(shape) for unit in runner.mapping.units()
-            for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)}
+        self._expected: dict[str, tuple[int, ...]] = runner.mapping.hf_shapes()
 
     def install(self) -> None:
         self.app.add("GET", "/weights_checksum", lambda body: {"checksum": self.runner.checksum()})
