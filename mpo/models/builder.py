@@ -92,7 +92,7 @@ def transformer_config(model: MoEModelConfig, parallel: ParallelConfig, device: 
         moe_router_load_balancing_type="aux_loss" if model.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model.aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=device.is_gpu,
+        moe_grouped_gemm=device.layer_spec == "te",  # the local spec has no grouped GEMM (it needs TE)
         moe_enable_routing_replay=routing_replay,
         # The RL loss is already normalised by global (mini-batch) denominators; see mpo.models.forward.
         calculate_per_token_loss=False,

@@ -58,7 +58,7 @@ def agreement_metrics(reference: Sequence[MicroBatchRouting], other: Sequence[Mi
     changed_tokens = counted_tokens = 0.0
     for ref, oth, ok in zip(reference, other, valid, strict=True):
         a = ref.indices.long()
-        c = oth.select(layers).indices.long()
+        c = oth.select(layers).indices.to(a.device).long()  # e.g. engine routes on the host, captured ones on a GPU
         k = a.shape[-1]
         recorded = (a >= 0).all(-1) & (c >= 0).all(-1) & ok.to(a.device, torch.bool)[..., None]  # [b, s, L]
         common = (a[..., :, None] == c[..., None, :]).any(-1).sum(-1)  # [b, s, L]

@@ -82,6 +82,7 @@ def stream_sync(trainer, engines, version: str) -> dict[str, float]:
     checksum from per-tensor digests. Returns the sync metrics (on every rank)."""
     import time
 
+    from mpo.parallel.collectives import all_reduce_
     from mpo.rollout.weight_sync import combine_digests, tensor_digest
 
     started = time.perf_counter()
@@ -127,7 +128,7 @@ def stream_sync(trainer, engines, version: str) -> dict[str, float]:
         if engines is not None:
             sync.end_session()
     totals = torch.tensor([float(result.bytes), float(result.buckets)], dtype=torch.float64)
-    dist.all_reduce(totals)
+    all_reduce_(totals)  # a host tensor: NCCL needs it on the GPU, all_reduce_ moves it there and back
     digests: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     if digest is not None:
         dist.gather_object(result.digests, digests, dst=0)

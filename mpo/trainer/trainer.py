@@ -282,7 +282,8 @@ class Trainer:
         # Engine routes of this stage's layers, placed once per micro-batch: R3 replays them here and in the updates.
         for mb in microbatches:
             routes = self._engine_routes(mb)
-            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers)
+            # placed on the host from the engine's arrays; replayed and compared on the compute device
+            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers).to(self.device)
         engine_routes = [mb.extras["engine_routes"] for mb in microbatches]
         replay = None
         if self.config.algorithm.replay == "r3":

@@ -8,8 +8,14 @@
 #   .venv-gpu-sglang  sglang at docker/versions.env's SGLANG_VERSION with its CUDA kernels (sgl-kernel), kept apart
 #                     because sglang pins its own torch build
 # Stamp files make a second run skip the installs. Usage: bash tests/gpu/run.sh [pytest args...]
+# On a GPU machine WITHOUT network: bash tests/gpu/bundle.sh (on a machine with network), carry .whl, then
+#   bash tests/gpu/run.sh --offline [STEP ...]   (tests/gpu/offline.sh: the image's python, no venv, no download)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ "${1:-}" = "--offline" ]; then
+    shift
+    exec bash tests/gpu/offline.sh "$@"
+fi
 source launch/find_python.sh
 VENV=${MPO_GPU_VENV:-.venv-gpu}
 SGLANG_VENV=${MPO_SGLANG_VENV:-.venv-gpu-sglang}

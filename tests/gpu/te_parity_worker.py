@@ -1,4 +1,5 @@
-"""Rank body of test_te_spec: the same converted checkpoint in the local-spec and the TE-spec GPTModel on one GPU.
+"""Rank body of test_te_spec (and, local spec only, test_gpu_local_parity): the same converted checkpoint in the
+local-spec and the TE-spec GPTModel on one GPU.
 
 The device profile is the GPU's (NCCL, CUDA, grouped GEMM on) except for `layer_spec`, so the only difference
 between the two models is the layer spec. Weights come from one torch_dist checkpoint written by checkpoints_tools
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 
-def run(out_file: str, mcore_dir: str, token_rows: list[list[int]]) -> None:
+def run(out_file: str, mcore_dir: str, token_rows: list[list[int]], specs: tuple[str, ...] = ("local", "te")) -> None:
     from checkpoints_tools.convert import HF_CONFIG_NAME
     from checkpoints_tools.mapping import model_config_from_hf
     from checkpoints_tools.mcore_runner import load_checkpoint
@@ -30,11 +31,11 @@ def run(out_file: str, mcore_dir: str, token_rows: list[list[int]]) -> None:
     parallel = ParallelConfig(sequence_parallel=False)
     ctx = initialize_parallel(parallel, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
                               num_attention_heads=cfg.num_attention_heads)
-    assert ctx.device.is_gpu and ctx.device.backend == "nccl" and ctx.device.layer_spec == "te", ctx.device
+    assert ctx.device.is_gpu and ctx.device.backend == "nccl", ctx.device
     ids = torch.tensor(token_rows, device=ctx.device.device)
     results: dict = {}
     for dtype in ("fp32", "bf16"):
-        for spec in ("local", "te"):
+        for spec in specs:
             model = build_model(cfg, parallel, replace(ctx.device, layer_spec=spec),
                                 PrecisionConfig(dtype=dtype, fp32_lm_head=True))
             load_checkpoint(unwrap(model), mcore_dir)

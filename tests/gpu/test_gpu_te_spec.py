@@ -25,7 +25,9 @@ FP32_TOL = 1e-5
 def outputs(tmp_path_factory) -> dict:
     import te_parity_worker
     from checkpoints_tools import hf_to_mcore
+    from tier import needs_te
 
+    needs_te()
     work = tmp_path_factory.mktemp("te_spec")
     hf_dir = make_tiny_qwen3_moe(work / "hf", seed=5, vocab=256)
     hf_to_mcore(hf_dir, work / "mc", show_progress=False)

@@ -31,7 +31,9 @@ def results(request, tmp_path_factory) -> dict:
     import sync_worker
     from mpo.models.config import preset
     from sglang_gpu import start_gpu_sglang_server, write_hf_config_dir
+    from tier import needs_sglang
 
+    needs_sglang()
     transport = request.param
     server_gpu = 0
     if transport == "nccl":

@@ -62,7 +62,7 @@ class MpoGenerator:
 
     def __init__(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], scorer: Scorer, *, vocab_size: int,
                  max_batch: int = 16, weight_version: str = "default") -> None:
-        self.logits_fn = logits_fn  # [b, s] ids -> [b, s, V] fp32 logits of the real vocabulary
+        self.logits_fn = logits_fn  # [b, s] host ids -> [b, s, V] fp32 logits of the real vocabulary (any device)
         self.scorer = scorer
         self.vocab_size = vocab_size
         self.max_batch = max_batch
@@ -190,11 +190,15 @@ class MpoGenerator:
         with self.model_lock, torch.no_grad():
             logits = self.logits_fn(ids)
             version = self.weight_version  # updates apply under model_lock: this is the version of these logits
+            # Each row's last position, on the model's device, then to the host in one copy: sampling runs on the
+            # host with each request's CPU generator, so a seed gives the same tokens whatever device the model is on.
+            rows_index = torch.arange(len(rows), device=logits.device)
+            last = logits[rows_index, torch.tensor(lengths, device=logits.device) - 1].cpu()
         for i, request in enumerate(batch):
             if request.finish_reason is not None:
                 continue  # aborted meanwhile
             try:
-                token = sample_next(logits[i, lengths[i] - 1], request.sampling, request.generator)
+                token = sample_next(last[i], request.sampling, request.generator)
             except Exception as exc:  # noqa: BLE001 - fails this request only; the batch goes on
                 self._fail(request, exc)
                 continue

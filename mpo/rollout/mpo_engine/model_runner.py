@@ -91,8 +91,16 @@ class EngineModel:
 
         return cls(model, cfg, attach_routing_hooks(model))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (the GPU the engine process was given, or the CPU): inputs built on the host
+        move here, results come back to the host."""
+        return next(self.model.parameters()).device
+
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        """fp32 logits [b, s, V] of the real vocabulary, on the model's device."""
+        ids = ids.to(self.device)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return self.model(ids, positions, None)[..., : self.vocab_size].float()
 
     def score(self, sequences: list[list[int]], want_routes: bool) -> list[tuple[list[float], Any]]:
@@ -104,10 +112,12 @@ class EngineModel:
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = torch.tensor(seq)
         with self.routing.session() as capture:
-            out = run_microbatches(self.model, [MicroBatch(ids)], vocab_size=self.vocab_size)[0]
+            out = run_microbatches(self.model, [MicroBatch(ids.to(self.device))], vocab_size=self.vocab_size)[0]
+        # Back to the host once per batch (numpy and lists need host memory; one copy, not one per row).
+        logprobs = out["logprobs"].float().cpu()
         # SGLang's routed_experts: row p = routing of the token at input position p, for p < n-1, all layers.
-        routes = capture.records[0].indices.to(torch.int32) if want_routes else None
-        return [(out["logprobs"][i, : len(seq)].tolist(),
+        routes = capture.records[0].indices.to(torch.int32).cpu() if want_routes else None
+        return [(logprobs[i, : len(seq)].tolist(),
                  routes[i, : len(seq) - 1].numpy() if routes is not None else None)
                 for i, seq in enumerate(sequences)]
 
