@@ -76,9 +76,11 @@ def memory_plan(config, *, gpu_mem_gb: float, seq_len: int | None = None,
 
 def summarize_demo(out_dir: Path) -> str:
     """Reward before/after table and a PNG of reward and routing agreement over steps."""
-    rows = read_metrics(out_dir / "metrics.jsonl")
+    everything = read_metrics(out_dir / "metrics.jsonl")
+    rows = [r for r in everything if "reward_mean" in r]  # RL steps (the final evaluation's row is not one)
     if not rows:
         return "no metrics were written"
+    evals = [r for r in everything if any(k.startswith("eval/mean@") for k in r)]
     window = max(1, min(5, len(rows) // 4 or 1))
     before = rows[:window]
     after = rows[-window:]
@@ -92,6 +94,11 @@ def summarize_demo(out_dir: Path) -> str:
              f"{'exact answers (fraction)':28s}{mean(before, 'reward_exact_frac'):12.3f}"
              f"{mean(after, 'reward_exact_frac'):12.3f}",
              f"(mean of the first and last {window} of {len(rows)} RL steps)"]
+    eval_keys = sorted({k for r in evals for k in r if k.startswith(("eval/mean@", "eval/pass@"))})
+    for key in eval_keys:
+        lines.append(f"{'held-out ' + key.removeprefix('eval/'):28s}{evals[0][key]:12.3f}{evals[-1][key]:12.3f}")
+    if evals:
+        lines.append(f"(held-out evaluations: before RL step {evals[0]['step']}, after {evals[-1]['step']} RL steps)")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,6 +108,9 @@ def summarize_demo(out_dir: Path) -> str:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(steps, [r.get("reward_mean", float("nan")) for r in rows], label="reward (mean)")
     ax1.plot(steps, [r.get("reward_exact_frac", float("nan")) for r in rows], label="exact answers")
+    for key in eval_keys:
+        ax1.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", linestyle="--",
+                 label=f"held-out {key.removeprefix('eval/')}")
     ax1.set_ylabel("reward")
     ax1.legend()
     for key, label in (("routing/rollout_vs_old/exact_match", "engine vs old forward"),
@@ -166,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                                engine_mem_fraction=args.engine_mem_fraction)
         if args.command == "train":
             return run_local(args.config, args.overrides)
-        overrides = [f"logging.out_dir={args.out}", *args.overrides]
+        # The demo evaluates held-out reversals every 20 steps (eval.every=0 turns it off).
+        overrides = ["eval.every=20", f"logging.out_dir={args.out}", *args.overrides]
         if args.steps is not None:
             overrides.append(f"schedule.steps={args.steps}")
         if args.loss:

@@ -213,8 +213,13 @@ class ScheduleSection:
         steps: RL steps.
         updates_per_step: optimizer steps (mini-batches) per RL step.
         micro_batch_size: rows per forward/backward.
-        lr: Adam learning rate.
+        lr: Adam learning rate (the peak, after warmup).
         clip_grad: gradient-norm clip.
+        lr_warmup_steps: RL steps of linear warmup from 0 to lr (0: none); below `steps` (mpo.trainer.lr_schedule).
+        lr_decay: after warmup, "constant", or "linear" / "cosine" decay to min_lr over the remaining steps.
+        min_lr: the decay's floor (<= lr).
+        weight_decay: Adam's decoupled weight decay on matrices (biases and norms are exempt).
+        adam_beta1 / adam_beta2 / adam_eps: Adam's moments and epsilon.
         sft_steps: supervised warm-start steps before RL (toy tasks).
         sft_lr: warm-start learning rate.
         max_nonfinite_steps: stop (with a checkpoint) after this many non-finite steps in a row.
@@ -230,11 +235,41 @@ class ScheduleSection:
     micro_batch_size: int = 16
     lr: float = 1e-3
     clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     sft_steps: int = 0
     sft_lr: float = 3e-3
     max_nonfinite_steps: int = 3
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     max_staleness: int = 1
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Evaluation on held-out prompts during training (mpo.trainer.evaluation), through the run's engines right
+    after a weight sync, scored by the run's reward.
+
+    Attributes:
+        every: evaluate the policy before RL steps 0, every, 2*every, ... and after the last step (0: off).
+        task: any data.task form (a jsonl/parquet file, directory or glob, reasoning_gym:<task>, a toy task); null:
+            data.task (held out by seed for the toy tasks; for files point this at a held-out file).
+        prompts: held-out prompts, drawn once in a seeded order (the same ones at every evaluation).
+        samples_per_prompt: k: responses per prompt; logged as eval/mean@k and eval/pass@k (reward 1.0 = pass).
+        temperature: sampling temperature of the evaluation (0: greedy).
+        max_new_tokens: generation budget (null: rollout.max_new_tokens).
+    """
+
+    every: int = 0
+    task: str | None = None
+    prompts: int = 64
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +303,7 @@ class TrainConfig:
     data: DataSection = DataSection()
     reward: RewardSection = RewardSection()
     schedule: ScheduleSection = ScheduleSection()
+    eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
     seed: int = 1234
     world_size: int = 1
@@ -457,6 +493,7 @@ def validate(config: TrainConfig) -> None:
     if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
         raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
     _check_data(config)
+    _check_schedule(config)
     if m.mcore_dir is not None:
         _check_mcore_dir(m.mcore_dir)
     model_cfg = model_config(config)
@@ -488,10 +525,27 @@ def _check_data(config: TrainConfig) -> None:
             get_reward(config.reward.fn)  # a plug-in's module is imported here, so a typo fails before any rank starts
         except ValueError as exc:
             raise ConfigError(f"reward.fn: {exc}") from None
+    if config.eval.every and config.eval.task is not None:
+        try:
+            eval_spec = parse_task(config.eval.task)
+        except TaskSpecError as exc:
+            raise ConfigError(f"eval.task: {exc}") from None
+        if (eval_spec.kind == "toy") != (spec.kind == "toy"):
+            raise ConfigError(f"eval.task={config.eval.task!r} and data.task={d.task!r} must both be toy tasks or "
+                              f"both text tasks (the evaluation is scored by the run's reward and tokenizer)")
     budget = d.max_response_tokens or r.max_new_tokens
     if a.overlong_buffer >= budget:
         raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below data.max_response_tokens "
                           f"(or rollout.max_new_tokens) = {budget}")
+
+
+def _check_schedule(config: TrainConfig) -> None:
+    """The lr schedule's cross-field limits (megatron's OptimizerParamScheduler asserts them)."""
+    s = config.schedule
+    if s.min_lr > s.lr:
+        raise ConfigError(f"schedule.min_lr={s.min_lr!r} must be <= schedule.lr={s.lr!r}")
+    if s.lr_warmup_steps and s.steps and s.lr_warmup_steps >= s.steps:
+        raise ConfigError(f"schedule.lr_warmup_steps={s.lr_warmup_steps} must be below schedule.steps={s.steps}")
 
 
 # Valid ranges of numeric fields: (test, what the message says is valid). Floats must also be finite (no nan/inf).
@@ -522,10 +576,21 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "schedule.micro_batch_size": (lambda v: v >= 1, ">= 1"),
     "schedule.lr": (lambda v: v > 0, "> 0"),
     "schedule.clip_grad": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    "schedule.lr_warmup_steps": (lambda v: v >= 0, ">= 0 (0: no warmup)"),
+    "schedule.min_lr": (lambda v: v >= 0, ">= 0"),
+    "schedule.weight_decay": (lambda v: v >= 0, ">= 0 (0: none)"),
+    "schedule.adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "schedule.adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "schedule.adam_eps": (lambda v: v > 0, "> 0"),
     "schedule.sft_steps": (lambda v: v >= 0, ">= 0"),
     "schedule.sft_lr": (lambda v: v > 0, "> 0"),
     "schedule.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "schedule.max_staleness": (lambda v: v >= 1, ">= 1 (schedule.mode=sync has none)"),
+    "eval.every": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "eval.prompts": (lambda v: v >= 1, ">= 1"),
+    "eval.samples_per_prompt": (lambda v: v >= 1, ">= 1"),
+    "eval.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    "eval.max_new_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "seed": (lambda v: v >= 0, ">= 0"),
     "world_size": (lambda v: v >= 1, ">= 1"),

@@ -33,6 +33,16 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _rl_rows(out: Path) -> list[dict]:
+    """The RL steps' rows (`mpo demo` evaluates held-out prompts, eval.every=20: the final evaluation has a row of
+    its own, step = schedule.steps, with eval metrics only)."""
+    return [r for r in _metrics(out) if "reward_mean" in r]
+
+
+def _eval_steps(out: Path) -> list[int]:
+    return [r["step"] for r in _metrics(out) if "eval/mean@4" in r]
+
+
 def test_ppo_with_a_critic_raises_the_reward_with_colocated_engines(tmp_path):
     """PPO on the demo task: GAE advantages from the megatron critic (mpo/recipes/demo_cpu_ppo.yaml's algorithm);
     the critic is scored and trained every step, and the policy's reward rises over a short run.
@@ -48,14 +58,19 @@ def test_ppo_with_a_critic_raises_the_reward_with_colocated_engines(tmp_path):
     result = _run(_demo_command(out, 24, *overrides), tmp_path / "ppo.log")
     log = (tmp_path / "ppo.log").read_text()
     assert result.returncode == 0, log[-3000:]
-    rows = _metrics(out)
+    rows = _rl_rows(out)
     assert [r["step"] for r in rows] == list(range(24))
+    # The demo's held-out evaluation (`mpo demo` sets eval.every=20): before steps 0 and 20, after the last step.
+    evals = [r for r in _metrics(out) if "eval/mean@4" in r]
+    assert [r["step"] for r in evals] == [0, 20, 24]
+    assert all(0 <= r["eval/pass@1"] <= r["eval/pass@4"] <= 1 and 0 <= r["eval/mean@4"] <= 1 for r in evals)
+    assert len((out / "eval.jsonl").read_text().splitlines()) == 3 * 64  # eval.prompts rows per evaluation
     before = sum(r["reward_mean"] for r in rows[:5]) / 5
     after = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"
     assert all(math.isfinite(r["critic/value_loss"]) and r["critic/grad_norm"] > 0 for r in rows)
     assert all(r["offload/bytes"] > 0 for r in rows)
-    assert "before RL" in log and (out / "demo.png").stat().st_size > 1000
+    assert "before RL" in log and "held-out mean@4" in log and (out / "demo.png").stat().st_size > 1000
     assert all(r["train_rollout_logprob_absdiff"] < 1e-5 for r in rows if "train_rollout_logprob_absdiff" in r)
 
 
@@ -66,7 +81,10 @@ def test_killed_run_resumes_bit_exact(tmp_path):
     """With PPO's critic, the most state a demo run has: policy and critic weights and optimizers, RNG, the task's
     position, the advantage estimator's state. (A GRPO-only case was dropped to keep the suite in budget: its
     state is a subset of this one, and the async test below resumes a GRPO run after a kill.)"""
-    settings = ("schedule.sft_steps=5", "logging.checkpoint_every=2", "logging.tensorboard=false", *PPO)
+    settings = ("schedule.sft_steps=5", "logging.checkpoint_every=2", "logging.tensorboard=false", *PPO,
+                # issue #27: an lr schedule for policy and critic, weight decay, and evaluations resume exactly too
+                "schedule.lr_warmup_steps=2", "schedule.lr_decay=cosine", "schedule.min_lr=0.0002",
+                "schedule.weight_decay=0.01", "algorithm.critic_lr=0.002", "eval.every=2", "eval.prompts=16")
     reference = tmp_path / "uninterrupted"
     assert _run(_demo_command(reference, 6, *settings), tmp_path / "a.log").returncode == 0
 
@@ -88,11 +106,18 @@ def test_killed_run_resumes_bit_exact(tmp_path):
     assert _run(_demo_command(resumed, 6, *settings), tmp_path / "c.log").returncode == 0
 
     expected, got = _metrics(reference), _metrics(resumed)
-    assert [r["step"] for r in got] == list(range(6))
+    assert [r["step"] for r in got] == list(range(7))  # 6 RL steps and the final evaluation's row
+    assert _eval_steps(resumed) == [0, 2, 4, 6]
     for want, have in zip(expected[4:], got[4:]):
-        for key in TIMING_KEYS:
+        for key in (*TIMING_KEYS, "eval/time_s"):
             want.pop(key, None), have.pop(key, None)
         assert have == want, f"step {want['step']} differs after resume"
+    for row in got[:6]:  # megatron-LM's warmup then cosine, written out: lr * s / 2, then the cosine to min_lr
+        s = row["step"]
+        lr = 1e-3 * s / 2 if s <= 2 else 2e-4 + (1e-3 - 2e-4) * 0.5 * (1 + math.cos(math.pi * (s - 2) / 4))
+        # the critic: the same shape from its own peak (critic_lr 2e-3), its floor scaled alike (4e-4)
+        assert row["lr"] == pytest.approx(lr, rel=1e-9, abs=1e-15)
+        assert row["critic_lr"] == pytest.approx(2 * lr, rel=1e-9, abs=1e-15)
 
 
 def _versions(out: Path) -> dict[int, list[list[int]]]:
@@ -114,7 +139,7 @@ def test_one_step_off_raises_the_reward_one_version_behind(tmp_path):
     result = _run(_demo_command(out, 20, "schedule.mode=one_step_off", "logging.tensorboard=false"),
                   tmp_path / "off.log")
     assert result.returncode == 0, (tmp_path / "off.log").read_text()[-3000:]
-    rows = _metrics(out)
+    rows = _rl_rows(out)
     ages = _ages(out)
     assert set(ages) == {0, 1}  # 0 only where the trainer caught up with the producer (step 0, say)
     assert max(r["staleness_max"] for r in rows) == 1
@@ -147,8 +172,9 @@ def test_async_bounds_staleness_survives_a_kill_and_raises_the_reward(tmp_path):
         job.wait()
     assert _run(_demo_command(out, 20, *settings), tmp_path / "b.log").returncode == 0, \
         (tmp_path / "b.log").read_text()[-3000:]
-    rows = _metrics(out)
+    rows = _rl_rows(out)
     assert [r["step"] for r in rows] == list(range(20))
+    assert _eval_steps(out) == [0, 20]  # held-out evaluations in async mode, across the kill
     versions = _versions(out)
     assert sorted(versions) == list(range(20))
     ages = _ages(out)

@@ -52,10 +52,13 @@ def is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, bf16: bool):
+def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, bf16: bool, min_lr: float | None = None,
+                   weight_decay: float = 0.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
+                   adam_eps: float = 1e-8):
     """megatron Adam over a model from wrap_ddp: the DistributedOptimizer when the DDP wrapper reduce-scatters grads
     (use_distributed_optimizer), else the plain one. One place, so the policy and the critic agree. Under VPP it
-    takes every model chunk."""
+    takes every model chunk. Weight decay applies to matrices only (megatron's parameter groups exempt biases and
+    norms); lr and weight decay over time are mpo.trainer.lr_schedule's."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mpo.models.chunks import as_chunks
@@ -63,7 +66,8 @@ def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, b
     chunks = as_chunks(ddp_model)
     distributed = chunks[0].ddp_config.use_distributed_optimizer
     return get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, clip_grad=clip_grad, bf16=bf16, weight_decay=0.0,
+        OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, clip_grad=clip_grad, bf16=bf16,
+                        weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
                         use_distributed_optimizer=distributed), chunks)
 
 

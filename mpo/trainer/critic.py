@@ -25,6 +25,7 @@ class Critic:
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
         from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.models.value_head import attach_value_head
+        from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings
 
         config = trainer.config
         precision = PrecisionConfig(dtype=config.model.dtype, fp32_lm_head=config.model.fp32_lm_head)
@@ -35,8 +36,10 @@ class Critic:
         attach_value_head(model)
         self.model = wrap_ddp(model, **ddp_options(config.parallel, trainer.ctx.device))
         self.gpt = unwrap(model)
-        self.optimizer = make_optimizer(self.model, lr=config.algorithm.critic_lr, clip_grad=config.schedule.clip_grad,
-                                        bf16=config.model.dtype == "bf16")
+        lr = config.algorithm.critic_lr
+        self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad, bf16=config.model.dtype == "bf16",
+                                        **optimizer_settings(config.schedule, lr=lr))
+        self.lr_schedule = LrSchedule(self.optimizer, config.schedule, lr=lr)  # the policy's shape, its own peak
         self.trainer = trainer
 
     def _run(self, microbatches: list[MicroBatch], loss_fn=None) -> list[dict]:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from mpo.config import TrainConfig, model_config
 from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.trainer.evaluation import Evaluator, due
 from mpo.trainer.metrics_log import MetricsLog
 from mpo.trainer.schedule import RolloutSchedule
 from mpo.trainer.trainer import Trainer, _broadcast_object
@@ -235,6 +236,17 @@ def _memory_hook(engines: EngineSet):
     return memory
 
 
+def _evaluate(evaluator: Evaluator | None, step: int, engines: EngineSet | None,
+              metrics_log: MetricsLog | None) -> dict[str, float]:
+    """Rank 0, when `eval` says the policy about to train `step` is evaluated: held-out metrics (eval.jsonl too)."""
+    if evaluator is None or not due(evaluator.config, step):
+        return {}
+    metrics, rows = evaluator.run(step, engines.handles)
+    metrics_log.log_eval(rows)
+    log.info("evaluation before step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+    return metrics
+
+
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
@@ -245,6 +257,7 @@ def run(config: TrainConfig) -> None:
     start = trainer.resume()
     engines = None
     metrics_log = None
+    evaluator: Evaluator | None = None
     schedule: RolloutSchedule | None = None
     try:
         if trainer.rank == 0:
@@ -264,8 +277,12 @@ def run(config: TrainConfig) -> None:
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
                                        memory=_memory_hook(engines) if config.rollout.colocate else None)
             trainer.rollout_source = schedule.take
+        if trainer.rank == 0 and config.eval.every:
+            evaluator = Evaluator(config)
         for step in range(start, config.schedule.steps):
+            held_out = _evaluate(evaluator, step, engines, metrics_log)  # the policy the engines hold: version `step`
             metrics = trainer.train_step(step)
+            metrics.update(held_out)
             if schedule is not None:
                 schedule.before_sync()
             try:
@@ -282,6 +299,11 @@ def run(config: TrainConfig) -> None:
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
                 trainer.save(step + 1)
+        # The final policy: its own row, step = schedule.steps, eval metrics only (again on a rerun of a finished run,
+        # whose resume dropped it with every row past the checkpoint).
+        final = _evaluate(evaluator, config.schedule.steps, engines, metrics_log)
+        if final:
+            metrics_log.log(config.schedule.steps, final, progress=False)
     finally:
         if schedule is not None:  # first: a producer mid-batch is aborted before its engines stop
             schedule.stop(abort=lambda: [client.abort_all() for client in engines.clients])
@@ -290,6 +312,8 @@ def run(config: TrainConfig) -> None:
                 metrics_log.close()
         finally:  # the engines stop even when closing the log fails (a full disk, say)
             trainer.task.close()
+            if evaluator is not None:
+                evaluator.close()
             if engines is not None:
                 engines.stop()
     dist.barrier()

@@ -44,6 +44,7 @@ class MetricsLog:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.samples_path = Path(out_dir) / "samples.jsonl"  # a few decoded responses per step
         self.versions_path = Path(out_dir) / "versions.jsonl"  # per consumed sample, each token's policy version
+        self.eval_path = Path(out_dir) / "eval.jsonl"  # per held-out prompt of each evaluation (mpo.trainer.evaluation)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.writer = None
         if tensorboard:
@@ -61,7 +62,7 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint (they will be recomputed)."""
-        for path in (self.path, self.samples_path, self.versions_path):
+        for path in (self.path, self.samples_path, self.versions_path, self.eval_path):
             if not path.exists():
                 continue
             kept = [row for row in read_metrics(path) if row["step"] <= step]
@@ -77,12 +78,17 @@ class MetricsLog:
         with writing(self.samples_path), self.samples_path.open("a") as f:
             f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
 
+    def log_eval(self, rows: list[dict[str, Any]]) -> None:
+        """Append one evaluation's per-prompt rows to eval.jsonl."""
+        with writing(self.eval_path), self.eval_path.open("a") as f:
+            f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+
     def log_versions(self, step: int, versions: list[list[int]]) -> None:
         """Append the policy version of every token of every sample consumed at `step` to versions.jsonl."""
         with writing(self.versions_path), self.versions_path.open("a") as f:
             f.write(json.dumps({"step": step, "versions": versions}) + "\n")
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], *, progress: bool = True) -> None:
         record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
         with writing(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -92,7 +98,7 @@ class MetricsLog:
                     if isinstance(value, float) and math.isfinite(value):
                         self.writer.add_scalar(key, value, step)
                 self.writer.flush()
-        if self.bar is not None:
+        if self.bar is not None and progress:  # a row that is no RL step (the final evaluation) moves no bar
             self.bar.update(1)
             loss = metrics.get("loss")
             self.bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",

@@ -67,6 +67,7 @@ class Trainer:
         from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.parallel import initialize_parallel
         from mpo.routing import attach_routing_hooks
+        from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings
 
         self.config = config
         self.model_cfg = model_config(config)
@@ -86,8 +87,9 @@ class Trainer:
             gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), config.model.mcore_dir))
         self.model = wrap_ddp(model, **ddp_options(config.parallel, self.ctx.device))
         self.gpt = unwrap(model)
-        self.optimizer = make_optimizer(self.model, lr=config.schedule.lr, clip_grad=config.schedule.clip_grad,
-                                        bf16=config.model.dtype == "bf16")
+        self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad, bf16=config.model.dtype == "bf16",
+                                        **optimizer_settings(config.schedule, lr=config.schedule.lr))
+        self.lr_schedule = LrSchedule(self.optimizer, config.schedule, lr=config.schedule.lr)
         self.routing = attach_routing_hooks(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.critic = None  # built by set_algorithm for gae / vapo
@@ -456,6 +458,9 @@ class Trainer:
                 offload.reload()
         started = time.perf_counter()  # training time from here: under one_step_off/async rollouts overlap it
         metrics: dict[str, float] = dict(rollout_metrics)
+        metrics["lr"] = self.lr_schedule.set_step(step)  # every update of this step uses lr(step)
+        if self.critic is not None:
+            metrics["critic_lr"] = self.critic.lr_schedule.set_step(step)
         if offload is not None:
             metrics.update(offload.metrics())  # the reporting rank's (the first last-stage rank)
         metrics["nonfinite_total"] = float(self.nonfinite_total)

@@ -1,0 +1,46 @@
+"""Learning-rate schedule and Adam settings of the policy and the critic: megatron's OptimizerParamScheduler over
+megatron's optimizer, counted in RL steps.
+
+Every optimizer step of RL step s (schedule.updates_per_step of them) uses lr(s), megatron's formulas with
+num_steps = s: linear warmup from 0 over `schedule.lr_warmup_steps` (lr(s) = lr * s / warmup for s <= warmup), then
+`constant`, or `linear` / `cosine` decay to `schedule.min_lr` over the rest of `schedule.steps`. The schedule is a
+pure function of the step, set at the start of every step, so a resumed run continues it exactly (the step is trainer
+state already). The critic follows the same shape from its own `algorithm.critic_lr`, its floor scaled alike
+(min_lr * critic_lr / lr). Weight decay (`schedule.weight_decay`, constant) applies to matrices only: megatron's
+parameter groups exempt biases and norms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def optimizer_settings(schedule: Any, *, lr: float) -> dict[str, float]:
+    """mpo.models.ddp.make_optimizer's Adam settings from a ScheduleSection, for a model whose peak lr is `lr`."""
+    return {"lr": lr, "min_lr": schedule.min_lr * lr / schedule.lr, "weight_decay": schedule.weight_decay,
+            "adam_beta1": schedule.adam_beta1, "adam_beta2": schedule.adam_beta2, "adam_eps": schedule.adam_eps}
+
+
+class LrSchedule:
+    """megatron's OptimizerParamScheduler on `optimizer`, positioned by RL step (see the module docstring)."""
+
+    def __init__(self, optimizer: Any, schedule: Any, *, lr: float) -> None:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        settings = optimizer_settings(schedule, lr=lr)
+        self.scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=lr, min_lr=settings["min_lr"],
+            lr_warmup_steps=schedule.lr_warmup_steps, lr_decay_steps=max(schedule.steps, schedule.lr_warmup_steps + 1),
+            lr_decay_style=schedule.lr_decay, start_wd=schedule.weight_decay, end_wd=schedule.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant")
+        self.optimizer = optimizer
+
+    def set_step(self, step: int) -> float:
+        """Put every parameter group at RL step `step`'s lr (and weight decay); returns the lr."""
+        self.scheduler.num_steps = 0
+        self.scheduler.step(step)
+        return self.lr
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
