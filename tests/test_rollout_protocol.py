@@ -46,3 +46,59 @@ def test_missing_routes_say_how_to_enable_them():
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"sampling.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_two_event_loops_share_an_engine_client_without_closing_each_others_connections():
+    """An async producer's batch and an evaluation run RolloutPool.generate on one EngineClient at the same time, each
+    in its own asyncio loop on its own thread, and each closes its client when done. A real HTTP server on loopback
+    answers /slow after 1 s: the other loop's call and close in the meantime must not cut the slow call (with one
+    async client shared by every loop it failed with httpx.ReadError: 'async producer + eval' in the demo)."""
+    import asyncio
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mpo.rollout.client import EngineClient
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/slow":
+                time.sleep(1.0)
+            body = json.dumps({"path": self.path}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = EngineClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=10)
+    slow: dict = {}
+
+    async def call_and_close(endpoint: str) -> dict:
+        try:
+            return await client.acall(endpoint, {})
+        finally:
+            await client.aclose()
+
+    def run_slow():
+        try:
+            slow["reply"] = asyncio.run(call_and_close("/slow"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            slow["error"] = exc
+
+    try:
+        thread = threading.Thread(target=run_slow)
+        thread.start()
+        time.sleep(0.3)  # the slow call is in flight
+        assert asyncio.run(call_and_close("/fast")) == {"path": "/fast"}
+        thread.join(timeout=10)
+        assert slow == {"reply": {"path": "/slow"}}, slow
+    finally:
+        server.shutdown()

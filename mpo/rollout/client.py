@@ -6,6 +6,8 @@ message, so a user sees which of many engines failed and why.
 
 from __future__ import annotations
 
+import asyncio
+
 from typing import Any
 
 import httpx
@@ -42,11 +44,13 @@ class EngineClient:
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.num_layers, self.topk = num_layers, topk
-        self._async: httpx.AsyncClient | None = None
+        # One async client per event loop: each RolloutPool.generate runs its own asyncio loop, and two can run at
+        # once on one EngineClient (an async producer's batch and an evaluation), each closing its own at the end.
+        self._async: dict[Any, httpx.AsyncClient] = {}
         self._client: httpx.Client | None = None  # made on first call; thread-safe, reused by every call
 
     def __getstate__(self) -> dict[str, Any]:  # connections stay with the process that opened them
-        return {**self.__dict__, "_async": None, "_client": None}
+        return {**self.__dict__, "_async": {}, "_client": None}
 
     def _sync_client(self) -> httpx.Client:
         # One client for every call: httpx.request() builds a fresh Client (and TLS context) per call, about 20 ms
@@ -82,18 +86,21 @@ class EngineClient:
         return result
 
     async def acall(self, endpoint: str, body: dict[str, Any], *, timeout_s: float | None = None) -> Any:
-        if self._async is None:
-            self._async = httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s)
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            client = self._async[loop] = httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s)
         try:
-            response = await self._async.post(f"{self.url}{endpoint}", json=body, timeout=timeout_s or self.timeout_s)
+            response = await client.post(f"{self.url}{endpoint}", json=body, timeout=timeout_s or self.timeout_s)
         except httpx.HTTPError as exc:
             raise EngineError(self.url, endpoint, f"{type(exc).__name__}: {exc or 'unreachable'}") from exc
         return self._check(endpoint, response)
 
     async def aclose(self) -> None:
-        if self._async is not None:
-            await self._async.aclose()
-            self._async = None
+        """Close this event loop's async client (another loop's, in use on another thread, stays open)."""
+        client = self._async.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
 
     # -- generation --------------------------------------------------------------------------------------------
     def _checked(self, body: dict[str, Any]) -> dict[str, Any]:
