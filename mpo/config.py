@@ -117,8 +117,11 @@ class AlgorithmSection:
             lam}; vapo: {gamma, alpha, lam_value}; eps of the group estimators).
         kl_coef: weight of the KL penalty against the initial (reference) policy; 0 disables it.
         kl_estimator: k1 | k2 | k3 | k3_unbiased (k3 times pi/pi_old, TRL's bias-corrected KL).
-        rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq: importance weights / masks for the
-            engine-vs-trainer log-prob mismatch (the mismatch metrics are logged every step either way).
+        rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq | decoupled_token | decoupled_seq:
+            importance weights / masks for the engine-vs-trainer log-prob mismatch (the mismatch metrics are logged
+            every step either way). null (the default): none in schedule.mode=sync, decoupled_token (AReaL's
+            decoupled PPO) in one_step_off and async, whose samples come from older policies; an explicit none
+            there is an error (nothing would correct them).
         rollout_correction_args: its bounds ({cap}, {lower, upper}); unset ones take the kind's defaults.
         positive_nll_coef: VAPO's positive-example LM loss weight (0 disables it); positive_nll_threshold is the
             reward at which a response counts as positive.
@@ -139,7 +142,7 @@ class AlgorithmSection:
     advantage_args: dict = field(default_factory=dict)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    rollout_correction: str = "none"
+    rollout_correction: str | None = None
     rollout_correction_args: dict = field(default_factory=dict)
     positive_nll_coef: float = 0.0
     positive_nll_threshold: float = 1.0
@@ -413,8 +416,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         data = _read_yaml(Path(path))
     data = apply_overrides(data, list(overrides))
     config = _build(TrainConfig, data, "")
+    if config.algorithm.rollout_correction is None:  # resolved here, so check-config prints what the run uses
+        kind = resolve_rollout_correction(None, config.schedule.mode)
+        config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, rollout_correction=kind))
     validate(config)
     return config
+
+
+def resolve_rollout_correction(kind: str | None, mode: str) -> str:
+    """algorithm.rollout_correction as a run uses it: unset means none on-policy (schedule.mode=sync) and AReaL's
+    decoupled objective off-policy (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT)."""
+    from mpo.algorithms.rollout_correction import OFF_POLICY_DEFAULT
+
+    if kind is not None:
+        return kind
+    return "none" if mode == "sync" else OFF_POLICY_DEFAULT
 
 
 def _read_yaml(path: Path) -> dict:
@@ -480,6 +496,10 @@ def validate(config: TrainConfig) -> None:
     if r.sync == "shm" and r.engine != "mpo":
         raise ConfigError(f"rollout.sync='shm' is mpo's engine's same-host path; rollout.engine={r.engine!r} takes "
                           f"sync 'tensor', 'distributed' or 'cuda_ipc'")
+    if config.schedule.mode != "sync" and a.rollout_correction == "none":
+        raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the samples "
+                          f"come from older policies and nothing would correct them; leave it unset (decoupled_token) "
+                          f"or choose decoupled_seq, tis_token, tis_seq, icepop_token or mis_seq")
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")

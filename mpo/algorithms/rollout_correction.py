@@ -21,14 +21,19 @@ from mpo.parallel.collectives import all_reduce_
 
 from .metrics import masked_max, masked_min, masked_partial_mean
 
-# Per kind: which bounds it uses and their defaults (slime TIS C=2; verl IcePop "0.5_5.0"; verl decoupled seq IS-RS).
+# Per kind: which bounds it uses and their defaults (slime TIS C=2; verl IcePop "0.5_5.0"; verl decoupled seq IS-RS;
+# AReaL's decoupled PPO: behaviour weights above the cap are dropped, its configs' behav_imp_weight_cap is 5).
 CORRECTION_DEFAULTS: dict[str, dict[str, float]] = {
     "none": {},
     "tis_token": {"cap": 2.0},
     "tis_seq": {"cap": 2.0},
     "icepop_token": {"lower": 0.5, "upper": 5.0},
     "mis_seq": {"cap": 2.0, "lower": 0.5, "upper": 2.0},
+    "decoupled_token": {"cap": 5.0},
+    "decoupled_seq": {"cap": 5.0},
 }
+# The off-policy schedules' default (schedule.mode one_step_off / async with rollout_correction unset).
+OFF_POLICY_DEFAULT = "decoupled_token"
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,11 @@ class CorrectionConfig:
     Attributes:
         kind: ``none``, ``tis_token`` / ``tis_seq`` (truncated IS, cap C), ``icepop_token`` (token weight exp(d) inside
             [lower, upper], else 0), ``mis_seq`` (rows whose sequence ratio is outside [lower, upper] are masked, the
-            rest weighted by min(ratio, cap)).
+            rest weighted by min(ratio, cap)), ``decoupled_token`` / ``decoupled_seq`` (AReaL's decoupled PPO, Fu et
+            al. 2025: the loss's trust region is around the proximal policy, ``logp_old``, the trainer's forward at
+            the current weights, and the behaviour policy that sampled the tokens, ``logp_rollout``, per token
+            whatever version produced it, is corrected by ``w = pi_prox / pi_behav`` per token / per sequence;
+            weights above the cap are 0, their tokens still counted in the denominators, as AReaL does).
         cap: the truncation C of the IS weight (> 0).
         lower / upper: the accepted band of the ratio (0 < lower < upper).
     """
@@ -97,6 +106,10 @@ def apply_rollout_correction(logp_old: Tensor, logp_rollout: Tensor, mask: Tenso
     elif config.kind == "icepop_token":
         in_band = (token_ratio >= config.lower) & (token_ratio <= config.upper)
         weights = torch.where(in_band, token_ratio, 0.0)
+    elif config.kind == "decoupled_token":
+        weights = torch.where(token_ratio <= config.cap, token_ratio, 0.0)
+    elif config.kind == "decoupled_seq":
+        weights = torch.where(seq_ratio <= config.cap, seq_ratio, 0.0)
     else:  # mis_seq
         keep = valid & (seq_ratio >= config.lower) & (seq_ratio <= config.upper)
         weights = torch.clamp(seq_ratio, max=config.cap)

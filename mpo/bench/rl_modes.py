@@ -1,7 +1,11 @@
 """The demo config in the three schedule modes (sync, one_step_off, async), one after the other in one run:
 RL steps/s (wall time of the RL steps, from the first step's end to the last's, so start-up and the warm start are
 excluded), the rollout engines' busy fraction (mean of engine_busy_frac), the mean staleness, and the final reward
-(mean reward and exact-answer fraction of the last 5 steps).
+(mean reward and exact-answer fraction of the last 5 steps). The off-policy modes run with their default rollout
+correction (AReaL's decoupled objective, algorithm.rollout_correction unset).
+
+Last line: `rl-modes sync_exact=<a> one_step_off_exact=<b> async_exact=<c> async_steps_per_s_vs_sync=<d>` (exact:
+mean reward_exact_frac of the last 5 steps; d: async RL steps/s over sync's, both measured in this run).
 
 Each mode is a real `mpo demo` run (torchrun, 2 gloo ranks, the mpo engine). On a 2-core CPU box trainer and engine
 share the cores, so overlap buys little wall time here: the busy fraction shows what the schedule changes; the
@@ -25,7 +29,7 @@ def _mean(values: list[float]) -> float:
 
 def run_mode(mode: str, out: Path, steps: int, extra: list[str]) -> dict[str, float]:
     command = [sys.executable, "-m", "mpo.cli", "demo", "--steps", str(steps), "--out", str(out),
-               "logging.progress=false", "logging.tensorboard=false", "logging.checkpoint_every=0",
+               "logging.progress=false", "logging.tensorboard=false", "logging.checkpoint_every=0", "eval.every=0",
                f"schedule.mode={mode}", *extra]
     began = time.perf_counter()
     with (out.parent / f"{mode}.log").open("w") as log:
@@ -34,6 +38,7 @@ def run_mode(mode: str, out: Path, steps: int, extra: list[str]) -> dict[str, fl
     if code != 0:
         raise SystemExit(f"mode {mode}: the demo failed (exit {code}); see {out.parent / f'{mode}.log'}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward_mean" in r]  # RL steps (a final evaluation row, with eval on, is not one)
     # schedule/step_s: wall time from the previous step's end to this one's (step 0's includes the first rollout)
     step_s = [r["schedule/step_s"] for r in rows[1:]]
     last = rows[-5:]
@@ -68,4 +73,9 @@ def main(argv: list[str]) -> int:
         print(f"{mode:14s}{r['steps_per_s']:9.3f}{r['engine_busy_frac']:13.2f}{r['overlap_frac']:9.2f}"
               f"{r['staleness_mean']:11.2f}{r['reward_mean_last5']:17.3f}{r['exact_frac_last5']:16.3f}"
               f"{r['wall_s']:8.0f}")
+    if {"sync", "one_step_off", "async"} <= set(results):
+        print(f"rl-modes sync_exact={results['sync']['exact_frac_last5']:.3f} "
+              f"one_step_off_exact={results['one_step_off']['exact_frac_last5']:.3f} "
+              f"async_exact={results['async']['exact_frac_last5']:.3f} "
+              f"async_steps_per_s_vs_sync={results['async']['steps_per_s'] / results['sync']['steps_per_s']:.3f}")
     return 0

@@ -18,9 +18,15 @@ Staleness of a token consumed at step n is n - its version. Logged every step: s
 overlap_frac (fraction of the trainer's busy time, train + sync, during which the engines were generating).
 Rank 0 writes every consumed sample's per-token versions to versions.jsonl.
 
-The engine log-probs of a stale sample come from an older policy than the trainer's old-logprob forward: the
-rollout-correction options (algorithm.rollout_correction, e.g. tis_token / icepop_token) weight or mask exactly this
-mismatch, and its metrics (train_rollout_logprob_absdiff, ...) are logged as in sync mode.
+The engine log-probs of a stale sample come from an older policy (the behaviour policy, per token: mpo's engine keeps
+each token's log-prob from when it was sampled, also across an in-flight update) than the trainer's old-logprob
+forward (the proximal policy, at the current version). Off-policy modes therefore train with AReaL's decoupled
+objective by default (algorithm.rollout_correction unset -> decoupled_token: the trust region around the proximal
+policy, each token weighted by pi_prox / pi_behav, dropped above the cap); an explicit `none` is a config error.
+Measured on the demo before it (python -m mpo.bench rl_modes's async run, k=2, no correction): the mismatch
+rollout_mismatch_k1 between the two policies grew from 0.03 to spikes of 1.1 nats as the policy sharpened, stale
+negative-advantage tokens the current policy had all but ruled out entered the loss at full weight, the gradient
+norm spiked to 113 (sync: <= 20) and the exact-answer rate fell back (held-out mean@4 0.84 -> 0.51 -> 0.84).
 
 Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
 they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages

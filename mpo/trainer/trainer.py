@@ -32,7 +32,7 @@ from mpo.algorithms import (
     positive_nll,
 )
 from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
-from mpo.config import TrainConfig, model_config, to_dict
+from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to_dict
 from mpo.data.retirement import PromptRetirement
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
@@ -119,7 +119,9 @@ class Trainer:
         self.loss_spec = get_loss(algorithm.loss)
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
         self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
-        self.correction = CorrectionConfig(algorithm.rollout_correction, **algorithm.rollout_correction_args)
+        self.correction = CorrectionConfig(resolve_rollout_correction(algorithm.rollout_correction,
+                                                                      self.config.schedule.mode),
+                                           **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
         if self.advantages.config.needs_critic and getattr(self, "critic", None) is None:
             from mpo.trainer.critic import Critic

@@ -3,7 +3,10 @@
 Continuous batching without a KV cache: each decode step re-runs the (tiny) model over the right-padded active rows
 and samples the next token from each row's last position. When a request finishes, its prompt+completion is scored
 by the same forward path the trainer uses (mpo.models.forward.run_microbatches), so the log-probs it returns equal
-the trainer's log-probs of those tokens at the same weights. Meant for CPU runs and tests; GPU clusters use SGLang.
+the trainer's log-probs of those tokens at the same weights. A weight update can land between two decode steps of a
+request (async schedules): every token is stamped with the version it was sampled under, and a token sampled under
+weights that are gone when the response is scored gets the log-prob it had when it was sampled (the behaviour
+policy's), not the new weights'. Meant for CPU runs and tests; GPU clusters use SGLang.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class _Active:
     logprob_start_len: int = -1  # SGLang's: >= 0 returns input_token_logprobs of the prompt from that position
     output: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version each output token was sampled under
+    sampled_logprobs: list[float] = field(default_factory=list)  # each output token's log-prob when it was sampled
     finish_reason: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     response: dict[str, Any] | None = None
@@ -204,6 +208,9 @@ class MpoGenerator:
                 continue
             request.output.append(token)
             request.versions.append(version)
+            # the behaviour policy's log-prob (raw model distribution, as the scorer's): kept for tokens whose
+            # weights are gone by the time the response is scored (an update arrived mid-response)
+            request.sampled_logprobs.append(float(last[i, token].double() - torch.logsumexp(last[i].double(), -1)))
             if token in request.sampling.stop_token_ids:
                 request.finish_reason = {"type": "stop", "matched": token}
             elif len(request.output) >= request.sampling.max_new_tokens:
@@ -220,13 +227,19 @@ class MpoGenerator:
             for request in finished:
                 self._score_and_finish([request])
             return
+        scores, version = scores
         for request, (logprobs, routes) in zip(finished, scores):
+            n_prompt = len(request.prompt)
+            for t, sampled_under in enumerate(request.versions):
+                if sampled_under != version:  # sampled before an update: the weights that scored it are not its own
+                    logprobs[n_prompt + t] = request.sampled_logprobs[t]
             self._finish(request, score=True, logprobs=logprobs, routes=routes)
 
-    def _score(self, finished: list[_Active]) -> list[tuple[list[float], Any]]:
+    def _score(self, finished: list[_Active]) -> tuple[list[tuple[list[float], Any]], str]:
+        """The finished rows scored by the scorer, and the weight version that scored them."""
         want_routes = any(r.want_routes for r in finished)
         with self.model_lock, torch.no_grad():
-            return self.scorer([r.prompt + r.output for r in finished], want_routes)
+            return self.scorer([r.prompt + r.output for r in finished], want_routes), self.weight_version
 
     def _finish(self, request: _Active, *, score: bool, logprobs: list[float] | None = None,
                 routes: Any = None) -> None:
