@@ -497,8 +497,8 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"rollout.sync='shm' is mpo's engine's same-host path; rollout.engine={r.engine!r} takes "
                           f"sync 'tensor', 'distributed' or 'cuda_ipc'")
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
-        raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the samples "
-                          f"come from older policies and nothing would correct them; leave it unset (decoupled_token) "
+        raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
+                          f"samples come from older policies and nothing would correct them; leave it unset (decoupled_token) "
                           f"or choose decoupled_seq, tis_token, tis_seq, icepop_token or mis_seq")
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "

@@ -97,7 +97,8 @@ def test_no_tensor_collective_outside_the_device_aware_helper():
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"):
                 offenders.append(f"{rel}:{node.lineno}: dist.{node.func.attr}")
-    assert not offenders, "direct tensor collectives (use mpo.parallel.collectives.all_reduce_): " + "; ".join(offenders)
+    assert not offenders, ("direct tensor collectives (use mpo.parallel.collectives.all_reduce_): "
+                           + "; ".join(offenders))
 
 
 # -- routes: host-placed engine routes against routes captured on the GPU ------------------------------------------

@@ -37,8 +37,8 @@ class Critic:
         self.model = wrap_ddp(model, **ddp_options(config.parallel, trainer.ctx.device))
         self.gpt = unwrap(model)
         lr = config.algorithm.critic_lr
-        self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad, bf16=config.model.dtype == "bf16",
-                                        **optimizer_settings(config.schedule, lr=lr))
+        self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad,
+                                        bf16=config.model.dtype == "bf16", **optimizer_settings(config.schedule, lr=lr))
         self.lr_schedule = LrSchedule(self.optimizer, config.schedule, lr=lr)  # the policy's shape, its own peak
         self.trainer = trainer
 

@@ -87,7 +87,8 @@ class Trainer:
             gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), config.model.mcore_dir))
         self.model = wrap_ddp(model, **ddp_options(config.parallel, self.ctx.device))
         self.gpt = unwrap(model)
-        self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad, bf16=config.model.dtype == "bf16",
+        self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad,
+                                        bf16=config.model.dtype == "bf16",
                                         **optimizer_settings(config.schedule, lr=config.schedule.lr))
         self.lr_schedule = LrSchedule(self.optimizer, config.schedule, lr=config.schedule.lr)
         self.routing = attach_routing_hooks(self.model)
