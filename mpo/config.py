@@ -498,8 +498,8 @@ def validate(config: TrainConfig) -> None:
                           f"sync 'tensor', 'distributed' or 'cuda_ipc'")
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
         raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
-                          f"samples come from older policies and nothing would correct them; leave it unset (decoupled_token) "
-                          f"or choose decoupled_seq, tis_token, tis_seq, icepop_token or mis_seq")
+                          f"samples come from older policies and nothing would correct them; leave it unset "
+                          f"(decoupled_token) or choose decoupled_seq, tis_token, tis_seq, icepop_token or mis_seq")
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
