@@ -119,8 +119,8 @@ class AlgorithmSection:
         kl_estimator: k1 | k2 | k3 | k3_unbiased (k3 times pi/pi_old, TRL's bias-corrected KL).
         rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq | decoupled_token | decoupled_seq:
             importance weights / masks for the engine-vs-trainer log-prob mismatch (the mismatch metrics are logged
-            every step either way). null (the default): none in schedule.mode=sync, decoupled_token (AReaL's
-            decoupled PPO) in one_step_off and async, whose samples come from older policies; an explicit none
+            every step either way). null (the default): none in schedule.mode=sync, decoupled_seq (AReaL's
+            decoupled PPO, one weight per response) in one_step_off and async, whose samples come from older policies; an explicit none
             there is an error (nothing would correct them).
         rollout_correction_args: its bounds ({cap}, {lower, upper}); unset ones take the kind's defaults.
         positive_nll_coef: VAPO's positive-example LM loss weight (0 disables it); positive_nll_threshold is the
@@ -499,7 +499,7 @@ def validate(config: TrainConfig) -> None:
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
         raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
                           f"samples come from older policies and nothing would correct them; leave it unset "
-                          f"(decoupled_token) or choose decoupled_seq, tis_token, tis_seq, icepop_token or mis_seq")
+                          f"(decoupled_seq) or choose decoupled_token, tis_token, tis_seq, icepop_token or mis_seq")
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")

@@ -97,7 +97,7 @@ def test_off_policy_modes_default_to_the_decoupled_objective_and_refuse_no_corre
     assert load_config(RECIPES / "demo_cpu.yaml").algorithm.rollout_correction == "none"
     for mode in ("one_step_off", "async"):
         config = load_config(RECIPES / "demo_cpu.yaml", [f"schedule.mode={mode}"])
-        assert config.algorithm.rollout_correction == "decoupled_token"
+        assert config.algorithm.rollout_correction == "decoupled_seq"
         assert load_config(RECIPES / "demo_cpu.yaml", [f"schedule.mode={mode}", "algorithm.rollout_correction=tis_seq"]
                            ).algorithm.rollout_correction == "tis_seq"
         with pytest.raises(ConfigError, match=re.escape(f"algorithm.rollout_correction='none' with schedule.mode="
