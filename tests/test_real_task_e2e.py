@@ -59,12 +59,14 @@ def user_checkpoint(tmp_path_factory):
     rows = _math_rows(48)
     data = base / "math.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = base / "held_out.jsonl"  # the evaluation's own file (eval.task)
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in _math_rows(3, seed=99)))
     hf = make_tiny_qwen3_moe(base / "hf", seed=5, vocab=VOCAB)
     texts = [*DEFAULT_TEXTS, *(r["prompt"] + " " + r["answer"] for r in rows)]
     build_tiny_tokenizer(hf, texts)  # replaces the word-level tokenizer: <|im_end|> (id 2) is the EOS
     _cli(["-m", "checkpoints_tools", "hf-to-mcore", "--hf-dir", str(hf), "--out-dir", str(base / "mc"),
           "--no-progress"], base / "convert.log")
-    return {"base": base, "hf": hf, "mc": base / "mc", "data": data}
+    return {"base": base, "hf": hf, "mc": base / "mc", "data": data, "held_out": held_out}
 
 
 def _train(ckpt: dict, out: Path, *extra: str, expect: int = 0) -> list[dict] | str:
@@ -76,7 +78,8 @@ def _train(ckpt: dict, out: Path, *extra: str, expect: int = 0) -> list[dict] | 
           "logging.checkpoint_every=0", *extra], out.parent / f"{out.name}.log", expect=expect)
     if expect:
         return output
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "reward_mean" in line]  # RL steps (a final evaluation's row is not one)
 
 
 def _check_metrics(rows: list[dict]) -> None:
@@ -90,7 +93,8 @@ def _check_metrics(rows: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def mpo_engine_run(user_checkpoint):
     out = user_checkpoint["base"] / "run_mpo"
-    return out, _train(user_checkpoint, out, "rollout.engine=mpo")
+    return out, _train(user_checkpoint, out, "rollout.engine=mpo", "eval.every=2", "eval.samples_per_prompt=2",
+                       f"eval.task={user_checkpoint['held_out']}")
 
 
 def test_e2e_mpo_engine_trains_on_a_jsonl_math_task(mpo_engine_run):
@@ -101,6 +105,16 @@ def test_e2e_mpo_engine_trains_on_a_jsonl_math_task(mpo_engine_run):
     first = samples[0]
     assert first["prompt"].startswith("<|im_start|>user\nWhat is") or "What is" in first["prompt"]
     assert isinstance(first["response"], str) and first["answer"].isdigit()
+    # Held-out evaluation on a text task (issue #27): the 3 rows of eval.task, 2 samples each, scored by the math
+    # reward, before steps 0 and 2 and after the last step.
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/mean@2" in r]
+    assert [r["step"] for r in evals] == [0, 2, STEPS]
+    assert all(0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1 and r["eval/reward_errors"] == 0 for r in evals)
+    per_prompt = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    held_out = {json.loads(line)["answer"] for line in Path(out.parent / "held_out.jsonl").read_text().splitlines()}
+    assert len(per_prompt) == 3 * 3 and {r["answer"] for r in per_prompt} == held_out
+    assert all("What is" in r["prompt"] and len(r["rewards"]) == 2 for r in per_prompt)
 
 
 def test_e2e_export_matches_transformers(mpo_engine_run, user_checkpoint, tmp_path):
