@@ -187,3 +187,20 @@ def test_async_bounds_staleness_survives_a_kill_and_raises_the_reward(tmp_path):
     before = sum(r["reward_mean"] for r in rows[:5]) / 5
     after = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert after > before + 0.03, f"reward did not rise: first 5 steps {before:.3f}, last 5 {after:.3f}"
+
+
+def test_hardening_dp2_demo_runs_and_resumes_an_ep2_checkpoint(tmp_path):
+    """Pure data parallelism (parallel.expert_parallel=1: 2 ranks, each the whole model), the layout most users run:
+    it crashed at the first weight sync (rank 1 holds no main copy of any weight: IndexError in the streamer, issue
+    #24). Here an EP2 run checkpoints at step 2 and the same run directory continues at DP2: the checkpoint is
+    resharded to the new layout, every step from there trains and syncs, and the log says where it resumed."""
+    out = tmp_path / "run"
+    settings = ("schedule.sft_steps=3", "logging.checkpoint_every=2", "logging.tensorboard=false", "eval.every=0")
+    assert _run(_demo_command(out, 2, *settings), tmp_path / "ep2.log").returncode == 0
+    result = _run(_demo_command(out, 4, *settings, "parallel.expert_parallel=1"), tmp_path / "dp2.log")
+    log = (tmp_path / "dp2.log").read_text()
+    assert result.returncode == 0, log[-3000:]
+    assert "resumed from" in log and "(step 2)" in log
+    rows = _rl_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["sync_bytes"] > 0 for r in rows[2:])

@@ -347,10 +347,13 @@ class WeightStreamer:
         if self.shared and self.device.type != "cpu":
             raise ValueError("host_shared_memory needs the CPU as the gather device (on GPU pieces move over NCCL)")
         metas, tensors = local_shards(model)
-        self.dtype = tensors[0].dtype
         gathered: list = [None] * self.world
-        mine = (stage, metas, host_key() if self.shared else f"rank{self.rank}", os.getpid(), new_token())
+        # A rank may hold no main copy at all (pure data parallelism: every rank but the first holds replicas); it
+        # still takes part in the collectives below, and the slots' dtype comes from a rank that holds shards.
+        mine = (stage, metas, host_key() if self.shared else f"rank{self.rank}", os.getpid(), new_token(),
+                tensors[0].dtype if tensors else None)
         dist.all_gather_object(gathered, mine)  # metadata only, once
+        self.dtype = next(g[5] for g in gathered if g[5] is not None)
         self.stage_of_rank = [g[0] for g in gathered]
         self.host_of_rank = [g[2] for g in gathered]
         self.pid_of_rank = [g[3] for g in gathered]
