@@ -419,3 +419,61 @@ def test_hardening_17_empty_yaml_says_it_is_empty(tmp_path):
     line = _one_line(err)
     assert code == 2, err
     assert "empty.yaml is empty" in line, line
+
+
+# -- a `latest` pointer that names nothing loadable (issue #24, class 3) ---------------------------------------------
+def _checkpoint_dirs(root: Path, steps: list[int]) -> None:
+    from mpo.trainer.dist_checkpoint import TRAINER_STATE
+
+    for step in steps:
+        (root / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (root / "checkpoints" / f"step_{step}" / TRAINER_STATE).write_text(json.dumps({"step": step}))
+    (root / "checkpoints" / "step_9.tmp").mkdir(parents=True, exist_ok=True)  # an unfinished save: never chosen
+
+
+@pytest.mark.parametrize("pointer", ["../../../../etc", "", "\x00\xff garbage", "step_6", "step_4/../../..", "fifo",
+                                     "dir"])
+def test_hardening_bad_latest_pointer_falls_back_to_the_newest_complete_checkpoint(tmp_path, caplog, pointer):
+    """Before: anything but a loadable step made latest() return None, and the run silently restarted from step 0,
+    rewriting metrics.jsonl. Now: the newest complete checkpoint, with a warning naming the pointer."""
+    import logging
+
+    from mpo.trainer.dist_checkpoint import DistCheckpointer
+
+    _checkpoint_dirs(tmp_path, [2, 4])
+    latest = tmp_path / "checkpoints" / "latest"
+    if pointer == "fifo":
+        os.mkfifo(latest)  # reading it would block forever
+    elif pointer == "dir":
+        latest.mkdir()
+    else:
+        latest.write_bytes(pointer.encode("utf-8", errors="surrogateescape"))
+    with caplog.at_level(logging.WARNING):
+        assert DistCheckpointer(tmp_path).latest() == tmp_path / "checkpoints" / "step_4"
+    assert "resuming from the newest complete checkpoint, step_4" in caplog.text
+
+
+def test_hardening_latest_pointer_is_followed_and_absent_means_a_fresh_run(tmp_path):
+    from mpo.trainer.dist_checkpoint import DistCheckpointer
+
+    _checkpoint_dirs(tmp_path, [2, 4])
+    assert DistCheckpointer(tmp_path).latest() is None  # no pointer: the run never committed a checkpoint
+    (tmp_path / "checkpoints" / "latest").write_text("step_2\n")
+    assert DistCheckpointer(tmp_path).latest() == tmp_path / "checkpoints" / "step_2"
+
+
+def test_hardening_bad_latest_with_nothing_to_resume_is_one_line_not_a_restart(tmp_path):
+    """`mpo demo` into a run directory whose pointer names nothing and that holds no complete checkpoint: one line,
+    exit non-zero, and metrics.jsonl untouched (before: a fresh run from step 0 over it)."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("../../../../etc")
+    (out / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n')
+    run = subprocess.run([sys.executable, "-m", "mpo.cli", "demo", "--steps", "2", "--out", str(out),
+                          "logging.progress=false", "eval.every=0", "schedule.sft_steps=0"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "checkpoint error" in line]
+    assert errors and "refusing to restart the run from step 0" in errors[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0, "reward_mean": 0.5}\n'

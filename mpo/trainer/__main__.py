@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_no_space_in_threads()
     from mpo.config import load_config
     from mpo.data.sources import DataError
+    from mpo.trainer.dist_checkpoint import CheckpointError
     from mpo.trainer.loop import run
 
     try:
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_rank_with_one_line(str(first_no_space(exc)))
     except DataError as exc:  # a bad row names its file, line and key; the last checkpoint is intact
         stop_rank_with_one_line(f"data error: {exc}")
+    except CheckpointError as exc:  # nothing to resume from, and no silent restart either
+        stop_rank_with_one_line(f"checkpoint error: {exc}")
     except Exception:
         # Our error may be a consequence of a peer's failure (its exit broke a collective, or a checkpoint write failed
         # on its disk): give that rank a moment to write its one line, which is then the run's.

@@ -150,6 +150,10 @@ def _maybe_stall(step: int, tmp: Path) -> None:
             time.sleep(1)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (one line, reported by the trainer's entry point)."""
+
+
 class DistCheckpointer:
     """Collective save/load of trainer checkpoints; see the module docstring."""
 
@@ -162,12 +166,35 @@ class DistCheckpointer:
         self._pending = self.root  # the file an async save in flight names if the disk fills
 
     # -- pointer ---------------------------------------------------------------------------------------------------
+    def complete(self) -> list[Path]:
+        """The complete checkpoints (step_<N> with their trainer state written last), oldest first."""
+        found = [(int(p.name[5:]), p) for p in self.root.glob("step_*")
+                 if p.name[5:].isdigit() and (p / TRAINER_STATE).is_file()]
+        return [p for _, p in sorted(found)]
+
     def latest(self) -> Path | None:
+        """The checkpoint to resume from: the one `latest` names; None for a run that never completed one. A pointer
+        that names nothing loadable (empty, garbage, a path outside the checkpoint directory, a deleted step) falls
+        back to the newest complete checkpoint, saying so, and is an error when there is none: a silent restart
+        from step 0 would train over the run's metrics."""
         pointer = self.root / "latest"
-        if not pointer.exists():
+        if not pointer.exists() and not pointer.is_symlink():
             return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / TRAINER_STATE).is_file() else None
+        name = ""
+        if pointer.is_file():  # not a FIFO or a directory: reading one would block or fail
+            with pointer.open("rb") as f:
+                name = f.read(256).decode("utf-8", errors="replace").strip()
+        path = self.root / name
+        if name.startswith("step_") and name[5:].isdigit() and (path / TRAINER_STATE).is_file():
+            return path
+        why = (f"{pointer} is not a regular file" if not pointer.is_file() else f"{pointer} is empty" if not name
+               else f"{pointer} names {name[:80]!r}, not a complete checkpoint in {self.root}")
+        complete = self.complete()
+        if complete:
+            log.warning("%s; resuming from the newest complete checkpoint, %s", why, complete[-1].name)
+            return complete[-1]
+        raise CheckpointError(f"{why}, and there is no complete checkpoint to resume from: refusing to restart the "
+                              f"run from step 0 over its metrics (delete {pointer} to start it over)")
 
     # -- save ------------------------------------------------------------------------------------------------------
     def save(self, step: int, parts: list[Part], trainer_state: dict[str, Any], *, wait: bool = False) -> Path:
