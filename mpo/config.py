@@ -134,6 +134,7 @@ class AlgorithmSection:
             never trained on, whatever filter_zero_variance says). Every drawn group moves the data position and
             is seen by prompt retirement. Logged: sampling_rounds, sampling_groups_drawn, sampling_exhausted (1 when
             max_sampling_rounds ran out first: the step trains on the groups it found, kept_samples_frac < 1).
+            Needs rollout.samples_per_prompt >= 2.
         max_sampling_rounds: the most draws (the first included) one step may take under dynamic_sampling; the
             DAPO recipe's max_num_gen_batches is 10.
         overlong_filter: DAPO overlong filtering: truncated responses (no EOS within the budget) get no loss.
@@ -470,6 +471,9 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
+    if a.dynamic_sampling and r.samples_per_prompt < 2:
+        raise ConfigError(f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got "
+                          f"{r.samples_per_prompt}): a group of one response never has reward variance")
     if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
         raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
     _check_data(config)

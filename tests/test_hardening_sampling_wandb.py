@@ -40,9 +40,12 @@ def _one_line(stderr: str) -> str:
     ("algorithm.max_sampling_rounds=0", "algorithm.max_sampling_rounds=0; valid values: >= 1 (the first draw counts)"),
     ("algorithm.dynamic_sampling=sometimes", "algorithm.dynamic_sampling='sometimes': expected true or false"),
     ("logging.wandb_project=", "logging.wandb_project=''; valid values: a non-empty project name"),
+    ("rollout.samples_per_prompt=1", "algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got 1): "
+                                     "a group of one response never has reward variance"),
 ])
 def test_hardening_27_bad_sampling_and_wandb_values_fail_in_one_line(capsys, override, message):
-    extra = ["logging.wandb=true"] if override.startswith("logging.wandb_") else []
+    extra = ["logging.wandb=true"] if override.startswith("logging.wandb_") else \
+        ["algorithm.dynamic_sampling=true", "algorithm.advantage=drgrpo"] if override.startswith("rollout.") else []
     code, err = _check_config(capsys, override, *extra)
     assert code == 2, err
     assert _one_line(err) == f"mpo: config error: {message}"
