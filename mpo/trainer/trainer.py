@@ -1,7 +1,8 @@
 """The RL trainer: one instance per rank (torchrun), rank 0 also drives the rollout engines.
 
 One step: rank 0 samples prompts, gets G responses per prompt from the engines (log-probs and routed experts included),
-scores them, computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
+scores them (with algorithm.dynamic_sampling, drawing further prompt groups until enough have non-zero reward
+variance), computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
 forward records the routing (replaying the engines' routes under R3); each mini-batch update runs the configured loss
 with global denominators (replaying the old routes under R2); the new weights are pushed to the engines; metrics and,
 every few steps, a checkpoint are written.
@@ -9,6 +10,7 @@ every few steps, a checkpoint are written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -169,7 +171,7 @@ class Trainer:
         version = step if version is None else version
         cfg = self.config
         G, wanted = cfg.rollout.samples_per_prompt, cfg.data.prompts_per_step
-        draw = lambda round_, count: self._draw_round(step, round_, count)  # noqa: E731
+        draw = functools.partial(self._draw_round, step)  # (round, count) -> Drawn
         if cfg.algorithm.dynamic_sampling:
             outcome = sample_varied(draw, wanted, cfg.algorithm.max_sampling_rounds)
             if outcome.exhausted:
