@@ -137,3 +137,34 @@ def test_hardening_27_wandb_offline_run_holds_every_metrics_row(tmp_path, monkey
     log.close()
     (run_dir,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     assert wandb_history(run_dir) == rows
+
+
+class _BrokenRun:
+    """A W&B run whose server went away mid-run (cannot be had here without a network): every call raises."""
+
+    def log(self, *args, **kwargs):
+        raise ConnectionError("wandb.ai unreachable")
+
+    def finish(self):
+        raise ConnectionError("wandb.ai unreachable")
+
+
+def test_hardening_27_wandb_failing_costs_a_log_line_not_the_run(tmp_path, monkeypatch, caplog):
+    """No wandb package on rank 0's node (past config validation), then a run whose server is gone: each is one
+    error line; metrics.jsonl keeps every row."""
+    from mpo.trainer.metrics_log import MetricsLog, read_metrics
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    settings = {"project": "p", "name": None, "config": {}}
+    log = MetricsLog(tmp_path, tensorboard=False, total_steps=2, progress=False, wandb=settings)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "logging.wandb=true needs the wandb package: pip install 'mpo[wandb]'; metrics go to metrics.jsonl only"]
+    caplog.clear()
+    log.wandb.run = _BrokenRun()
+    log.log(0, {"loss": 1.0})
+    log.log(1, {"loss": 0.5})
+    log.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors[0] == ("logging.wandb: logging step 0 failed (wandb.ai unreachable); W&B logging stops, "
+                         "metrics.jsonl goes on") and len(errors) == 2  # and the failed finish
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 0.5]

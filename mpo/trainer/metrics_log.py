@@ -54,11 +54,13 @@ class WandbSink:
     run: metrics.jsonl holds everything. A resumed run starts a new W&B run that logs from the resumed step on."""
 
     def __init__(self, out_dir: str | Path, *, project: str, name: str | None, config: dict[str, Any]) -> None:
+        self.run = None
         try:
             import wandb
-        except ImportError:
-            raise RuntimeError("logging.wandb=true needs the wandb package: pip install 'mpo[wandb]'") from None
-        self.run = None
+        except ImportError:  # config validation says so first; this is a rank 0 on a node without the package
+            log.error("logging.wandb=true needs the wandb package: pip install 'mpo[wandb]'; metrics go to "
+                      "metrics.jsonl only")
+            return
         try:
             self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=config)
         except Exception as exc:  # noqa: BLE001 - W&B's errors are its own types (UsageError, CommError, ...)
