@@ -131,6 +131,15 @@ class AlgorithmSection:
         replay: routing replay: "none", "r2" (old-forward routes replayed in updates) or "r3" (engine routes
             replayed in the old forward and the updates).
         filter_zero_variance: drop prompt groups whose rewards are all equal (DAPO dynamic sampling).
+        dynamic_sampling: DAPO's dynamic sampling: after the step's first draw, keep drawing prompt groups (more
+            rounds, each with its own prompts and sampling seeds) until data.prompts_per_step groups have non-zero
+            reward variance, then train on exactly those (advantages computed over them; zero-variance groups are
+            never trained on, whatever filter_zero_variance says). Every drawn group moves the data position and
+            is seen by prompt retirement. Logged: sampling_rounds, sampling_groups_drawn, sampling_exhausted (1 when
+            max_sampling_rounds ran out first: the step trains on the groups it found, kept_samples_frac < 1).
+            Needs rollout.samples_per_prompt >= 2.
+        max_sampling_rounds: the most draws (the first included) one step may take under dynamic_sampling; the
+            DAPO recipe's max_num_gen_batches is 10.
         overlong_filter: DAPO overlong filtering: truncated responses (no EOS within the budget) get no loss.
         overlong_buffer: DAPO soft overlong punishment's L_cache in tokens (0: off): a response longer than
             data.max_response_tokens - overlong_buffer gets a penalty growing linearly to -1 (losses.md 4.2).
@@ -151,6 +160,8 @@ class AlgorithmSection:
     critic_warmup_steps: int = 0
     replay: Literal["none", "r2", "r3"] = "none"
     filter_zero_variance: bool = True
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 10
     overlong_filter: bool = False
     overlong_buffer: int = 0
 
@@ -286,6 +297,9 @@ class LoggingSection:
         checkpoint_async: write checkpoints in a background process (megatron's async torch_dist save) while
             training goes on; null means on with CUDA, off on CPU. The run's last checkpoint is always waited for.
         progress: show a progress bar on rank 0.
+        wandb: also log every metrics row to Weights & Biases (rank 0; needs `pip install 'mpo[wandb]'`). The run's
+            files go under out_dir/wandb; WANDB_MODE=offline (or WANDB_MODE=disabled) works without a network.
+        wandb_project / wandb_run_name: the W&B project and run name (None: W&B's generated name).
     """
 
     out_dir: str = "runs/mpo"
@@ -293,6 +307,9 @@ class LoggingSection:
     checkpoint_every: int = 5
     checkpoint_async: bool | None = None
     progress: bool = True
+    wandb: bool = False
+    wandb_project: str = "mpo"
+    wandb_run_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -510,10 +527,14 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
+    if a.dynamic_sampling and r.samples_per_prompt < 2:
+        raise ConfigError(f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got "
+                          f"{r.samples_per_prompt}): a group of one response never has reward variance")
     if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
         raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
     _check_data(config)
     _check_schedule(config)
+    _check_logging(config)
     if m.mcore_dir is not None:
         _check_mcore_dir(m.mcore_dir)
     model_cfg = model_config(config)
@@ -568,6 +589,26 @@ def _check_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"schedule.lr_warmup_steps={s.lr_warmup_steps} must be below schedule.steps={s.steps}")
 
 
+def _module_missing(name: str) -> bool:
+    """True when `name` cannot be imported (found without importing it; a module set to None in sys.modules counts
+    as missing, as `import` treats it)."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name] is None
+    return importlib.util.find_spec(name) is None
+
+
+def _check_logging(config: TrainConfig) -> None:
+    """logging.wandb needs the wandb package and a project name; said before any process starts."""
+    lg = config.logging
+    if lg.wandb and _module_missing("wandb"):
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install 'mpo[wandb]'")
+    if lg.wandb and not lg.wandb_project.strip():
+        raise ConfigError(f"logging.wandb_project={lg.wandb_project!r}; valid values: a non-empty project name")
+
+
 # Valid ranges of numeric fields: (test, what the message says is valid). Floats must also be finite (no nan/inf).
 _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.num_engines": (lambda v: v >= 1, ">= 1"),
@@ -583,6 +624,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "algorithm.critic_lr": (lambda v: v > 0, "> 0"),
     "algorithm.value_clip": (lambda v: v > 0, "> 0"),
     "algorithm.critic_warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "algorithm.max_sampling_rounds": (lambda v: v >= 1, ">= 1 (the first draw counts)"),
     "data.prompts_per_step": (lambda v: v >= 1, ">= 1"),
     "data.digits": (lambda v: v >= 1, ">= 1"),
     "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: no limit)"),

@@ -3,6 +3,7 @@ reward rises with RL, and a run killed after a checkpoint resumes to exactly the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers.wandb_files import wandb_history, wandb_offline
 
 # Wall-clock measurements differ between runs by nature; everything else must be identical after a resume.
 TIMING_KEYS = ("rollout_time_s", "rollout_tokens_per_s", "train_time_s", "train_tokens_per_s", "sync_time_s",
@@ -77,16 +80,33 @@ def test_ppo_with_a_critic_raises_the_reward_with_colocated_engines(tmp_path):
 PPO = ("algorithm.loss=grpo", "algorithm.advantage=gae", "algorithm.filter_zero_variance=false")
 
 
-def test_killed_run_resumes_bit_exact(tmp_path):
+def test_killed_run_resumes_bit_exact(tmp_path, monkeypatch):
     """With PPO's critic, the most state a demo run has: policy and critic weights and optimizers, RNG, the task's
     position, the advantage estimator's state. (A GRPO-only case was dropped to keep the suite in budget: its
-    state is a subset of this one, and the async test below resumes a GRPO run after a kill.)"""
+    state is a subset of this one, and the async test below resumes a GRPO run after a kill.)
+
+    With algorithm.dynamic_sampling (issue 27): steps draw further rounds of prompt groups (their own prompts and
+    seeds) until all 16 groups have non-zero reward variance, so every step trains on a full batch
+    (kept_samples_frac 1.0) or says the rounds ran out, and the resumed steps draw the same rounds. The
+    uninterrupted run also logs to W&B offline (logging.wandb): its run directory under the out dir holds every
+    metrics row. An lr schedule for policy and critic, weight decay and held-out evaluations resume exactly too."""
     settings = ("schedule.sft_steps=5", "logging.checkpoint_every=2", "logging.tensorboard=false", *PPO,
-                # issue #27: an lr schedule for policy and critic, weight decay, and evaluations resume exactly too
+                "algorithm.dynamic_sampling=true",
                 "schedule.lr_warmup_steps=2", "schedule.lr_decay=cosine", "schedule.min_lr=0.0002",
                 "schedule.weight_decay=0.01", "algorithm.critic_lr=0.002", "eval.every=2", "eval.prompts=16")
+    with_wandb = importlib.util.find_spec("wandb") is not None  # the mpo[wandb] extra (tests/requirements-ci.txt)
+    if with_wandb:
+        wandb_offline(monkeypatch, tmp_path)
     reference = tmp_path / "uninterrupted"
-    assert _run(_demo_command(reference, 6, *settings), tmp_path / "a.log").returncode == 0
+    assert _run(_demo_command(reference, 6, *settings, *(("logging.wandb=true",) if with_wandb else ())),
+                tmp_path / "a.log").returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+    rows = _metrics(reference)  # the RL steps' rows and the final evaluation's
+    rl_rows = [r for r in rows if "reward_mean" in r]
+    assert all(r["kept_samples_frac"] == 1.0 or r["sampling_exhausted"] == 1.0 for r in rl_rows), rl_rows
+    assert any(r["sampling_rounds"] > 1 for r in rl_rows)  # this run's seeds: zero-variance groups were replaced
+    if with_wandb:
+        (run_dir,) = (reference / "wandb").glob("offline-run-*")
+        assert wandb_history(run_dir) == {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in rows}
 
     resumed = tmp_path / "resumed"
     with (tmp_path / "b.log").open("w") as log:

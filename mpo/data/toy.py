@@ -7,6 +7,7 @@ data as an uninterrupted one.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,14 @@ class ToyTask:
         return Prompt((BOS, *_digits(a, self.digits), PLUS, *_digits(b, self.digits), EQUALS),
                       (*_digits(a + b), EOS))
 
-    def prompts(self, seed: int, step: int, count: int) -> list[Prompt]:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    def prompts(self, seed: int, step: int, count: int, round_: int = 0) -> list[Prompt]:
+        """The first `count` prompts of step `step`'s stream; `round_` > 0 selects another stream of the same step
+        (dynamic sampling's further draws), hashed from (seed, step, round) so no two rounds or steps share one."""
+        if round_ == 0:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        else:
+            digest = hashlib.blake2b(f"mpo-toy:{seed}:{step}:{round_}".encode(), digest_size=8).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
         return [self.make(generator) for _ in range(count)]
 
     @property

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from mpo.config import TrainConfig, model_config
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.trainer.evaluation import Evaluator, due
-from mpo.trainer.metrics_log import MetricsLog
+from mpo.trainer.metrics_log import MetricsLog, wandb_settings
 from mpo.trainer.schedule import RolloutSchedule
 from mpo.trainer.trainer import Trainer, _broadcast_object
 
@@ -270,7 +270,7 @@ def run(config: TrainConfig) -> None:
         _sync(trainer, engines, version=f"step{start}")
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
-                                     progress=config.logging.progress, start_step=start)
+                                     progress=config.logging.progress, start_step=start, wandb=wandb_settings(config))
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
             schedule = RolloutSchedule(trainer.collect, config.schedule.mode, config.schedule.max_staleness,

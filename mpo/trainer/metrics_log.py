@@ -1,4 +1,5 @@
-"""Per-step metrics to JSONL (always) and TensorBoard (when installed), plus a progress bar, on one rank."""
+"""Per-step metrics to JSONL (always), TensorBoard (when installed) and Weights & Biases (logging.wandb), plus a
+progress bar, on one rank."""
 
 from __future__ import annotations
 
@@ -38,9 +39,57 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def wandb_settings(config) -> dict[str, Any] | None:
+    """MetricsLog's `wandb` argument for a TrainConfig: logging.wandb_project, logging.wandb_run_name and the whole
+    config as the W&B run's config (None when logging.wandb is off)."""
+    from mpo.config import to_dict
+
+    lg = config.logging
+    return {"project": lg.wandb_project, "name": lg.wandb_run_name, "config": to_dict(config)} if lg.wandb else None
+
+
+class WandbSink:
+    """Every metrics row to a W&B run whose files live under `out_dir`/wandb (WANDB_MODE=offline: nothing leaves the
+    machine; `wandb sync` uploads it later). W&B failing (no API key, the network gone) costs a log line, never the
+    run: metrics.jsonl holds everything. A resumed run starts a new W&B run that logs from the resumed step on."""
+
+    def __init__(self, out_dir: str | Path, *, project: str, name: str | None, config: dict[str, Any]) -> None:
+        self.run = None
+        try:
+            import wandb
+        except ImportError:  # config validation says so first; this is a rank 0 on a node without the package
+            log.error("logging.wandb=true needs the wandb package: pip install 'mpo[wandb]'; metrics go to "
+                      "metrics.jsonl only")
+            return
+        try:
+            self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=config)
+        except Exception as exc:  # noqa: BLE001 - W&B's errors are its own types (UsageError, CommError, ...)
+            log.error("logging.wandb: W&B did not start (%s); metrics go to metrics.jsonl only", exc)
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.error("logging.wandb: logging step %d failed (%s); W&B logging stops, metrics.jsonl goes on", step,
+                      exc)
+            self.close()
+
+    def close(self) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as exc:  # noqa: BLE001 - as above
+                log.error("logging.wandb: finishing the W&B run failed (%s)", exc)
+
+
 class MetricsLog:
+    """Rank 0's metrics sinks. `wandb`: the W&B run's project, name and config (None: no W&B)."""
+
     def __init__(self, out_dir: str | Path, *, tensorboard: bool, total_steps: int, progress: bool,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, wandb: dict[str, Any] | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.samples_path = Path(out_dir) / "samples.jsonl"  # a few decoded responses per step
         self.versions_path = Path(out_dir) / "versions.jsonl"  # per consumed sample, each token's policy version
@@ -54,6 +103,7 @@ class MetricsLog:
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
             except ImportError:
                 self.writer = None
+        self.wandb = WandbSink(out_dir, **wandb) if wandb is not None else None
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -98,6 +148,8 @@ class MetricsLog:
                     if isinstance(value, float) and math.isfinite(value):
                         self.writer.add_scalar(key, value, step)
                 self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, record)
         if self.bar is not None and progress:  # a row that is no RL step (the final evaluation) moves no bar
             self.bar.update(1)
             loss = metrics.get("loss")
@@ -106,6 +158,8 @@ class MetricsLog:
                                  else f"{loss:.4f}")
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.close()
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:

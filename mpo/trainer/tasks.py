@@ -28,6 +28,17 @@ class Scored:
     texts: list[str] | None = None
 
 
+@dataclass(frozen=True)
+class _RoundStream:
+    """A toy task's prompts of one dynamic-sampling round (a PromptSource for prompt retirement)."""
+
+    task: Any
+    round_: int
+
+    def prompts(self, seed: int, step: int, count: int) -> list:
+        return self.task.prompts(seed, step, count, round_=self.round_)
+
+
 class ToyRun:
     """The built-in digit tasks (mpo.data.toy)."""
 
@@ -41,11 +52,14 @@ class ToyRun:
         self.stop_token_ids: tuple[int, ...] = (EOS,)
         self.max_answer_tokens: int | None = self.task.max_answer_tokens
 
-    def draw(self, step: int, count: int, retirement=None) -> list:
+    def draw(self, step: int, count: int, retirement=None, *, round_: int = 0) -> list:
+        """`count` prompts of step `step`: a pure function of (seed, step, round_); round_ > 0 (dynamic sampling's
+        further draws) reads another stream of the step, so its prompts are new ones."""
         seed = self.config.seed
+        source = self.task if round_ == 0 else _RoundStream(self.task, round_)
         if retirement is not None:
-            return retirement.sample(self.task, seed, step, count)
-        return self.task.prompts(seed, step, count)
+            return retirement.sample(source, seed, step, count)
+        return source.prompts(seed, step, count)
 
     def prompts(self, seed: int, step: int, count: int) -> list:
         """The toy task's prompts of (seed, step): a pure function (mpo.data.retirement.PromptSource)."""
@@ -107,7 +121,9 @@ class TextRun:
 
         self.pool = RewardPool(self.reward_name, timeout_s=config.reward.timeout_s, workers=config.reward.workers)
 
-    def draw(self, step: int, count: int, retirement=None) -> list:
+    def draw(self, step: int, count: int, retirement=None, *, round_: int = 0) -> list:
+        """The stream's next `count` prompts (not retired ones): every draw, dynamic sampling's further rounds
+        (`round_` > 0) included, moves the checkpointed position on."""
         if retirement is None:
             return self.data.next_prompts(count)
         from mpo.data.retirement import prompt_key

@@ -1,7 +1,8 @@
 """The RL trainer: one instance per rank (torchrun), rank 0 also drives the rollout engines.
 
 One step: rank 0 samples prompts, gets G responses per prompt from the engines (log-probs and routed experts included),
-scores them, computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
+scores them (with algorithm.dynamic_sampling, drawing further prompt groups until enough have non-zero reward
+variance), computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
 forward records the routing (replaying the engines' routes under R3); each mini-batch update runs the configured loss
 with global denominators (replaying the old routes under R2); the new weights are pushed to the engines; metrics and,
 every few steps, a checkpoint are written.
@@ -9,6 +10,8 @@ every few steps, a checkpoint are written.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
 import time
@@ -54,9 +57,14 @@ def _broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = 
     return box[0]
 
 
-def _sampling_seed(seed: int, step: int, index: int) -> int:
-    """Per-sample seed: a pure function of (run seed, step, sample), so resumed runs resample identically."""
-    return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+def _sampling_seed(seed: int, step: int, index: int, round_: int = 0) -> int:
+    """Per-sample seed: a pure function of (run seed, step, sample, dynamic-sampling round), so resumed runs resample
+    identically. Round 0 keeps the original formula (runs without dynamic sampling are unchanged); later rounds hash
+    their coordinates, so no round shares seeds with another round or step."""
+    if round_ == 0:
+        return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+    digest = hashlib.blake2b(f"mpo-sampling:{seed}:{step}:{round_}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
 class Trainer:
@@ -157,25 +165,94 @@ class Trainer:
     # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
     def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
         """Step `step`'s batch from the engines, which hold policy `version` (default: `step`) when it is submitted;
-        each sample records the version of each token (the engine's per-token stamps when it returns them)."""
-        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+        each sample records the version of each token (the engine's per-token stamps when it returns them).
+
+        With algorithm.dynamic_sampling, further rounds of prompt groups are drawn until data.prompts_per_step of
+        them have non-zero reward variance (mpo.trainer.dynamic_sampling); advantages are computed over the kept
+        groups only, as DAPO does."""
+        from mpo.trainer.dynamic_sampling import Sampled, sample_varied
         from mpo.trainer.schedule import version_number
 
         version = step if version is None else version
+        cfg = self.config
+        G, wanted = cfg.rollout.samples_per_prompt, cfg.data.prompts_per_step
+        draw = functools.partial(self._draw_round, step)  # (round, count) -> Drawn
+        if cfg.algorithm.dynamic_sampling:
+            outcome = sample_varied(draw, wanted, cfg.algorithm.max_sampling_rounds)
+            if outcome.exhausted:
+                log.warning("step %d: %d of %d prompt groups with non-zero reward variance after "
+                            "algorithm.max_sampling_rounds=%d rounds (%d groups drawn); training on those", step,
+                            len(outcome.batch), wanted, outcome.rounds, len(outcome.drawn))
+        else:
+            first = draw(0, wanted)
+            outcome = Sampled(first, first, 1, False)
+        batch, drawn = outcome.batch, outcome.drawn
+        self.samples_log = self._sample_rows(step, drawn)
+        results, rewards = batch.results, batch.rewards
+        truncated = [r.finish_reason.get("type") == "length" for r in results]
+        groups = torch.arange(len(results)) // G
+        keep = torch.ones(len(results), dtype=torch.bool)
+        advantages: list = []
+        if results:  # empty only when dynamic sampling found no varied group
+            # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
+            advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups,
+                                                        [len(r.output_ids) for r in results])
+            if cfg.algorithm.filter_zero_variance:
+                keep = ~zero_variance  # per response: its group's rewards were all equal
+        if cfg.algorithm.overlong_filter:  # DAPO: a truncated response gets no loss (it still counts in its group)
+            keep &= ~torch.tensor(truncated, dtype=torch.bool)
+        samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
+                          reward=rewards[i], advantage=advantages[i],
+                          rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
+                          versions=[version_number(v, version) for v in
+                                    r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
+                   for i, r in enumerate(results) if keep[i]]
+        # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
+        # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
+        all_rewards = drawn.rewards
+        lengths = [len(r.output_ids) for r in drawn.results]
+        all_truncated = [r.finish_reason.get("type") == "length" for r in drawn.results]
+        metrics = {
+            "reward_mean": sum(all_rewards) / len(all_rewards),
+            "reward_exact_frac": sum(r == 1.0 for r in all_rewards) / len(all_rewards),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "kept_samples_frac": len(samples) / (wanted * G),
+            "rollout_time_s": drawn.rollout_s,
+            "rollout_tokens_per_s": sum(lengths) / max(drawn.rollout_s, 1e-9),
+            "engine_restarts": float(drawn.restarts),
+            "reward_errors": float(drawn.errors),
+            "truncated_frac": sum(all_truncated) / len(all_truncated),
+        }
+        if cfg.algorithm.dynamic_sampling:
+            metrics.update(sampling_rounds=float(outcome.rounds), sampling_groups_drawn=float(len(drawn)),
+                           sampling_exhausted=float(outcome.exhausted))
+        if cfg.algorithm.overlong_buffer:
+            metrics["overlong_penalty_mean"] = sum(drawn.penalties) / len(drawn.penalties)
+        if getattr(self.task, "dropped_long", None) is not None:
+            metrics["data_dropped_long_prompts"] = float(self.task.dropped_long)
+        if self.retirement is not None:
+            metrics["retired_prompts"] = float(len(self.retirement.retired))
+        return samples, metrics
+
+    def _draw_round(self, step: int, round_: int, count: int):
+        """Draw `count` prompt groups (round `round_` of the step: its own prompts and sampling seeds), generate G
+        responses each and score them; prompt retirement sees every drawn group."""
+        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+        from mpo.trainer.dynamic_sampling import Drawn
 
         cfg = self.config
-        prompts = self.task.draw(step, cfg.data.prompts_per_step, self.retirement)
+        G = cfg.rollout.samples_per_prompt
+        prompts = self.task.draw(step, count, self.retirement, round_=round_)
         want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
         budget = cfg.rollout.max_new_tokens
         if self.task.max_answer_tokens is not None:
             budget = min(budget, self.task.max_answer_tokens)
         requests = []
         for p_index, prompt in enumerate(prompts):
-            for g in range(cfg.rollout.samples_per_prompt):
-                index = p_index * cfg.rollout.samples_per_prompt + g
+            for g in range(G):
                 sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                           max_new_tokens=budget, stop_token_ids=self.task.stop_token_ids,
-                                          sampling_seed=_sampling_seed(cfg.seed, step, index))
+                                          sampling_seed=_sampling_seed(cfg.seed, step, p_index * G + g, round_))
                 requests.append(GenerateRequest(list(prompt.ids), sampling, return_routed_experts=want_routes))
         started = time.perf_counter()
         # One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
@@ -186,49 +263,14 @@ class Trainer:
                                       requests_per_call=per_engine))
         results = pool.generate(requests)
         rollout_s = time.perf_counter() - started
-        G = cfg.rollout.samples_per_prompt
         scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
-        rewards = list(scored.rewards)
-        truncated = [r.finish_reason.get("type") == "length" for r in results]
         penalties = self._overlong_penalties(results)
-        rewards = [r + p for r, p in zip(rewards, penalties)]
-        self.samples_log = self._sample_rows(step, prompts, results, scored, rewards)
-        groups = torch.arange(len(results)) // cfg.rollout.samples_per_prompt
-        lengths = [len(r.output_ids) for r in results]
+        rewards = [r + p for r, p in zip(scored.rewards, penalties)]
         if self.retirement is not None:
             self.retirement.observe(prompts, [sum(r == 1.0 for r in rewards[p * G:(p + 1) * G]) / G
                                               for p in range(len(prompts))])
-        # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
-        advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups, lengths)
-        keep = torch.ones(len(results), dtype=torch.bool)
-        if cfg.algorithm.filter_zero_variance:
-            keep = ~zero_variance  # per response: its group's rewards were all equal
-        if cfg.algorithm.overlong_filter:  # DAPO: a truncated response gets no loss (it still counts in its group)
-            keep &= ~torch.tensor(truncated, dtype=torch.bool)
-        samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
-                          reward=rewards[i], advantage=advantages[i],
-                          rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
-                          versions=[version_number(v, version) for v in
-                                    r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
-                   for i, r in enumerate(results) if keep[i]]
-        metrics = {
-            "reward_mean": sum(rewards) / len(rewards),
-            "reward_exact_frac": sum(r == 1.0 for r in rewards) / len(rewards),
-            "response_length_mean": sum(lengths) / len(lengths),
-            "kept_samples_frac": len(samples) / len(results),
-            "rollout_time_s": rollout_s,
-            "rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
-            "engine_restarts": float(sum(h.restarts for h in pool.engines)),
-            "reward_errors": float(scored.errors),
-            "truncated_frac": sum(truncated) / len(truncated),
-        }
-        if cfg.algorithm.overlong_buffer:
-            metrics["overlong_penalty_mean"] = sum(penalties) / len(penalties)
-        if getattr(self.task, "dropped_long", None) is not None:
-            metrics["data_dropped_long_prompts"] = float(self.task.dropped_long)
-        if self.retirement is not None:
-            metrics["retired_prompts"] = float(len(self.retirement.retired))
-        return samples, metrics
+        return Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
+                     sum(h.restarts for h in pool.engines))
 
     def _overlong_penalties(self, results: list) -> list[float]:
         """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""
@@ -240,17 +282,17 @@ class Trainer:
         max_len = cfg.data.max_response_tokens or cfg.rollout.max_new_tokens
         return [overlong_penalty(len(r.output_ids), max_len, cfg.algorithm.overlong_buffer) for r in results]
 
-    def _sample_rows(self, step: int, prompts: list, results: list, scored, rewards: list[float]) -> list[dict]:
+    def _sample_rows(self, step: int, drawn) -> list[dict]:
         """The first data.samples_logged responses of the step, decoded (text tasks), for samples.jsonl."""
         G = self.config.rollout.samples_per_prompt
         rows = []
-        for i in range(min(self.config.data.samples_logged, len(results))):
-            prompt = prompts[i // G]
+        for i in range(min(self.config.data.samples_logged, len(drawn.results))):
+            prompt, result = drawn.prompts[i // G], drawn.results[i]
             rows.append({"step": step, "prompt": self.task.describe(prompt),
-                         "response": scored.texts[i] if scored.texts is not None else results[i].output_ids,
+                         "response": drawn.texts[i] if drawn.texts is not None else result.output_ids,
                          "answer": prompt.answer if isinstance(prompt.answer, (str, int, float)) else
-                         list(prompt.answer), "reward": rewards[i],
-                         "finish": results[i].finish_reason.get("type"),
+                         list(prompt.answer), "reward": drawn.rewards[i],
+                         "finish": result.finish_reason.get("type"),
                          "source": getattr(prompt, "source", None)})
         return rows
 
