@@ -37,20 +37,9 @@ def random_hf_weights(model_cfg, seed: int, device: str = "cuda") -> list[tuple[
 def buckets_of(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive single-dtype runs of at most `bucket_bytes` (a tensor larger than that is a bucket of its own)."""
     from mpo.rollout.sglang_wire import split_by_dtype
+    from mpo.rollout.weight_sync import make_buckets
 
-    out: list[list[tuple[str, torch.Tensor]]] = []
-    for run in split_by_dtype(named):
-        current, size = [], 0
-        for name, tensor in run:
-            nbytes = tensor.numel() * tensor.element_size()
-            if current and size + nbytes > bucket_bytes:
-                out.append(current)
-                current, size = [], 0
-            current.append((name, tensor))
-            size += nbytes
-        if current:
-            out.append(current)
-    return out
+    return [bucket for run in split_by_dtype(named) for bucket in make_buckets(run, bucket_bytes)]
 
 
 def _receive(conn, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
