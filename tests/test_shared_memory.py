@@ -87,3 +87,92 @@ def test_a_full_shm_directory_fails_at_creation_with_the_size_and_the_remedy(tmp
         assert os.listdir(where) == []  # the partial file is gone
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_hardening_orphan_sweep_keeps_a_live_creator_of_another_pid_namespace():
+    """A trainer in another PID namespace sharing the directory (a container with --ipc=host) names its files with a
+    pid that means nothing here (simulated: a live creator whose file carries a pid that does not exist in this
+    namespace). The sweep must judge it by the creator's lock, not by the pid: its slot stays; once the creator is
+    killed, the next creation removes it."""
+    token = shm.new_token()
+    code = (f"import sys, torch; from mpo.rollout import shared_memory as s; "
+            f"b = s.SharedBuffer(s.file_name({token!r}, 'slot', pid=2**22 + 7), 1024, torch.float32, create=True); "
+            f"print(b.path, flush=True); sys.stdin.read()")
+    creator = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        live = creator.stdout.readline().strip()
+        assert live and os.path.exists(live)
+        mine = shm.SharedBuffer(shm.file_name(token, "sweeper"), 8, torch.float32, create=True)  # sweeps
+        mine.close()
+        assert os.path.exists(live), "the sweep deleted the live slot of another namespace's trainer"
+    finally:
+        creator.kill()
+        creator.wait(30)
+    mine = shm.SharedBuffer(shm.file_name(token, "sweeper"), 8, torch.float32, create=True)
+    mine.close()
+    assert not os.path.exists(live)
+
+
+def test_hardening_a_fifo_named_like_a_slot_is_refused_without_blocking():
+    """open() of a FIFO blocks until a writer comes: read_view and the sweep must not open it blocking."""
+    import threading
+
+    token = shm.new_token()
+    fifo = shm.shm_dir() / shm.file_name(token, "fifo", pid=1)
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            shm.read_view({"name": "w", "path": str(fifo), "dtype": "float32", "shape": [4], "stride": [1],
+                           "offset": 0})
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    try:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(5)
+        blocked = reader.is_alive()
+        shm.remove_orphans()  # the sweep's open must not block either (it would here, before the fix)
+    finally:
+        try:
+            for _ in range(2):  # releases a reader blocked in open()
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        fifo.unlink()
+    assert not blocked, "read_view blocked opening a FIFO"
+    assert isinstance(outcome[0], ValueError) and "not a regular file" in str(outcome[0]), outcome
+
+
+def test_hardening_a_full_shm_directory_ends_the_trainer_with_one_line(tmp_path):
+    """A real 256 KiB tmpfs as MPO_SHM_DIR and a 512 KiB slot, created inside the trainer's entry point (its run()
+    replaced by the slot creation): the rank stops with one line naming the real size (not "0 MiB") and the room
+    left, no traceback. Mounting needs root (CI runs as root)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    code = ("import sys, types, torch; from mpo.rollout import shared_memory as s\n"
+            "loop = types.ModuleType('mpo.trainer.loop')\n"
+            "loop.run = lambda config: s.SharedBuffer(s.file_name('ab12', 'slot'), 128 << 10, torch.float32, "
+            "create=True)\n"
+            "sys.modules['mpo.trainer.loop'] = loop\n"
+            "from mpo.trainer.__main__ import main\n"
+            "main([])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, "MPO_SHM_DIR": str(where), "PYTHONPATH": os.pathsep.join(sys.path)})
+        print(f"\n[full shm] exit {run.returncode}: {run.stderr.strip()[-600:]}", file=sys.stderr)
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mpo: no space in "), run.stderr[-2000:]
+        assert "512 KiB weight-sync slot" in lines[0] and "free" in lines[0] and "--shm-size" in lines[0], lines[0]
+        assert os.listdir(where) == []
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

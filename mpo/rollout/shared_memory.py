@@ -8,25 +8,34 @@ streaming), and mpo's engine reads the converted bucket in place from a small lo
 (rollout.sync=shm, load_format "mpo_shm") instead of receiving its bytes.
 
 Files are named `mpo-sync-<token>-p<pid>-...` in MPO_SHM_DIR (default /dev/shm), created exclusively, preallocated
-with posix_fallocate (a full tmpfs fails here with ENOSPC instead of killing a process with SIGBUS on a later write)
-and unlinked by their creator when the sync ends; files of processes that died (SIGKILL) are removed by the next
-file created on the host. The engine opens only regular files of that prefix in that
-directory, maps them read-only (copy-on-write, so it can never write the trainer's memory) and checks every locator
-against the file's size.
+with posix_fallocate (a full tmpfs fails here with ENOSPC, one line naming the size and the room left, instead of
+killing a process with SIGBUS on a later write) and unlinked by their creator when the sync ends. The creator holds
+a shared flock on its file for the file's life; files of processes that died (SIGKILL) are removed by the next file
+created on the host, judged by that lock, never by the pid in the name: a trainer in another PID namespace sharing
+the directory (a container with --ipc=host) has pids that mean nothing here. The engine opens only regular files of
+that prefix in that directory (non-blocking, so a FIFO of that name cannot hang it; the type is checked on the
+descriptor), maps them read-only (copy-on-write, so it can never write the trainer's memory) and checks every
+locator against the file's size and every dtype against the ones weights travel in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import math
 import os
 import re
 import secrets
+import stat
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mpo.lifecycle import NoSpaceLeft
 
 PREFIX = "mpo-sync-"
 _NAME = re.compile(r"^mpo-sync-[0-9a-z_-]{1,120}$")
@@ -67,31 +76,102 @@ def host_key() -> str:
     return f"{socket.gethostname()}:{boot}:{where}"
 
 
-_OWNER = re.compile(r"^mpo-sync-[0-9a-z]+-p(\d+)-")
+STAGING = "mpo-staging-"  # a file being created (mpo-staging-<token>-p<pid>-...), not yet named PREFIX
+_OWNER = re.compile(r"^mpo-(sync|staging)-[0-9a-z]+-p(\d+)-")
+# Weights travel in these dtypes (the trainer's and the engine's, mpo.config's model.dtype / rollout.engine_dtype);
+# a locator naming another one would reinterpret the slot's bytes.
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _open_regular(path: str | Path, flags: int) -> int:
+    """A descriptor of `path` opened without following a link and without blocking (a FIFO's open() waits for a
+    writer forever), after checking on the descriptor itself that it is a regular file (ValueError otherwise)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file")
+    return fd
 
 
 def remove_orphans() -> int:
-    """Unlink mpo-sync files whose creating process is gone (a killed trainer cannot unlink its slots)."""
+    """Unlink mpo-sync files whose creator is gone: nobody holds the lock every creator keeps on its file while it
+    lives (the kernel drops it when the process dies, however it dies, in any PID namespace)."""
     removed = 0
     try:
         names = os.listdir(shm_dir())
     except OSError:
         return 0
     for name in names:
-        owner = _OWNER.match(name)
-        if owner is None:
+        if _OWNER.match(name) is None:
+            continue
+        path = shm_dir() / name
+        try:
+            fd = _open_regular(path, os.O_RDONLY)
+        except (OSError, ValueError):  # gone meanwhile, another user's (0600), or not a regular file
             continue
         try:
-            os.kill(int(owner.group(1)), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(shm_dir() / name)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while the creator (or a fork of it) lives
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:  # still the file we judged
+                os.unlink(path)
                 removed += 1
-            except OSError:
-                pass
-        except PermissionError:  # alive, another user's
+        except OSError:
             pass
+        finally:
+            os.close(fd)
     return removed
+
+
+def _create_locked(path: str, nbytes: int) -> int:
+    """Create `path` exclusively with `nbytes` preallocated and this process's lock on it; returns the descriptor
+    (keep it open: closing it drops the lock). The file is made, locked and allocated under a staging name
+    (`mpo-staging-...`, which engines never open) and only then linked to its own name, so a sweep never finds it
+    there unlocked and a failed allocation leaves no name behind. (An unnamed O_TMPFILE linked in through /proc
+    would do the same, but not every kernel lets /proc/self/fd be linked: EXDEV under gVisor.)"""
+    directory, name = os.path.split(path)
+    staging = os.path.join(directory, STAGING + name[len(PREFIX):])
+    for attempt in range(3):
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+            os.link(staging, path)  # EEXIST if the name is taken: exclusive, as O_EXCL
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            if exc.errno == errno.ENOENT and attempt < 2:  # a sweep took the staging file before our lock: again
+                continue
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SharedMemoryFull(path, nbytes) from exc
+            raise
+        os.unlink(staging)
+        return fd
+    raise AssertionError("unreachable")
+
+
+class SharedMemoryFull(NoSpaceLeft):
+    """The shm directory has no room for a slot: one line (a trainer rank stops with it, as for a full disk) naming
+    the size, the room left and the remedies."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        directory = os.path.dirname(path)
+        try:
+            info = os.statvfs(directory)
+            free = f"{_size(info.f_bavail * info.f_frsize)} free of {_size(info.f_blocks * info.f_frsize)}"
+        except OSError:
+            free = "free space unknown"
+        OSError.__init__(self, errno.ENOSPC, (
+            f"no space in {directory} for a {_size(nbytes)} weight-sync slot ({free}; a container's /dev/shm is "
+            f"often 64 MiB: raise --shm-size, or set MPO_SHM_DIR, or use rollout.bucket_mb smaller)"))
+        self.path = Path(path)
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} bytes"
 
 
 class SharedBuffer:
@@ -104,43 +184,36 @@ class SharedBuffer:
             raise ValueError(f"shared buffer name {name!r} must match {_NAME.pattern}")
         self.path = str(shm_dir() / name)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if numel is None:
-            numel = os.stat(self.path).st_size // itemsize
+        if numel is None:  # a peer's slot: sized from the file, which must be a regular one
+            fd = _open_regular(self.path, os.O_RDONLY)
+            numel = os.fstat(fd).st_size // itemsize
+            os.close(fd)
         self.numel, self.dtype, self.owner = numel, dtype, create
         nbytes = numel * itemsize
+        lock = None
         if create:
             remove_orphans()
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                if nbytes:
-                    os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                os.close(fd)
-                os.unlink(self.path)
-                if exc.errno == errno.ENOSPC:
-                    raise OSError(errno.ENOSPC, f"no space in {shm_dir()} for a {nbytes >> 20} MiB weight-sync slot "
-                                  f"(a container's /dev/shm is often 64 MiB: raise --shm-size, or set MPO_SHM_DIR, "
-                                  f"or use rollout.bucket_mb smaller)") from exc
-                raise
-            os.close(fd)
+            lock = _create_locked(self.path, nbytes)  # held until close(): this file's creator is alive
         self.tensor = torch.from_file(self.path, shared=True, size=numel, dtype=dtype) if numel else \
             torch.empty(0, dtype=dtype)
         key = self.tensor.untyped_storage().data_ptr()
         _REGISTRY[key] = self.path
-        self._finalizer = weakref.finalize(self, _release, key, self.path if create else None)
+        self._finalizer = weakref.finalize(self, _release, key, self.path if create else None, lock)
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=self.dtype)
         self._finalizer()
 
 
-def _release(key: int, unlink: str | None) -> None:
+def _release(key: int, unlink: str | None, lock: int | None) -> None:
     _REGISTRY.pop(key, None)
     if unlink is not None:
         try:
             os.unlink(unlink)
         except FileNotFoundError:
             pass
+    if lock is not None:  # after the unlink: a sweep must never see this file unlocked while it has its name
+        os.close(lock)
 
 
 @dataclass(frozen=True)
@@ -184,7 +257,10 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     path = Path(str(locator.get("path", "")))
     if path.parent != shm_dir() or not _NAME.match(path.name):
         raise ValueError(f"path {str(path)!r} is not an {PREFIX}* file in {shm_dir()}")
-    dtype = dtype_from_name(str(locator.get("dtype")))
+    if locator.get("dtype") not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype {locator.get('dtype')} is not a weight dtype ({', '.join(WEIGHT_DTYPES)}): it would "
+                         f"reinterpret the slot's bytes")
+    dtype = dtype_from_name(locator["dtype"])
     shape, stride, offset = locator.get("shape"), locator.get("stride"), locator.get("offset")
     ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
     if not (ints(shape) and ints(stride) and len(shape) == len(stride)) or not ints([offset]):
@@ -203,23 +279,20 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
 
 
 def _numel(shape) -> int:
-    return torch.Size(shape).numel()
+    return math.prod(shape)  # Python integers: a huge dimension is a number too large, not an overflow error
 
 
 def _mapped(path: Path, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
     """The whole file as a flat tensor of `dtype`: mapped once per session (`cache`, keyed by name: a slot's name
     belongs to one sync), after checking that the name opened without following a link is a regular file."""
     import mmap
-    import stat
 
     key = (str(path), dtype)
     if cache is not None and key in cache:
         return cache[key]
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the file checked is the file mapped (no second open by name)
+    fd = _open_regular(path, os.O_RDONLY)  # the file checked is the file mapped (no second open by name)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path} is not a regular file")
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel_file = info.st_size // itemsize
         if numel_file == 0:
