@@ -477,3 +477,72 @@ def test_hardening_bad_latest_with_nothing_to_resume_is_one_line_not_a_restart(t
     assert errors and "refusing to restart the run from step 0" in errors[0], run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     assert (out / "metrics.jsonl").read_text() == '{"step": 0, "reward_mean": 0.5}\n'
+
+
+# -- storage entries inside `.metadata` (issue #24, class 3) --------------------------------------------------------
+def _retarget(tiny: Path, dst: Path, case: str) -> str:
+    """The converted checkpoint with its common_state object's storage entry pointed at something hostile; returns
+    what the one-line refusal must say."""
+    shutil.copytree(tiny / "mc", dst)
+    metadata = pickle.loads((dst / ".metadata").read_bytes())
+    info = next(v for i, v in metadata.storage_data.items() if i.fqn == COMMON_STATE_KEY)
+    size = (dst / info.relative_path).stat().st_size
+    if case == "dev_zero":  # 64 MiB here (the issue's 3 GiB read the same way, just longer)
+        info.relative_path, info.offset, info.length = "/dev/zero", 0, 64 << 20
+        want = "'/dev/zero', outside the checkpoint directory"
+    elif case == "outside":  # a real data file, but one of another directory
+        shutil.copy(dst / info.relative_path, dst.parent / "elsewhere.distcp")
+        info.relative_path = "../elsewhere.distcp"
+        want = "outside the checkpoint directory"
+    elif case == "fifo":  # reading it blocked every rank forever
+        os.mkfifo(dst / "pipe.distcp")
+        info.relative_path = "pipe.distcp"
+        want = "'pipe.distcp', not a regular file"
+    elif case == "past_end":
+        info.offset, info.length = size - 10, 1 << 30
+        want = f"which has {size}"
+    else:  # a missing shard file
+        (dst / info.relative_path).unlink()
+        want = f"missing shard file {info.relative_path!r}"
+    (dst / ".metadata").write_bytes(pickle.dumps(metadata))
+    return want
+
+
+@pytest.mark.parametrize("case", ["dev_zero", "outside", "fifo", "past_end", "missing"])
+def test_hardening_storage_entries_are_checked_before_any_read(tiny, tmp_path, case):
+    """load_sharded (trainer resume, model.mcore_dir, the engine, verify) refuses a `.metadata` whose storage entries
+    name a file outside the checkpoint, a device or FIFO, bytes past a file's end or a missing shard, in one line and
+    before reading anything. A FIFO blocked before the fix: the load runs in a thread, and a FIFO reader still
+    blocked after 30 s is released by opening the pipe for writing (so the failure shows and the test cannot hang)."""
+    import threading
+
+    from mpo.safe_load import CheckpointFileError, load_sharded
+
+    want = _retarget(tiny, tmp_path / "mc", case)
+    outcome: list = []
+
+    def load() -> None:
+        try:
+            load_sharded({}, tmp_path / "mc")
+            outcome.append("loaded")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive() and case == "fifo":
+        os.close(os.open(tmp_path / "mc" / "pipe.distcp", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(30)
+        outcome.insert(0, "blocked on the FIFO")
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointFileError), outcome
+    message = str(outcome[0])
+    assert "\n" not in message and want in message and str(tmp_path / "mc") in message, message
+
+
+def test_hardening_storage_entry_outside_is_refused_by_check_config(tiny, tmp_path, capsys):
+    """`mpo train` checks model.mcore_dir before any rank starts: a storage entry naming /dev/zero is one line."""
+    _retarget(tiny, tmp_path / "mc", "dev_zero")
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"model.mcore_dir={tmp_path / 'mc'}")
+    line = _one_line(err)
+    assert code == 2 and "outside the checkpoint directory" in line, err
