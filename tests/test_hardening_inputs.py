@@ -546,3 +546,33 @@ def test_hardening_storage_entry_outside_is_refused_by_check_config(tiny, tmp_pa
     code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"model.mcore_dir={tmp_path / 'mc'}")
     line = _one_line(err)
     assert code == 2 and "outside the checkpoint directory" in line, err
+
+
+# -- config values that are huge (issue #24, class 7) ---------------------------------------------------------------
+def _alias_bomb(path: Path, levels: int) -> Path:
+    """Nine aliases of nine aliases, `levels` deep, under a dict-typed field (so they pass the unknown-field check),
+    quoted in an error by a string field that names the last one: 9**levels values from ~70 bytes a level."""
+    text = "algorithm:\n  advantage_args:\n    a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    for i in range(1, levels + 1):
+        text += f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n"
+    path.write_text(text + f"model:\n  preset: *a{levels}\n")
+    return path
+
+
+def test_hardening_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path, capsys):
+    """Before: this 600-byte file (7 levels, 4.8M values) made a 312 MB "one-line" error (seen: len 312,088,776).
+    Now the expansion is measured on the node graph and refused before any object is built."""
+    bomb = _alias_bomb(tmp_path / "bomb.yaml", 7)
+    assert bomb.stat().st_size < 900
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(bomb))
+    line = _one_line(err)
+    assert code == 2 and len(line) < 400, line[:400]
+    assert "bomb.yaml" in line and "aliases expand to more than" in line, line[:400]
+
+
+def test_hardening_huge_value_is_quoted_short(capsys):
+    """A 1 MB override value is named in the error, cut to a few hundred characters (it was echoed whole)."""
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), "model.preset=" + "x" * (1 << 20))
+    line = _one_line(err)
+    assert code == 2 and len(line) < 400, line[:400]
+    assert line.startswith("mpo: config error: model.preset='xxxx") and "valid values: tiny" in line, line[:400]
