@@ -576,3 +576,18 @@ def test_hardening_huge_value_is_quoted_short(capsys):
     line = _one_line(err)
     assert code == 2 and len(line) < 400, line[:400]
     assert line.startswith("mpo: config error: model.preset='xxxx") and "valid values: tiny" in line, line[:400]
+
+
+@pytest.mark.parametrize("form", ["directory", "recursive-glob"])
+def test_hardening_dataset_in_subdirectories_passes_check_config_as_the_reader_reads_it(tmp_path, capsys, form):
+    """A dataset directory whose files sit in subdirectories: the reader (mpo.data.sources) reads them recursively,
+    and check-config refused the directory as holding no data file."""
+    from mpo.data.sources import open_source
+
+    (tmp_path / "data" / "train" / "part1").mkdir(parents=True)
+    (tmp_path / "data" / "train" / "part1" / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    task = str(tmp_path / "data") if form == "directory" else str(tmp_path / "data" / "**" / "*.jsonl")
+    assert open_source(task).row(0).answer == "2"
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"data.task={task}",
+                      f"model.tokenizer_dir={tmp_path}", "reward.fn=math")
+    assert code == 0, err
