@@ -591,3 +591,54 @@ def test_hardening_dataset_in_subdirectories_passes_check_config_as_the_reader_r
     code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"data.task={task}",
                       f"model.tokenizer_dir={tmp_path}", "reward.fn=math")
     assert code == 0, err
+
+
+# -- model sizes against this machine's memory (issue #24, class 7) --------------------------------------------------
+def _huge_vocab_hf(tiny: Path, tmp_path: Path) -> Path:
+    """The tiny model's config.json with a 10^9-token vocabulary (no weights: nothing reads them before the check)."""
+    config = json.loads((tiny / "hf" / "config.json").read_text())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "vocab_size": 10**9}))
+    return tmp_path / "hf"
+
+
+def test_hardening_huge_vocab_is_refused_by_check_config(tiny, tmp_path, capsys):
+    """check-config accepted a model whose embedding alone is 256 GB per rank; now it compares the model state of
+    every rank (and engine) on this host with the host's memory."""
+    hf = _huge_vocab_hf(tiny, tmp_path)
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"model.hf_dir={hf}")
+    line = _one_line(err)
+    assert code == 2, err
+    assert "does not fit in this host's memory" in line and "vocab_size=1,000,000,000" in line, line
+
+
+def test_hardening_huge_vocab_train_stops_before_any_rank_allocates(tiny, tmp_path):
+    """`mpo train` with the same model: one line before torchrun starts (before, every rank tried to allocate
+    256 GB). The command runs with its address space capped at 8 GiB, so that a regression fails here instead of
+    swapping the machine."""
+    import resource
+
+    hf = _huge_vocab_hf(tiny, tmp_path)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    run = subprocess.run([sys.executable, "-m", "mpo.cli", "train", "--config", str(RECIPE), f"model.hf_dir={hf}",
+                          f"logging.out_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
+                         preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = _one_line(run.stderr)
+    assert run.returncode == 2 and "does not fit in this host's memory" in line, run.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_hardening_huge_vocab_against_one_gpu_and_the_demo_fits(tiny, tmp_path):
+    """On a GPU machine the bound is one rank's model state against one GPU (here an 80 GB one, given); the demo
+    itself fits both ways."""
+    from mpo.config import ConfigError, load_config
+    from mpo.memory_plan import check_fits_here
+
+    huge = load_config(RECIPE, [f"model.hf_dir={_huge_vocab_hf(tiny, tmp_path)}"])
+    with pytest.raises(ConfigError, match="does not fit on this GPU: one trainer rank holds at least"):
+        check_fits_here(huge, gpu_bytes=80 * 10**9)
+    check_fits_here(load_config(RECIPE), gpu_bytes=80 * 10**9)
+    check_fits_here(load_config(RECIPE), host_bytes=1 << 30)
