@@ -36,6 +36,9 @@ def resolve_config(config_path: str | None, overrides: list[str]):
 def run_local(config_path: str | None, overrides: list[str]) -> int:
     """Validate, write the resolved config into the run directory, start world_size ranks here with torchrun."""
     config, text = resolve_config(config_path, overrides)
+    from mpo.memory_plan import check_fits_here
+
+    check_fits_here(config)  # before any rank tries to build a model this machine cannot hold
     out_dir = Path(config.logging.out_dir)
     lock = lock_run_dir(out_dir)  # held until torchrun returns; first, so a refused run writes nothing here
     try:
@@ -166,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "check-config":
             config, text = resolve_config(args.config, args.overrides)
+            if config.rollout.engine != "sglang":  # a CPU run: the GPU plan does not apply, this host's memory does
+                from mpo.memory_plan import check_fits_here
+
+                check_fits_here(config)
             print(text, end="")
-            if config.rollout.engine != "sglang":  # a CPU run: GPU memory does not apply
+            if config.rollout.engine != "sglang":
                 return 0
             return memory_plan(config, gpu_mem_gb=args.gpu_mem_gb, out=sys.stderr)
         if args.command == "plan":

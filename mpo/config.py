@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -330,6 +331,61 @@ class TrainConfig:
 
 
 # -- loading ---------------------------------------------------------------------------------------------------------
+# Values quoted in errors are bounded: a config value may be huge (a long string, or a YAML alias bomb whose repr was
+# 312 MB in one "one-line" error), and reprlib stops at these sizes without building the whole repr first.
+_QUOTE = reprlib.Repr(maxlevel=3, maxtuple=6, maxlist=6, maxarray=6, maxdict=6, maxset=6, maxfrozenset=6,
+                      maxdeque=6, maxstring=120, maxlong=40, maxother=120)
+QUOTE_CHARS = 200
+# Nodes a YAML document may expand to through its aliases (a real config has a few hundred): nine aliases of nine
+# aliases, eight levels deep, are 900 bytes of YAML and 43 million values.
+YAML_MAX_NODES = 100_000
+
+
+def _show(value: Any) -> str:
+    """repr(value) for an error message, at most QUOTE_CHARS characters."""
+    text = _QUOTE.repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+def _yaml_load(text: str) -> Any:
+    """yaml.safe_load, refusing documents whose aliases expand past YAML_MAX_NODES nodes (or into themselves): the
+    node graph is measured, counting each alias as a copy, before any Python object is built."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_nodes(node, {}, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_nodes(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Nodes `node` stands for with every alias expanded; ValueError past YAML_MAX_NODES or for a node inside
+    itself. Shared nodes are measured once (sizes), so this costs the graph's size, not the expansion's."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise ValueError("a YAML alias refers to a node that contains it (recursive alias)")
+    open_nodes.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [item for pair in node.value for item in pair]
+    else:
+        children = []
+    for child in children:
+        total += _expanded_nodes(child, sizes, open_nodes)
+        if total > YAML_MAX_NODES:
+            raise ValueError(f"YAML aliases expand to more than {YAML_MAX_NODES:,} values (an alias bomb?)")
+    open_nodes.discard(key)
+    sizes[key] = total
+    return total
+
+
 def _coerce(value: Any, annotation: Any, name: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
@@ -337,7 +393,7 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         return _build(annotation, value, name)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{name}={value!r}; valid values: {', '.join(map(repr, args))}")
+            raise ConfigError(f"{name}={_show(value)}; valid values: {', '.join(map(repr, args))}")
         return value
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
@@ -349,7 +405,7 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
                 return _coerce(value, arg, name)
             except ConfigError:
                 continue
-        raise ConfigError(f"{name}={value!r} has the wrong type (expected {annotation})")
+        raise ConfigError(f"{name}={_show(value)} has the wrong type (expected {annotation})")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             value = [value]
@@ -358,7 +414,7 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         if not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r}: expected true or false")
+            raise ConfigError(f"{name}={_show(value)}: expected true or false")
         return value
     if annotation in (int, float):
         try:
@@ -366,14 +422,14 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
                 raise ValueError
             return annotation(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{name}={value!r}: expected {annotation.__name__}") from None
+            raise ConfigError(f"{name}={_show(value)}: expected {annotation.__name__}") from None
     if annotation is str:
         if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{name}={value!r}: expected a string")
+            raise ConfigError(f"{name}={_show(value)}: expected a string")
         return str(value)
     if annotation is dict or origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{name}={value!r}: expected a mapping")
+            raise ConfigError(f"{name}={_show(value)}: expected a mapping")
         return dict(value)
     return value
 
@@ -382,7 +438,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {data!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
@@ -403,25 +459,27 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def _parse_scalar(item: str, text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text else ""
+        return _yaml_load(text) if text else ""
     except yaml.YAMLError as exc:
         reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({reason}); quote strings, close "
+        raise ConfigError(f"override {_show(item)}: the value is not valid YAML ({reason}); quote strings, close "
                           f"brackets") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"override {_show(item)}: {exc}") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `section.field=value` strings (values parsed as YAML scalars/lists) to a raw config dict."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected section.field=value")
+            raise ConfigError(f"override {_show(item)}: expected section.field=value")
         path, raw = item.split("=", 1)
         node = data
         parts = path.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
+                raise ConfigError(f"override {_show(item)}: {part} is not a section")
         node[parts[-1]] = _parse_scalar(item, raw)
     return data
 
@@ -461,12 +519,16 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})"
                           ) from None
     try:
-        data = yaml.safe_load(text)
+        data = _yaml_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"config file {path}:{where}: invalid YAML: {reason}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: nested too deeply") from None
+    except ValueError as exc:  # _yaml_load's bound
+        raise ConfigError(f"config file {path}: {exc}") from None
     if data is None:
         raise ConfigError(f"config file {path} is empty; expected sections such as model:, rollout:, algorithm:")
     if not isinstance(data, dict):
@@ -488,7 +550,7 @@ def validate(config: TrainConfig) -> None:
     a, r, m, d = config.algorithm, config.rollout, config.model, config.data
     _check_ranges(config)
     if a.loss not in loss_names():
-        raise ConfigError(f"algorithm.loss={a.loss!r}; valid values: {', '.join(loss_names())}")
+        raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}")
     loss_args = _typed_loss_args(a.loss, a.loss_args)
     try:
         make_loss_config(a.loss, **loss_args)
@@ -524,7 +586,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
                           "room for engines on its own GPUs")
     if m.hf_dir is None and m.preset not in PRESETS:
-        raise ConfigError(f"model.preset={m.preset!r}; valid values: {', '.join(PRESETS)}")
+        raise ConfigError(f"model.preset={_show(m.preset)}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
     if a.dynamic_sampling and r.samples_per_prompt < 2:
@@ -557,7 +619,7 @@ def _check_data(config: TrainConfig) -> None:
     except TaskSpecError as exc:
         raise ConfigError(f"data.task: {exc}") from None
     if spec.kind != "toy" and not (m.tokenizer_dir or m.hf_dir):
-        raise ConfigError(f"data.task={d.task!r} is a text task: set model.hf_dir or model.tokenizer_dir (its "
+        raise ConfigError(f"data.task={_show(d.task)} is a text task: set model.hf_dir or model.tokenizer_dir (its "
                           f"tokenizer encodes the prompts and decodes the responses)")
     if config.reward.fn is not None:
         from mpo.rewards import get_reward
@@ -572,8 +634,8 @@ def _check_data(config: TrainConfig) -> None:
         except TaskSpecError as exc:
             raise ConfigError(f"eval.task: {exc}") from None
         if (eval_spec.kind == "toy") != (spec.kind == "toy"):
-            raise ConfigError(f"eval.task={config.eval.task!r} and data.task={d.task!r} must both be toy tasks or "
-                              f"both text tasks (the evaluation is scored by the run's reward and tokenizer)")
+            raise ConfigError(f"eval.task={_show(config.eval.task)} and data.task={_show(d.task)} must both be toy "
+                              f"tasks or both text tasks (the evaluation is scored by the run's reward and tokenizer)")
     budget = d.max_response_tokens or r.max_new_tokens
     if a.overlong_buffer >= budget:
         raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below data.max_response_tokens "
@@ -584,7 +646,7 @@ def _check_schedule(config: TrainConfig) -> None:
     """The lr schedule's cross-field limits (megatron's OptimizerParamScheduler asserts them)."""
     s = config.schedule
     if s.min_lr > s.lr:
-        raise ConfigError(f"schedule.min_lr={s.min_lr!r} must be <= schedule.lr={s.lr!r}")
+        raise ConfigError(f"schedule.min_lr={_show(s.min_lr)} must be <= schedule.lr={_show(s.lr)}")
     if s.lr_warmup_steps and s.steps and s.lr_warmup_steps >= s.steps:
         raise ConfigError(f"schedule.lr_warmup_steps={s.lr_warmup_steps} must be below schedule.steps={s.steps}")
 
@@ -665,7 +727,7 @@ def _check_ranges(config: TrainConfig) -> None:
         for part in name.split("."):
             value = getattr(value, part)
         if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
-            raise ConfigError(f"{name}={value!r}; valid values: {valid}")
+            raise ConfigError(f"{name}={_show(value)}; valid values: {valid}")
 
 
 def _typed_loss_args(loss: str, loss_args: dict) -> dict:
@@ -683,7 +745,7 @@ def _check_mcore_dir(mcore_dir: str) -> None:
 
     metadata = Path(mcore_dir) / ".metadata"
     if not metadata.is_file():
-        raise ConfigError(f"model.mcore_dir={mcore_dir!r}: not a torch_dist checkpoint (no .metadata)")
+        raise ConfigError(f"model.mcore_dir={_show(mcore_dir)}: not a torch_dist checkpoint (no .metadata)")
     try:
         read_dcp_metadata(metadata)
     except CheckpointFileError as exc:

@@ -312,3 +312,57 @@ def format_plan(roles: list[RoleMemory]) -> str:
         for name, value in role.items.items():
             lines.append(f"  {name:40s}{value / GIB:10.2f} GiB")
     return "\n".join(lines)
+
+
+def model_state_bytes(config) -> int:
+    """A lower bound of one trainer rank's bytes (its heaviest pipeline stage): the parameters, gradients and
+    optimizer state of the policy (critic, KL reference) from plan_memory, without activations or the CUDA reserve,
+    and with the distributed optimizer's sharding whatever the config says, so that a run refused by
+    check_fits_here could not have fit."""
+    from dataclasses import replace
+
+    config = replace(config, parallel=replace(config.parallel, distributed_optimizer=True))
+    trainer = plan_memory(config)[0]
+    return sum(v for k, v in trainer.items.items() if k != "activations" and not k.startswith("reserve"))
+
+
+def _host_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | None = None) -> None:
+    """ConfigError (one line) when the model cannot fit on this machine, before any rank builds it (a 1e9 vocabulary
+    made every rank try to allocate 256 GB). With a GPU (or gpu_bytes): one trainer rank's model state (lower bound:
+    model_state_bytes) against one GPU's memory. Without (a CPU run: `mpo train` starts its world_size ranks and its
+    local engines on this host): every rank's model state plus each local mpo engine's weights against the host's
+    physical memory (or host_bytes). Lower bounds only: the full estimate, activations included, is `mpo plan`'s."""
+    import torch
+
+    from mpo.config import ConfigError, model_config
+
+    m = model_config(config)
+    per_rank = model_state_bytes(config)
+    shape = (f"vocab_size={m.vocab_size:,}, hidden_size={m.hidden_size:,}, {m.num_layers} layers, "
+             f"{m.num_experts} experts")
+    if gpu_bytes is None and host_bytes is None and torch.cuda.is_available():
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    if gpu_bytes is not None:
+        if per_rank > gpu_bytes:
+            raise ConfigError(f"the model does not fit on this GPU: one trainer rank holds at least "
+                              f"{per_rank / GIB:,.1f} GiB of parameters, gradients and optimizer state, the GPU has "
+                              f"{gpu_bytes / GIB:,.1f} GiB ({shape}; `mpo plan` shows the whole estimate)")
+        return
+    capacity = host_bytes if host_bytes is not None else _host_memory()
+    r = config.rollout
+    engines = r.num_engines if r.engine == "mpo" and not r.urls else 0
+    dtype = r.engine_dtype or config.model.dtype
+    whole = stage_params(m, ParallelConfig(), 0)
+    per_engine = whole.total * (2 if dtype == "bf16" else 4)
+    need = config.world_size * per_rank + engines * per_engine
+    if need > capacity:
+        raise ConfigError(f"the model does not fit in this host's memory: {config.world_size} trainer ranks x "
+                          f"{per_rank / GIB:,.1f} GiB (parameters, gradients, optimizer state) + {engines} engines x "
+                          f"{per_engine / GIB:,.1f} GiB (weights) = {need / GIB:,.1f} GiB, the host has "
+                          f"{capacity / GIB:,.1f} GiB ({shape})")

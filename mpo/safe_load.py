@@ -16,7 +16,9 @@ of a torch_dist directory (trainer, engine, checkpoints_tools) goes through it.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +66,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str | Path) -> Metadata:
-    """The `Metadata` in a `.metadata` file, unpickled with the allow-list above (never plain pickle)."""
+    """The `Metadata` in a `.metadata` file, unpickled with the allow-list above (never plain pickle), whose storage
+    entries all lie in regular files of the checkpoint directory (check_storage)."""
     path = Path(path)
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError as exc:
+        raise CheckpointFileError(f"cannot read torch_dist metadata ({exc.strerror})", path) from None
+    if not regular:  # a FIFO would block every rank, a device read forever
+        raise CheckpointFileError("torch_dist metadata is not a regular file", path)
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
@@ -78,7 +87,40 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointFileError(f"corrupt torch_dist metadata: holds a {type(metadata).__name__}, not Metadata",
                                   path)
+    check_storage(metadata, path.parent, path)
     return metadata
+
+
+def check_storage(metadata: Metadata, directory: Path, where: Path) -> None:
+    """Every storage entry names a regular file inside `directory` and a byte range within it. torch's reader opens
+    whatever path `.metadata` names and reads `length` bytes from `offset`: `/dev/zero` with a 3 GiB length read
+    3 GiB per object, a FIFO blocked every rank. Checked before any read; each file is looked at once."""
+    root = directory.resolve()
+    sizes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        what = f"storage entry {getattr(index, 'fqn', index)!s:.200}"
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise CheckpointFileError(f"corrupt torch_dist metadata: {what} names no file", where)
+        if name not in sizes:
+            file = (root / name).resolve()
+            if file.parent != root and root not in file.parents:
+                raise CheckpointFileError(f"corrupt torch_dist metadata: {what} names {name[:200]!r}, outside the "
+                                          "checkpoint directory", where)
+            try:
+                info_stat = os.stat(file)
+            except OSError as exc:
+                raise CheckpointFileError(f"{what}: missing shard file {name[:200]!r} ({exc.strerror})",
+                                          where) from None
+            if not stat.S_ISREG(info_stat.st_mode):
+                raise CheckpointFileError(f"corrupt torch_dist metadata: {what} names {name[:200]!r}, not a regular "
+                                          "file", where)
+            sizes[name] = info_stat.st_size
+        if (not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0
+                or offset + length > sizes[name]):
+            raise CheckpointFileError(f"corrupt torch_dist metadata: {what} reads bytes [{offset!s:.30}, "
+                                      f"+{length!s:.30}) of {name[:200]!r}, which has {sizes[name]}", where)
 
 
 def check_object_bytes(data: bytes | io.BytesIO, where: str) -> Any:

@@ -477,3 +477,168 @@ def test_hardening_bad_latest_with_nothing_to_resume_is_one_line_not_a_restart(t
     assert errors and "refusing to restart the run from step 0" in errors[0], run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     assert (out / "metrics.jsonl").read_text() == '{"step": 0, "reward_mean": 0.5}\n'
+
+
+# -- storage entries inside `.metadata` (issue #24, class 3) --------------------------------------------------------
+def _retarget(tiny: Path, dst: Path, case: str) -> str:
+    """The converted checkpoint with its common_state object's storage entry pointed at something hostile; returns
+    what the one-line refusal must say."""
+    shutil.copytree(tiny / "mc", dst)
+    metadata = pickle.loads((dst / ".metadata").read_bytes())
+    info = next(v for i, v in metadata.storage_data.items() if i.fqn == COMMON_STATE_KEY)
+    size = (dst / info.relative_path).stat().st_size
+    if case == "dev_zero":  # 64 MiB here (the issue's 3 GiB read the same way, just longer)
+        info.relative_path, info.offset, info.length = "/dev/zero", 0, 64 << 20
+        want = "'/dev/zero', outside the checkpoint directory"
+    elif case == "outside":  # a real data file, but one of another directory
+        shutil.copy(dst / info.relative_path, dst.parent / "elsewhere.distcp")
+        info.relative_path = "../elsewhere.distcp"
+        want = "outside the checkpoint directory"
+    elif case == "fifo":  # reading it blocked every rank forever
+        os.mkfifo(dst / "pipe.distcp")
+        info.relative_path = "pipe.distcp"
+        want = "'pipe.distcp', not a regular file"
+    elif case == "past_end":
+        info.offset, info.length = size - 10, 1 << 30
+        want = f"which has {size}"
+    else:  # a missing shard file
+        (dst / info.relative_path).unlink()
+        want = f"missing shard file {info.relative_path!r}"
+    (dst / ".metadata").write_bytes(pickle.dumps(metadata))
+    return want
+
+
+@pytest.mark.parametrize("case", ["dev_zero", "outside", "fifo", "past_end", "missing"])
+def test_hardening_storage_entries_are_checked_before_any_read(tiny, tmp_path, case):
+    """load_sharded (trainer resume, model.mcore_dir, the engine, verify) refuses a `.metadata` whose storage entries
+    name a file outside the checkpoint, a device or FIFO, bytes past a file's end or a missing shard, in one line and
+    before reading anything. A FIFO blocked before the fix: the load runs in a thread, and a FIFO reader still
+    blocked after 30 s is released by opening the pipe for writing (so the failure shows and the test cannot hang)."""
+    import threading
+
+    from mpo.safe_load import CheckpointFileError, load_sharded
+
+    want = _retarget(tiny, tmp_path / "mc", case)
+    outcome: list = []
+
+    def load() -> None:
+        try:
+            load_sharded({}, tmp_path / "mc")
+            outcome.append("loaded")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive() and case == "fifo":
+        os.close(os.open(tmp_path / "mc" / "pipe.distcp", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(30)
+        outcome.insert(0, "blocked on the FIFO")
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointFileError), outcome
+    message = str(outcome[0])
+    assert "\n" not in message and want in message and str(tmp_path / "mc") in message, message
+
+
+def test_hardening_storage_entry_outside_is_refused_by_check_config(tiny, tmp_path, capsys):
+    """`mpo train` checks model.mcore_dir before any rank starts: a storage entry naming /dev/zero is one line."""
+    _retarget(tiny, tmp_path / "mc", "dev_zero")
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"model.mcore_dir={tmp_path / 'mc'}")
+    line = _one_line(err)
+    assert code == 2 and "outside the checkpoint directory" in line, err
+
+
+# -- config values that are huge (issue #24, class 7) ---------------------------------------------------------------
+def _alias_bomb(path: Path, levels: int) -> Path:
+    """Nine aliases of nine aliases, `levels` deep, under a dict-typed field (so they pass the unknown-field check),
+    quoted in an error by a string field that names the last one: 9**levels values from ~70 bytes a level."""
+    text = "algorithm:\n  advantage_args:\n    a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    for i in range(1, levels + 1):
+        text += f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n"
+    path.write_text(text + f"model:\n  preset: *a{levels}\n")
+    return path
+
+
+def test_hardening_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path, capsys):
+    """Before: this 600-byte file (7 levels, 4.8M values) made a 312 MB "one-line" error (seen: len 312,088,776).
+    Now the expansion is measured on the node graph and refused before any object is built."""
+    bomb = _alias_bomb(tmp_path / "bomb.yaml", 7)
+    assert bomb.stat().st_size < 900
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(bomb))
+    line = _one_line(err)
+    assert code == 2 and len(line) < 400, line[:400]
+    assert "bomb.yaml" in line and "aliases expand to more than" in line, line[:400]
+
+
+def test_hardening_huge_value_is_quoted_short(capsys):
+    """A 1 MB override value is named in the error, cut to a few hundred characters (it was echoed whole)."""
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), "model.preset=" + "x" * (1 << 20))
+    line = _one_line(err)
+    assert code == 2 and len(line) < 400, line[:400]
+    assert line.startswith("mpo: config error: model.preset='xxxx") and "valid values: tiny" in line, line[:400]
+
+
+@pytest.mark.parametrize("form", ["directory", "recursive-glob"])
+def test_hardening_dataset_in_subdirectories_passes_check_config_as_the_reader_reads_it(tmp_path, capsys, form):
+    """A dataset directory whose files sit in subdirectories: the reader (mpo.data.sources) reads them recursively,
+    and check-config refused the directory as holding no data file."""
+    from mpo.data.sources import open_source
+
+    (tmp_path / "data" / "train" / "part1").mkdir(parents=True)
+    (tmp_path / "data" / "train" / "part1" / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    task = str(tmp_path / "data") if form == "directory" else str(tmp_path / "data" / "**" / "*.jsonl")
+    assert open_source(task).row(0).answer == "2"
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"data.task={task}",
+                      f"model.tokenizer_dir={tmp_path}", "reward.fn=math")
+    assert code == 0, err
+
+
+# -- model sizes against this machine's memory (issue #24, class 7) --------------------------------------------------
+def _huge_vocab_hf(tiny: Path, tmp_path: Path) -> Path:
+    """The tiny model's config.json with a 10^9-token vocabulary (no weights: nothing reads them before the check)."""
+    config = json.loads((tiny / "hf" / "config.json").read_text())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "vocab_size": 10**9}))
+    return tmp_path / "hf"
+
+
+def test_hardening_huge_vocab_is_refused_by_check_config(tiny, tmp_path, capsys):
+    """check-config accepted a model whose embedding alone is 256 GB per rank; now it compares the model state of
+    every rank (and engine) on this host with the host's memory."""
+    hf = _huge_vocab_hf(tiny, tmp_path)
+    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"model.hf_dir={hf}")
+    line = _one_line(err)
+    assert code == 2, err
+    assert "does not fit in this host's memory" in line and "vocab_size=1,000,000,000" in line, line
+
+
+def test_hardening_huge_vocab_train_stops_before_any_rank_allocates(tiny, tmp_path):
+    """`mpo train` with the same model: one line before torchrun starts (before, every rank tried to allocate
+    256 GB). The command runs with its address space capped at 8 GiB, so that a regression fails here instead of
+    swapping the machine."""
+    import resource
+
+    hf = _huge_vocab_hf(tiny, tmp_path)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    run = subprocess.run([sys.executable, "-m", "mpo.cli", "train", "--config", str(RECIPE), f"model.hf_dir={hf}",
+                          f"logging.out_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
+                         preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = _one_line(run.stderr)
+    assert run.returncode == 2 and "does not fit in this host's memory" in line, run.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_hardening_huge_vocab_against_one_gpu_and_the_demo_fits(tiny, tmp_path):
+    """On a GPU machine the bound is one rank's model state against one GPU (here an 80 GB one, given); the demo
+    itself fits both ways."""
+    from mpo.config import ConfigError, load_config
+    from mpo.memory_plan import check_fits_here
+
+    huge = load_config(RECIPE, [f"model.hf_dir={_huge_vocab_hf(tiny, tmp_path)}"])
+    with pytest.raises(ConfigError, match="does not fit on this GPU: one trainer rank holds at least"):
+        check_fits_here(huge, gpu_bytes=80 * 10**9)
+    check_fits_here(load_config(RECIPE), gpu_bytes=80 * 10**9)
+    check_fits_here(load_config(RECIPE), host_bytes=1 << 30)

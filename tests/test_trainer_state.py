@@ -102,3 +102,19 @@ def test_reshard_kill_during_save_resumes_from_previous_checkpoint(runs):
     resumed = runs["resumed_after_kill"]
     assert resumed["latest"].endswith("step_1") and resumed["start"] == 1
     assert resumed["loss"] == killed["step1_loss"]
+
+
+def test_hardening_damaged_newest_checkpoint_falls_back_to_the_previous_intact_one(runs):
+    """The newest checkpoint lost a shard file (`latest` names it): the resume says so and continues from the
+    previous intact checkpoint (step 1 here, reproducing its loss), instead of failing or restarting at step 0."""
+    resumed = runs["damaged"]
+    assert "error" not in resumed, resumed
+    assert resumed["start"] == 1 and resumed["loss"] == runs["killed"]["step1_loss"]
+
+
+def test_hardening_another_models_checkpoint_is_one_line(runs):
+    """A run of a 2-layer model over a 4-layer model's checkpoint, with nothing older to fall back to: one line
+    naming a tensor whose saved shape differs, raised before any data is read."""
+    error = runs["other_model"].get("error", "")
+    assert error.startswith("CheckpointError: ") and "\n" not in error, runs["other_model"]
+    assert "another model's checkpoint" in error and "no older checkpoint" in error, error

@@ -30,12 +30,14 @@ class TaskSpec:
 
 
 def _has_data_files(task: str) -> bool:
+    """Whether the reader (mpo.data.sources._expand_files) finds a data file: it walks directories recursively and
+    expands `**` in globs; stops at the first file found."""
     path = Path(task)
     if path.is_dir():
-        return any(p.suffix in DATA_SUFFIXES for p in path.iterdir())
+        return any(p.suffix in DATA_SUFFIXES and p.is_file() for p in path.rglob("*"))
     if path.is_file():
         return path.suffix in DATA_SUFFIXES
-    return any(Path(p).suffix in DATA_SUFFIXES for p in glob.glob(task))
+    return any(Path(p).suffix in DATA_SUFFIXES and Path(p).is_file() for p in glob.iglob(task, recursive=True))
 
 
 def parse_task(task: str) -> TaskSpec:

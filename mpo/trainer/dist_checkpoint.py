@@ -196,6 +196,36 @@ class DistCheckpointer:
         raise CheckpointError(f"{why}, and there is no complete checkpoint to resume from: refusing to restart the "
                               f"run from step 0 over its metrics (delete {pointer} to start it over)")
 
+    def resume_point(self, parts: list[Part]) -> Path | None:
+        """Collective: the checkpoint to resume from (None for a run that never completed one). `latest()`, checked
+        before any read (problem()); where it cannot be loaded into these parts (a missing or damaged shard file,
+        another model's checkpoint) the newest older complete checkpoint that can, saying what was wrong in one
+        line, and a CheckpointError (one line) when there is none: never a silent restart from step 0."""
+        path = self.latest()
+        if path is None:
+            return None
+        older = [p for p in reversed(self.complete()) if int(p.name[5:]) < int(path.name[5:])]
+        first = None
+        for candidate in (path, *older):
+            problem = self.problem(candidate, parts)
+            if problem is None:
+                if first is not None and dist.get_rank() == 0:
+                    log.warning("%s; resuming from the previous intact checkpoint, %s", first, candidate.name)
+                return candidate
+            first = first or f"checkpoint {path} cannot be resumed: {problem}"
+        raise CheckpointError(f"{first}, and no older checkpoint in {self.root} is intact")
+
+    def problem(self, path: Path, parts: list[Part]) -> str | None:
+        """Collective: why `path` cannot be loaded into `parts`, the same answer on every rank (the first rank's
+        problem), or None. Reads only metadata: the trainer state, `.metadata` with its storage entries (mpo.
+        safe_load: every shard file present, a regular file inside the checkpoint, long enough), and each of this
+        rank's model tensors against the saved global shapes (another model's checkpoint). Agreed before any rank
+        reads data, so that all of them fall back together and the models stay untouched."""
+        mine = _problem(path, parts)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return next((p for p in every if p), None)
+
     # -- save ------------------------------------------------------------------------------------------------------
     def save(self, step: int, parts: list[Part], trainer_state: dict[str, Any], *, wait: bool = False) -> Path:
         """Collective. Writes step_<step>; `trainer_state` (JSON-able, rank 0's) goes next to the shards. An async save
@@ -331,6 +361,41 @@ class DistCheckpointer:
             log.info("resharding checkpoint %s: saved at %s, loading at %s (RNG not restored)", path,
                      trainer_state.get("layout"), layout)
         return trainer_state
+
+
+def _problem(path: Path, parts: list[Part]) -> str | None:
+    """This rank's answer for DistCheckpointer.problem."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from mpo.safe_load import METADATA_FILE, CheckpointFileError, read_dcp_metadata
+
+    try:
+        state = json.loads((path / TRAINER_STATE).read_bytes().decode("utf-8"))
+        steps = state.get("optimizer_steps") if isinstance(state, dict) else None
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or UTF-8
+        return f"unreadable {TRAINER_STATE} ({type(exc).__name__}: {str(exc)[:200]})"
+    if not isinstance(steps, dict) or not isinstance(state.get("step"), int):
+        return f"{TRAINER_STATE} is not an mpo trainer state (no step or optimizer_steps)"
+    try:
+        saved = read_dcp_metadata(path / METADATA_FILE).state_dict_metadata
+    except CheckpointFileError as exc:
+        return str(exc)
+    for part in parts:
+        if part.prefix not in steps:
+            return f"it holds no optimizer state for {part.prefix or 'the policy'!r} (saved without this model)"
+        sharded = part.gpt.sharded_state_dict(prefix=part.prefix)
+        apply_factories(sharded)
+        for item in nested_values(sharded):
+            if not isinstance(item, ShardedTensor):
+                continue
+            meta = saved.get(item.key)
+            if meta is None or not hasattr(meta, "size"):
+                return f"another model's checkpoint: it has no tensor {item.key}"
+            if tuple(meta.size) != tuple(item.global_shape):
+                return (f"another model's checkpoint: {item.key} has shape {tuple(meta.size)} there, "
+                        f"{tuple(item.global_shape)} in this model")
+    return None
 
 
 def _writer_results_queue_dies_with_this_rank() -> None:

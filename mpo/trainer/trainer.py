@@ -587,10 +587,11 @@ class Trainer:
     def resume(self) -> int:
         """Load the newest checkpoint if there is one (saved at any parallel layout); returns the step to continue
         from."""
-        path = self.checkpoints.latest()
+        parts = self._checkpoint_parts()
+        path = self.checkpoints.resume_point(parts)  # a damaged newest checkpoint falls back to an intact one
         if path is None:
             return 0
-        trainer_state = self.checkpoints.load(path, self._checkpoint_parts(), layout_of(self.ctx))
+        trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
         if self.retirement is not None and trainer_state.get("retirement"):

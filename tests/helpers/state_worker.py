@@ -90,6 +90,36 @@ def distributed_vs_plain(out_dir: str, layout: str, steps: int = 3) -> dict:
             "losses_plain": losses[False], "losses_distributed": losses[True], "distributed_kind": kind}
 
 
+def bad_checkpoints(out_dir: str, intact: Path) -> dict:
+    """Resumes from damaged copies of an intact EP2 checkpoint (step 1 of the killed run): a newest checkpoint with a
+    shard file missing, in front of the intact one; and the intact one under another model (2 layers, not 4) with
+    nothing older. Records where each resumed, or the error it stopped with."""
+    import shutil
+
+    damaged, other = Path(out_dir, "damaged", "checkpoints"), Path(out_dir, "other_model", "checkpoints")
+    if dist.get_rank() == 0:
+        shutil.copytree(intact, damaged / "step_1")
+        shutil.copytree(intact, damaged / "step_2")
+        state = json.loads((damaged / "step_2" / "trainer_state.json").read_text())
+        (damaged / "step_2" / "trainer_state.json").write_text(json.dumps({**state, "step": 2}))
+        (damaged / "step_2" / "__1_0.distcp").unlink()  # rank 1's shard file
+        (damaged / "latest").write_text("step_2")
+        shutil.copytree(intact, other / "step_1")
+        (other / "latest").write_text("step_1")
+    dist.barrier()
+    results = {}
+    for name, root, extra in (("damaged", damaged, []), ("other_model", other, ["model.preset=tiny-2layer"])):
+        trainer = make_trainer(str(root.parent), "ep2", distributed_optimizer=False, extra=extra)
+        try:
+            start = trainer.resume()
+            results[name] = {"start": start, "loss": train_step(trainer, start)}
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        del trainer
+        gc.collect()
+    return results
+
+
 def _write(out_dir: str, name: str, results: dict) -> None:
     if dist.get_rank() == 0:
         Path(out_dir, name).write_text(json.dumps(results))
@@ -129,6 +159,9 @@ def two_ranks(out_dir: str, ckpt_dir: str, more: int, killed_dir: str) -> None:
     latest = trainer.checkpoints.latest()
     start = trainer.resume()
     results["resumed_after_kill"] = {"latest": str(latest), "start": start, "loss": train_step(trainer, start)}
+    del trainer
+    gc.collect()
+    results.update(bad_checkpoints(out_dir, Path(killed_dir, "checkpoints", "step_1")))
     _write(out_dir, "two_ranks.json", results)
     dist.destroy_process_group()
 
