@@ -612,22 +612,24 @@ def test_hardening_huge_vocab_is_refused_by_check_config(tiny, tmp_path, capsys)
     assert "does not fit in this host's memory" in line and "vocab_size=1,000,000,000" in line, line
 
 
-def test_hardening_huge_vocab_train_stops_before_any_rank_allocates(tiny, tmp_path):
+def test_hardening_huge_vocab_train_stops_before_any_rank_allocates(tiny, tmp_path, capsys):
     """`mpo train` with the same model: one line before torchrun starts (before, every rank tried to allocate
-    256 GB). The command runs with its address space capped at 8 GiB, so that a regression fails here instead of
-    swapping the machine."""
+    256 GB). Runs in this process with its address space capped at 3 GiB above what it uses now (torchrun and the
+    ranks would inherit the cap), so that a regression fails here instead of swapping the machine."""
     import resource
 
     hf = _huge_vocab_hf(tiny, tmp_path)
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-
-    run = subprocess.run([sys.executable, "-m", "mpo.cli", "train", "--config", str(RECIPE), f"model.hf_dir={hf}",
-                          f"logging.out_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
-                         preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = _one_line(run.stderr)
-    assert run.returncode == 2 and "does not fit in this host's memory" in line, run.stderr[-2000:]
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + (3 << 30), hard))
+    try:
+        code, err = _main(capsys, "mpo.cli", "train", "--config", str(RECIPE), f"model.hf_dir={hf}",
+                          f"logging.out_dir={tmp_path / 'run'}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    line = _one_line(err)
+    assert code == 2 and "does not fit in this host's memory" in line, err[-2000:]
     assert not (tmp_path / "run").exists()
 
 

@@ -26,8 +26,12 @@ TRANSPORTS = {"tp2xep2": ["shm", "distributed/gloo"], "ep2xpp2": ["tensor/gloo",
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_streaming_sync_reaches_the_engine_without_a_full_gather(tmp_path, layout):
-    spawn_ranks(4, sync_worker.streaming, str(tmp_path), LAYOUTS[layout], TRANSPORTS[layout])
+    race = layout == "hardening-dp4"  # and async mode's engine restart racing the next sync (below)
+    spawn_ranks(4, sync_worker.streaming, str(tmp_path), LAYOUTS[layout], TRANSPORTS[layout], race)
     results = json.loads((tmp_path / "sync.json").read_text())
+    if race:
+        assert results["restart_race"] == {"restarted": True, "engine_matches_full_gather": True}, results
+        assert results["death_race"] == {"restarted": True, "engine_matches_full_gather": True}, results
     assert results["leftover_after_stop"] == []
     assert results["mpo_path"].startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     for transport in TRANSPORTS[layout]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import threading
 import time
 import uuid
@@ -151,6 +152,9 @@ def cuda_ipc_payload(named_tensors: NamedTensors) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+log = logging.getLogger(__name__)
+
+
 class _Calls:
     """HTTP calls to several engines in threads, so the trainer can take part in a collective meanwhile."""
 
@@ -169,15 +173,17 @@ class _Calls:
     def done(self) -> bool:
         return not any(t.is_alive() for t in self.threads)
 
-    def raise_first(self) -> None:
-        for exc in self.errors.values():
-            raise exc
+    def raise_first(self, tolerate: Callable[[str, BaseException], bool] | None = None) -> None:
+        """Raise the first error that `tolerate(url, error)` does not accept (all of them without it)."""
+        for url, exc in self.errors.items():
+            if tolerate is None or not tolerate(url, exc):
+                raise exc
 
-    def join(self, timeout_s: float) -> None:
+    def join(self, timeout_s: float, tolerate: Callable[[str, BaseException], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        self.raise_first()
+        self.raise_first(tolerate)
         if not self.done():
             raise TimeoutError(f"engine calls did not return within {timeout_s:.0f} s")
 
@@ -185,12 +191,14 @@ class _Calls:
 class PendingPush:
     """One bucket's engine calls, still running in threads (WeightSync.push_bucket(wait=False))."""
 
-    def __init__(self, calls: _Calls, timeout_s: float) -> None:
-        self.calls, self.timeout_s = calls, timeout_s
+    def __init__(self, calls: _Calls, timeout_s: float,
+                 tolerate: Callable[[str, BaseException], bool] | None = None) -> None:
+        self.calls, self.timeout_s, self.tolerate = calls, timeout_s, tolerate
 
     def wait(self) -> None:
-        """Return once every engine answered; raise the first engine's error, or TimeoutError after timeout_s."""
-        self.calls.join(self.timeout_s)
+        """Return once every engine answered; raise the first engine's error (except one WeightSync dropped: an
+        expendable engine that died), or TimeoutError after timeout_s."""
+        self.calls.join(self.timeout_s, self.tolerate)
 
 
 class WeightSync:
@@ -237,6 +245,11 @@ class WeightSync:
         self.group: torch.distributed.ProcessGroup | None = None
         self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
         self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
+        # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
+        # (EngineSet: a local engine whose process died, which it restarts with the session's weights afterwards).
+        # None: every engine error fails the sync.
+        self.expendable: Callable[[EngineClient], bool] | None = None
+        self.lost: set[str] = set()  # URLs left out of the current session
 
     # -- pushing ---------------------------------------------------------------------------------------------------
     def push(self, named: NamedTensors, version: str) -> SyncReport:
@@ -255,15 +268,35 @@ class WeightSync:
 
     def begin_session(self) -> None:
         """Pause generation and open SGLang's weight-update session on every engine (once per sync, one caller)."""
-        for client in self.clients:
-            client.pause_generation(mode="in_place")
-            client.begin_weight_update()
+        self.lost = set()
+        self._each(lambda client: (client.pause_generation(mode="in_place"), client.begin_weight_update()))
 
     def end_session(self) -> None:
         """Close the session (the updates take effect) and resume generation on every engine."""
-        for client in self.clients:
-            client.end_weight_update()
-            client.continue_generation()
+        self._each(lambda client: (client.end_weight_update(), client.continue_generation()))
+
+    def _live(self) -> list[tuple[EngineClient, int]]:
+        """(client, TP size) of the engines still in the session."""
+        return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
+
+    def _each(self, call: Callable[[EngineClient], Any]) -> None:
+        for client, _ in self._live():
+            try:
+                call(client)
+            except EngineError as exc:
+                if not self._drop(client.url, exc):
+                    raise
+
+    def _drop(self, url: str, exc: BaseException) -> bool:
+        """Leave the engine at `url` out of the rest of this session if it failed in transport and is expendable."""
+        client = next((c for c in self.clients if c.url == url), None)
+        if (client is None or self.expendable is None or not isinstance(exc, EngineError) or not exc.retryable
+                or not self.expendable(client)):
+            return False
+        log.warning("engine %s failed during the weight update (%s); left out of it (it is restarted with these "
+                    "weights)", url, exc)
+        self.lost.add(url)
+        return True
 
     def push_bucket(self, bucket: NamedTensors, version: str, *, wait: bool = True) -> "PendingPush | None":
         """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it).
@@ -289,8 +322,12 @@ class WeightSync:
         else:
             payloads = [(SGLANG_FORMAT, flattened_bucket_payload(run)) for run in split_by_dtype(bucket)]
         for load_format, payload in payloads:
-            for client, tp in zip(self.clients, self.tp_sizes):
-                client.update_weights_from_tensor([payload] * tp, load_format=load_format, weight_version=version)
+            for client, tp in self._live():
+                try:
+                    client.update_weights_from_tensor([payload] * tp, load_format=load_format, weight_version=version)
+                except EngineError as exc:
+                    if not self._drop(client.url, exc):
+                        raise
 
     def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
         """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles
@@ -339,9 +376,11 @@ class WeightSync:
                 located.append(locate(name, view))
                 at += size
         payload = json.dumps([loc.to_json() for loc in located])
-        tp_of = dict(zip((id(c) for c in self.clients), self.tp_sizes))
-        pending = PendingPush(_Calls(self.clients, lambda client: client.update_weights_from_tensor(
-            [payload] * tp_of[id(client)], load_format=SHM_FORMAT, weight_version=version)), self.timeout_s)
+        live = self._live()
+        tp_of = {id(c): tp for c, tp in live}
+        pending = PendingPush(_Calls([c for c, _ in live], lambda client: client.update_weights_from_tensor(
+            [payload] * tp_of[id(client)], load_format=SHM_FORMAT, weight_version=version)), self.timeout_s,
+            self._drop)
         if wait or missing:
             pending.wait()
             return None
@@ -429,8 +468,9 @@ class WeightSync:
                                               for name, t in named))
 
     def verify_checksum(self, expected: str) -> None:
-        """Every engine's /weights_checksum must equal `expected` (see combine_digests)."""
-        for client in self.clients:
+        """Every engine's /weights_checksum must equal `expected` (see combine_digests); engines left out of the
+        session are not asked (restarted, they get the session's weights)."""
+        for client, _ in self._live():
             got = client.call("/weights_checksum", method="GET")["checksum"]
             if got != expected:
                 raise EngineError(client.url, "/weights_checksum", f"weights differ from the trainer's after sync "

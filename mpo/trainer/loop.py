@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -38,6 +41,9 @@ class EngineSet:
         # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.
         # Kept only for local (CPU-sized) engines; external engines are restarted by whoever runs them.
         self.last_weights: tuple[list, str] | None = None
+        # Restarts (the rollout pool's, on its thread) and weight updates (the trainer's) one at a time: in async mode
+        # the producer restarts a killed engine while the trainer syncs, whose pause then hit a dead engine.
+        self._engine_lock = threading.RLock()
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
                                           num_layers=model.num_layers, topk=model.router_topk), None)
@@ -64,12 +70,45 @@ class EngineSet:
                 for i in range(config.rollout.num_engines)]
 
     def _restart(self, process) -> None:
+        """Restart a local engine and give it the weights last pushed. Waits for a weight update in flight (which then
+        leaves last_weights at its version); an engine that another thread brought back meanwhile is left alone."""
         from mpo.rollout.weight_sync import WeightSync
 
-        process.restart()
-        if self.last_weights is not None:
-            named, version = self.last_weights
-            WeightSync([process.client], engine="mpo", transport="tensor").push(named, version)
+        with self._engine_lock:
+            if process.process is not None and process.process.poll() is None and process.client.healthy(2.0):
+                return  # restarted (or found healthy) while this caller waited for the lock
+            process.restart()
+            if self.last_weights is not None:
+                named, version = self.last_weights
+                WeightSync([process.client], engine="mpo", transport="tensor").push(named, version)
+
+    @contextlib.contextmanager
+    def updating(self):
+        """Rank 0, around a weight update: no engine restart runs meanwhile (one in flight finishes first); a local
+        engine found down is restarted before the update, so that its pause / push reach a live engine; one that dies
+        during the update is left out of it (WeightSync.expendable) and restarted after it, with its weights."""
+        with self._engine_lock:
+            self._restart_exited("before")
+            yield
+            self._restart_exited("after")
+
+    def _restart_exited(self, when: str) -> None:
+        for process in self.processes:  # exited (a busy engine may answer health checks slowly: not asked)
+            if process.process is None or process.process.poll() is not None:
+                log.warning("engine %s is down %s the weight update; restarting it", process.url, when)
+                self._restart(process)
+
+    def _exited(self, client) -> bool:
+        """Whether `client` is a local engine whose process exited (waited for briefly: a killed engine's connections
+        close just before its process is gone)."""
+        for process in self.processes:
+            if process.client is client and process.process is not None:
+                try:
+                    process.process.wait(timeout=2.0)
+                    return True
+                except subprocess.TimeoutExpired:
+                    return False
+        return False
 
     def remember(self, named: list, version: str) -> None:
         if self.processes:
@@ -102,6 +141,8 @@ class EngineSet:
             self._sync = WeightSync(self.clients, engine=self.engine, transport=self.transport,
                                     bucket_bytes=bucket_bytes, tp_sizes=self.engine_tp_sizes(),
                                     master_address=master)
+            if self.transport != "distributed":  # a dead member would leave the group's collectives hanging
+                self._sync.expendable = self._exited
         return self._sync
 
     def engine_tp_sizes(self) -> list[int]:
@@ -187,7 +228,8 @@ def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str
     verify: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
     from mpo.trainer.sync import stream_sync
 
-    metrics = stream_sync(trainer, engines, version)
+    with engines.updating() if engines is not None else contextlib.nullcontext():
+        metrics = stream_sync(trainer, engines, version)
     if trainer.config.rollout.engine == "sglang":
         metrics.update(_verify_by_covering_probe(trainer, engines))
     return metrics

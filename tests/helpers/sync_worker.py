@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,9 +54,10 @@ def trainer_shared(trainer) -> bool:
     return _state(trainer).streamer.shared
 
 
-def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
+def streaming(out_dir: str, layout: list[str], transports: list[str], restart_race: bool = False) -> None:
     """For each transport: perturb the weights, sync (no full gather allowed), then compare the engine's checksum
-    with one computed from an independent full gather of the trainer (test-only), and record the sync metrics."""
+    with one computed from an independent full gather of the trainer (test-only), and record the sync metrics.
+    restart_race: then sync_while_the_pool_restarts with the first transport's engine."""
     from checkpoints_tools.mapping import mapping_for
     from mpo.cli import RECIPES
     from mpo.config import load_config
@@ -68,6 +70,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
 
     results: dict = {"mpo_path": mpo.rollout.streaming.__file__}
     owner = None  # the EngineSet that started the one local engine; later transports reach it by URL
+    owner_config = None
     trainer = None
     for item in transports:  # "TRANSPORT" or "TRANSPORT/gloo" (pieces over gloo, not shared memory)
         transport, _, gather = item.partition("/")
@@ -79,6 +82,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        owner_config = owner_config or config
         owner = owner or engines
         try:
             before = engines.clients[0].call("/weights_checksum", method="GET")["checksum"] if engines else None
@@ -100,6 +104,12 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
             if engines is not None and engines is not owner:
                 engines.stop()  # closes its weight-update group; the engine itself belongs to the owner
         dist.barrier()
+    if restart_race:
+        trainer.config = owner_config
+        began = time.perf_counter()
+        results["restart_race"] = sync_while_the_pool_restarts(trainer, owner)
+        results["death_race"] = sync_while_the_engine_dies(trainer, owner)
+        results["restart_race_s"] = time.perf_counter() - began
     if owner is not None:
         owner.stop()  # closes its WeightSync, whose spill buffer (shm transport) is the last shared file
     if dist.get_rank() == 0:
@@ -107,6 +117,79 @@ def streaming(out_dir: str, layout: list[str], transports: list[str]) -> None:
         Path(out_dir, "sync.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def sync_while_the_pool_restarts(trainer, engines) -> dict | None:
+    """Async mode's race (issue #24): the engine is killed, the rollout producer's pool restarts it on its thread
+    (the handle's restart, as RolloutPool._recover calls it), and the trainer's weight sync starts meanwhile. Before
+    the fix the sync paused the engine while it was down (EngineError: ConnectError on /pause_generation) and the run
+    died. Records, on rank 0: whether the engine is a new process and holds exactly the weights just synced."""
+    import threading
+
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.full_state import gather_full_state
+    from mpo.rollout.weight_sync import weights_checksum
+    from mpo.trainer.loop import _sync
+
+    restarting, old_pid = None, None
+    if engines is not None:
+        process = engines.processes[0]
+        old_pid = process.process.pid
+        process.kill()
+        restarting = threading.Thread(target=engines.handles[0][1], name="pool-restart", daemon=True)
+        restarting.start()
+    perturb(trainer.gpt, scale=0.01)
+    _sync(trainer, engines, "after-restart")
+    full = gather_full_state(trainer.gpt)
+    if engines is None:
+        return None
+    restarting.join(120)
+    expected = weights_checksum(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
+    got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
+    return {"restarted": engines.processes[0].process.pid != old_pid and not restarting.is_alive(),
+            "engine_matches_full_gather": got == expected}
+
+
+def sync_while_the_engine_dies(trainer, engines) -> dict | None:
+    """The other half of the race (issue #24): the engine dies inside the weight update (killed as the first bucket
+    is pushed), while the pool's thread, having seen it fail, restarts it. Before the fix the push failed
+    (ConnectError) and the run died. Records, on rank 0: whether the engine came back as a new process holding
+    exactly the weights of the update it missed."""
+    import threading
+
+    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.full_state import gather_full_state
+    from mpo.rollout.weight_sync import weights_checksum
+    from mpo.trainer.loop import _sync
+
+    threads, old_pid = [], None
+    if engines is not None:
+        sync = engines.weight_sync(trainer.config.rollout.bucket_mb << 20)
+        process, push_bucket = engines.processes[0], sync.push_bucket
+        old_pid = process.process.pid
+
+        def dying_push(*args, **kwargs):
+            if not threads:
+                process.kill()
+                threads.append(threading.Thread(target=engines.handles[0][1], name="pool-restart", daemon=True))
+                threads[0].start()
+            return push_bucket(*args, **kwargs)
+
+        sync.push_bucket = dying_push
+    perturb(trainer.gpt, scale=0.01)
+    try:
+        _sync(trainer, engines, "died-inside")
+    finally:
+        if engines is not None:
+            sync.push_bucket = push_bucket
+    full = gather_full_state(trainer.gpt)
+    if engines is None:
+        return None
+    threads[0].join(120)
+    expected = weights_checksum(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
+    got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
+    return {"restarted": engines.processes[0].process.pid != old_pid and not threads[0].is_alive(),
+            "engine_matches_full_gather": got == expected}
 
 
 def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_size: int, layout: list[str],
