@@ -2,7 +2,8 @@
 (trainer ranks: the policy and, for PPO/VAPO, the critic) and of weights and KV cache (rollout engines).
 
 `mpo plan --config FILE [--gpu-mem-gb 80]` prints it and exits non-zero when a role does not fit; `mpo check-config`
-runs it for configs whose engines are SGLang (GPU runs).
+runs it for configs whose engines are SGLang (GPU runs). For the others, check-config, `mpo train` and `mpo demo`
+compare lower bounds of the model state with this machine's memory (check_fits_here) before any rank builds a model.
 
 Parameters are counted from the layer shapes and megatron's sharding rules (`StageParams`, one dataclass per pipeline
 stage): attention and dense/shared MLPs split by TP, routed experts by EP x expert-TP, the embedding on the first stage,
