@@ -196,7 +196,7 @@ class DistCheckpointer:
         raise CheckpointError(f"{why}, and there is no complete checkpoint to resume from: refusing to restart the "
                               f"run from step 0 over its metrics (delete {pointer} to start it over)")
 
-    def resume_point(self, parts: list[Part]) -> Path | None:
+    def resume_point(self, parts: list[Part], group: Any = None) -> Path | None:
         """Collective: the checkpoint to resume from (None for a run that never completed one). `latest()`, checked
         before any read (problem()); where it cannot be loaded into these parts (a missing or damaged shard file,
         another model's checkpoint) the newest older complete checkpoint that can, saying what was wrong in one
@@ -207,7 +207,7 @@ class DistCheckpointer:
         older = [p for p in reversed(self.complete()) if int(p.name[5:]) < int(path.name[5:])]
         first = None
         for candidate in (path, *older):
-            problem = self.problem(candidate, parts)
+            problem = self.problem(candidate, parts, group)
             if problem is None:
                 if first is not None and dist.get_rank() == 0:
                     log.warning("%s; resuming from the previous intact checkpoint, %s", first, candidate.name)
@@ -215,15 +215,16 @@ class DistCheckpointer:
             first = first or f"checkpoint {path} cannot be resumed: {problem}"
         raise CheckpointError(f"{first}, and no older checkpoint in {self.root} is intact")
 
-    def problem(self, path: Path, parts: list[Part]) -> str | None:
+    def problem(self, path: Path, parts: list[Part], group: Any = None) -> str | None:
         """Collective: why `path` cannot be loaded into `parts`, the same answer on every rank (the first rank's
         problem), or None. Reads only metadata: the trainer state, `.metadata` with its storage entries (mpo.
         safe_load: every shard file present, a regular file inside the checkpoint, long enough), and each of this
         rank's model tensors against the saved global shapes (another model's checkpoint). Agreed before any rank
-        reads data, so that all of them fall back together and the models stay untouched."""
+        reads data, so that all of them fall back together and the models stay untouched. `group`: every rank's
+        (the trainer's gloo object group: no device tensors for a few strings); None: the default group."""
         mine = _problem(path, parts)
         every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, mine, group=group)
         return next((p for p in every if p), None)
 
     # -- save ------------------------------------------------------------------------------------------------------

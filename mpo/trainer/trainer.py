@@ -588,7 +588,8 @@ class Trainer:
         """Load the newest checkpoint if there is one (saved at any parallel layout); returns the step to continue
         from."""
         parts = self._checkpoint_parts()
-        path = self.checkpoints.resume_point(parts)  # a damaged newest checkpoint falls back to an intact one
+        # a damaged newest checkpoint falls back to an intact one
+        path = self.checkpoints.resume_point(parts, group=self.ctx.object_group)
         if path is None:
             return 0
         trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
