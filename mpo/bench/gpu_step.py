@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                         help="the GPU's dense bf16 peak in TFLOP/s (default: H100 SXM)")
     parser.add_argument("--recompute", action="store_true", help="full activation recomputation (not counted)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile one step and print the 15 ops that take most GPU time")
     args = parser.parse_args(argv)
 
     import torch
@@ -134,5 +136,19 @@ def main(argv: list[str]) -> int:
           f"{step_s * 1e3:.1f} ms over {args.steps} (min {min(seconds) * 1e3:.1f}), {tokens / step_s:.0f} tok/s, "
           f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     print(f"model FLOPs {flops / 1e12:.1f} TFLOP/step -> {achieved / 1e12:.1f} TFLOP/s of {args.peak_tflops:g} peak")
+    if args.profile:
+        print_profile(train_step)
     print(f"MFU {mfu:.3f}")
+    torch.distributed.destroy_process_group()
     return 0
+
+
+def print_profile(train_step) -> None:
+    """One step under torch.profiler: the ops that take most GPU time, so an MFU number comes with its cause."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))

@@ -141,7 +141,9 @@ def cuda_ipc_payload(named_tensors: NamedTensors) -> str:
     import io
     import pickle
 
-    from torch.multiprocessing.reductions import ForkingPickler, init_reductions
+    from multiprocessing.reduction import ForkingPickler  # torch 2.11 no longer re-exports it from its reductions
+
+    from torch.multiprocessing.reductions import init_reductions
 
     from mpo.rollout.sglang_wire import flatten_bucket
 
