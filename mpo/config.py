@@ -213,11 +213,14 @@ class RewardSection:
         timeout_s: a verifier slower than this gives 0 and counts in reward_errors (the worker is replaced);
             math-verify bounds its own parse and verify at 5 s each, so keep this above 10.
         workers: processes scoring in parallel.
+        max_memory_mb: memory cap of each worker and what it starts (RLIMIT_DATA): an allocation past it fails in
+            the reward, which scores 0 and counts in reward_errors; null: no cap.
     """
 
     fn: str | None = None
     timeout_s: float = 20.0
     workers: int = 2
+    max_memory_mb: int | None = 4096
 
 
 @dataclass(frozen=True)
@@ -694,6 +697,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "data.samples_logged": (lambda v: v >= 0, ">= 0"),
     "reward.timeout_s": (lambda v: v > 0, "> 0"),
     "reward.workers": (lambda v: v >= 1, ">= 1"),
+    "reward.max_memory_mb": (lambda v: v is None or v >= 64, ">= 64 (or null: no cap)"),
     "algorithm.overlong_buffer": (lambda v: v >= 0, ">= 0 (0: off)"),
     "schedule.steps": (lambda v: v >= 0, ">= 0"),
     "schedule.updates_per_step": (lambda v: v >= 1, ">= 1"),

@@ -1,21 +1,38 @@
-"""A RewardPool worker process: ``python -m mpo.rewards._worker NAME PARENT_PID``.
+"""A RewardPool worker process: ``python -m mpo.rewards._worker NAME PARENT_PID [MAX_MEMORY_MB]``.
 
-Protocol on stdin / a private copy of stdout: frames of an 8-byte big-endian length and a pickle. The worker sends
+Protocol on private copies of stdin / stdout: frames of an 8-byte big-endian length and a pickle. The worker sends
 ("ready", pid) once the reward is imported and warmed up (or ("fatal", message) and exits), then for each
 (task_id, completion, answer, metadata) it gets, (task_id, True, reward) or (task_id, False, "Error: message").
-It exits at end of input. fd 1 is pointed at stderr so a reward function that prints cannot corrupt the protocol.
+It exits at end of input.
+
+Containment of what a reward does (a plug-in is arbitrary code):
+  * fd 0 is /dev/null and fd 1 is stderr, and the protocol copies are close-on-exec: a reward that prints, or a
+    program it runs, can neither read nor corrupt the protocol;
+  * a plain ``os.fork()`` in a reward: the child loses the protocol (closed at fork) and exits when the reward
+    returns or raises in it, so only the worker answers;
+  * the worker leads its own process group (the pool starts it in a new session) and forks a guard first: when the
+    worker dies, however (killed by the pool, or by PR_SET_PDEATHSIG when the trainer dies), the guard kills the
+    group, so processes a reward started do not outlive it;
+  * RLIMIT_DATA caps the memory of the worker and of what it starts (MAX_MEMORY_MB; 0: no cap): an allocation past
+    it fails (MemoryError: a counted error) instead of taking the node's memory.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import resource
 import pickle
 import signal
 import struct
 import sys
+import time
 
 _HEADER = struct.Struct("!Q")
+# Rewards become float32 tensors on the trainer (Sample rows): a value finite in float64 but not in float32 (1e308)
+# would turn into inf there and NaN in the loss, so it counts as an error like nan does.
+FLOAT32_MAX = 3.4028234663852886e38
+GUARD_POLL_S = 0.2
 
 
 def read_exact(fd: int, n: int) -> bytes | None:
@@ -58,13 +75,61 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def check_reward(value: float) -> float:
+    """`value` if the trainer can use it: finite in float32 (the rewards' tensor dtype); else ValueError."""
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"reward is {value}, not a finite float32")
+    return value
+
+
+def _start_group_guard() -> None:
+    """Fork a process that kills this worker's process group once the worker is gone (see the module doc)."""
+    worker = os.getpid()
+    if os.getpgid(0) != worker:  # not a group leader (started by hand): killing the group would hit others
+        return
+    if os.fork() != 0:
+        return
+    try:  # the guard: no fds but stderr, nothing imported beyond the stdlib
+        os.closerange(3, 1 << 16)
+        while os.getppid() == worker:
+            time.sleep(GUARD_POLL_S)
+        os.killpg(worker, signal.SIGKILL)  # this guard is in the group too
+    finally:
+        os._exit(0)
+
+
+def _limit_memory(max_memory_mb: int) -> None:
+    if max_memory_mb > 0:
+        limit = max_memory_mb << 20
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
 def main(argv: list[str]) -> None:
     name, parent_pid = argv[0], int(argv[1])
+    max_memory_mb = int(argv[2]) if len(argv) > 2 else 0
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
-    out = os.dup(1)
+    inp, out = os.dup(0), os.dup(1)  # os.dup makes non-inheritable copies: programs a reward runs do not get them
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    me = os.getpid()
+    _start_group_guard()
+
+    def lose_protocol() -> None:  # in the child of an os.fork() done by the reward
+        for fd in (inp, out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    os.register_at_fork(after_in_child=lose_protocol)
+    _limit_memory(max_memory_mb)
     try:
         from mpo.rewards.registry import get_reward, warm_up
 
@@ -75,17 +140,16 @@ def main(argv: list[str]) -> None:
         return
     write_frame(out, ("ready", os.getpid()))
     while True:
-        message = read_frame(0)
+        message = read_frame(inp)
         if message is None:
             return
         task_id, completion, answer, metadata = message
         try:
-            value = float(fn(completion, answer, metadata))
-            if not math.isfinite(value):
-                raise ValueError(f"reward is {value}")
-            reply = (task_id, True, value)
+            reply = (task_id, True, check_reward(float(fn(completion, answer, metadata))))
         except BaseException as e:  # noqa: BLE001 - any failure of the reward is a 0.0 and a counted error
             reply = (task_id, False, f"{type(e).__name__}: {str(e)[:500]}")
+        if os.getpid() != me:  # the child of a fork in the reward came back here: only the worker answers
+            os._exit(0)
         write_frame(out, reply)
 
 

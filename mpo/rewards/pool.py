@@ -5,13 +5,21 @@ module, as multiprocessing's spawn would, nor inherit CUDA or NCCL state, as for
 reward that raises, returns a non-finite value or crashes the worker gives 0.0 and counts an error; one still running
 after `timeout_s` has its worker killed and replaced. Nothing a reward does ends the run; only a worker that cannot
 start at all (the reward cannot be imported there) raises.
+
+A worker is killed with its whole process group (what the reward started goes with it; _worker.py's guard does the
+same when the trainer dies), its memory is capped (`max_memory_mb`), and its stderr comes through a pipe the pool
+drains: at most MAX_OUTPUT_BYTES a batch reach our stderr, the rest is dropped and counted, so a reward printing
+hundreds of megabytes a call neither fills the disk nor stalls on a full pipe.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +31,9 @@ from .registry import get_reward
 
 STARTUP_TIMEOUT_S = 120.0  # importing a reward (sympy, reasoning-gym's task modules) can take a while on a busy node
 MAX_START_FAILURES = 3  # consecutive workers that die before "ready" before the pool gives up
+MAX_OUTPUT_BYTES = 64 << 10  # of the workers' stderr passed on per batch; the rest is dropped (counted)
+DEFAULT_MAX_MEMORY_MB = 4096  # a worker with math + reasoning-gym loaded has ~170 MB of data
+_F_SETPIPE_SZ = 1031  # Linux fcntl: a 1 MiB stderr pipe drains a chatty reward in 16x fewer reads
 
 
 @dataclass(eq=False)  # identity: the pool finds a worker by object, not by field values
@@ -41,16 +52,24 @@ class _Worker:
     def stdout(self) -> int:
         return self.proc.stdout.fileno()
 
+    @property
+    def stderr(self) -> int | None:
+        return self.proc.stderr.fileno() if self.proc.stderr is not None and not self.proc.stderr.closed else None
+
 
 def _kill(worker: _Worker) -> None:
     proc = worker.proc
-    if proc.poll() is None:
-        proc.kill()
+    # The worker leads its process group (start_new_session): the group holds what its reward started. The group
+    # outlives a reaped leader while members remain, and its id is not reused meanwhile.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS, do not block the run
         pass
-    for f in (proc.stdin, proc.stdout):
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is None:
+            continue
         try:
             f.close()
         except OSError:
@@ -93,16 +112,22 @@ class RewardPool:
     creating *thread* exits, so create the pool on a long-lived thread).
     """
 
-    def __init__(self, fn_name: str, *, timeout_s: float, workers: int) -> None:
+    def __init__(self, fn_name: str, *, timeout_s: float, workers: int,
+                 max_memory_mb: int | None = DEFAULT_MAX_MEMORY_MB) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s={timeout_s} must be > 0")
         if workers < 1:
             raise ValueError(f"reward workers={workers} must be >= 1")
+        if max_memory_mb is not None and max_memory_mb < 64:
+            raise ValueError(f"reward max_memory_mb={max_memory_mb} must be >= 64 (or None: no cap)")
         get_reward(fn_name)  # a bad name or plug-in fails here, with one line, not in the workers
         self.fn_name = fn_name
         self.timeout_s = float(timeout_s)
         self.n_workers = workers
+        self.max_memory_mb = max_memory_mb or 0
         self.last_errors: list[str] = []
+        self.dropped_output_bytes = 0  # workers' stderr dropped over MAX_OUTPUT_BYTES a batch, over the pool's life
+        self._output_left = MAX_OUTPUT_BYTES
         self._env = self._worker_env()
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
@@ -119,10 +144,31 @@ class RewardPool:
         return env
 
     def _start(self) -> _Worker:
-        proc = subprocess.Popen([sys.executable, "-m", "mpo.rewards._worker", self.fn_name, str(os.getpid())],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=self._env,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "mpo.rewards._worker", self.fn_name, str(os.getpid()),
+                                 str(self.max_memory_mb)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                                env=self._env, start_new_session=True)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(proc.stderr.fileno(), _F_SETPIPE_SZ, 1 << 20)
         return _Worker(proc, time.monotonic())
+
+    def _pass_output(self, worker: _Worker) -> None:
+        """Move what the worker wrote to stderr to ours, within this batch's MAX_OUTPUT_BYTES."""
+        chunk = os.read(worker.stderr, 1 << 20)
+        if not chunk:  # stderr closed (the worker is exiting): stop watching it
+            worker.proc.stderr.close()
+            return
+        keep = chunk[:max(0, self._output_left)]
+        dropped = len(chunk) - len(keep)
+        if dropped and self._output_left > 0:
+            keep += (f"\nmpo: reward {self.fn_name!r}: workers wrote over {MAX_OUTPUT_BYTES >> 10} KiB to stderr "
+                     "in this batch; the rest of it is dropped\n").encode()
+        self._output_left -= len(chunk)
+        self.dropped_output_bytes += dropped
+        with contextlib.suppress(OSError):  # our stderr closed: the output is only diagnostics
+            view = memoryview(keep)
+            while view:
+                view = view[os.write(2, view):]
 
     def _replace(self, worker: _Worker) -> None:
         _kill(worker)
@@ -176,6 +222,7 @@ class RewardPool:
             raise RuntimeError("RewardPool is closed")
         batch = _Batch(completions, answers, metadatas, rewards=[0.0] * len(completions))
         self.last_errors = []
+        self._output_left = MAX_OUTPUT_BYTES
         pending = collections.deque(range(len(completions)))
         while pending or any(w.task is not None for w in self._workers):
             self._dispatch(batch, pending)
@@ -206,11 +253,18 @@ class RewardPool:
         timeout = max(0.0, min(deadlines) - now) if deadlines else None
         with selectors.DefaultSelector() as selector:
             for w in self._workers:
-                selector.register(w.stdout, selectors.EVENT_READ, w)
+                selector.register(w.stdout, selectors.EVENT_READ, (w, False))
+                if w.stderr is not None:
+                    selector.register(w.stderr, selectors.EVENT_READ, (w, True))
             events = selector.select(timeout)
-        for key, _ in events:
-            worker = key.data
-            if worker in self._workers:
+        for key, _ in sorted(events, key=lambda e: not e[0].data[1]):  # output first: it came before the answer
+            worker, is_output = key.data
+            if worker not in self._workers:
+                continue
+            if is_output:
+                if worker.stderr is not None:
+                    self._pass_output(worker)
+            else:
                 self._on_message(batch, worker, read_frame(worker.stdout))
 
     def _expire(self, batch: _Batch) -> None:

@@ -119,7 +119,8 @@ class TextRun:
         self.reward_name = config.reward.fn or default_reward(self.spec.kind)
         from mpo.rewards import RewardPool
 
-        self.pool = RewardPool(self.reward_name, timeout_s=config.reward.timeout_s, workers=config.reward.workers)
+        self.pool = RewardPool(self.reward_name, timeout_s=config.reward.timeout_s, workers=config.reward.workers,
+                               max_memory_mb=config.reward.max_memory_mb)
 
     def draw(self, step: int, count: int, retirement=None, *, round_: int = 0) -> list:
         """The stream's next `count` prompts (not retired ones): every draw, dynamic sampling's further rounds
