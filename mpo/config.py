@@ -180,7 +180,9 @@ class DataSection:
         prompt_key / answer_key: the column names of the prompt and the answer in data files.
         chat_template: wrap prompts in the tokenizer's chat template (None: when the tokenizer has one).
         system_prompt: a system message put first (chat template only).
-        max_prompt_tokens: longer prompts are dropped (and counted: data_dropped_long_prompts).
+        max_prompt_tokens: longer prompts are dropped (and counted: data_dropped_long_prompts). Unset (and never
+            above): the model's context length minus rollout.max_new_tokens, what an engine accepts.
+        max_row_bytes: jsonl lines longer than this are skipped when the file is indexed (counted and logged).
         max_response_tokens: DAPO's L_max for overlong shaping (default: rollout.max_new_tokens).
         samples_logged: responses per step written to samples.jsonl (text tasks) next to metrics.jsonl.
         prompts_per_step: prompts sampled per RL step (each gets samples_per_prompt responses).
@@ -198,6 +200,7 @@ class DataSection:
     chat_template: bool | None = None
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None
+    max_row_bytes: int = 16 << 20
     max_response_tokens: int | None = None
     samples_logged: int = 4
 
@@ -694,6 +697,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "data.digits": (lambda v: v >= 1, ">= 1"),
     "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: no limit)"),
     "data.max_response_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
+    "data.max_row_bytes": (lambda v: v >= 1, ">= 1"),
     "data.samples_logged": (lambda v: v >= 0, ">= 0"),
     "reward.timeout_s": (lambda v: v > 0, "> 0"),
     "reward.workers": (lambda v: v >= 1, ">= 1"),

@@ -8,6 +8,9 @@ from typing import Any
 
 from .sources import DataError, Row
 
+TEMPLATE_TIMEOUT_S = 10.0  # rendering one prompt takes about a millisecond
+TEMPLATE_MAX_CHARS = 64 << 20  # four times the largest jsonl row (sources.MAX_ROW_BYTES)
+
 
 def load_tokenizer(path: str):
     """`AutoTokenizer.from_pretrained(path)` from local files only: a run never reaches a model hub."""
@@ -41,7 +44,11 @@ def eos_token_ids(path: str, tokenizer) -> tuple[int, ...]:
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         try:
-            config = json.loads(gen.read_text())
+            config = json.loads(gen.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{gen}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except RecursionError:
+            raise DataError(f"{gen}: invalid JSON: nested too deeply") from None
         except json.JSONDecodeError as e:
             raise DataError(f"{gen}:{e.lineno}: invalid JSON: {e.msg}") from None
         if not isinstance(config, dict):
@@ -61,10 +68,16 @@ class PromptEncoder:
         system_prompt: a system message put before the row's messages (chat template only); a row whose messages
             start with their own system message keeps it instead.
         template_kwargs: extra variables for the template, e.g. {"enable_thinking": False} for Qwen3.
+        template_timeout_s / template_max_chars: bounds on rendering one prompt (mpo.data.template); a row past
+            them fails with one line naming it.
+
+    The template is rendered by mpo.data.template.BoundedTemplate (transformers' environment, bounded) and the text
+    tokenized without special tokens, as apply_chat_template(tokenize=True) does.
     """
 
     def __init__(self, tokenizer, *, chat_template: bool | None = None, system_prompt: str | None = None,
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, template_timeout_s: float = TEMPLATE_TIMEOUT_S,
+                 template_max_chars: int = TEMPLATE_MAX_CHARS) -> None:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if chat_template is None:
             chat_template = has_template
@@ -77,7 +90,38 @@ class PromptEncoder:
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         self.template_kwargs = dict(template_kwargs or {})
+        self.template_timeout_s = template_timeout_s
+        self.template_max_chars = template_max_chars
         self._eos = getattr(tokenizer, "eos_token_id", None)
+        self._template = self._compile() if chat_template else None
+
+    def _compile(self):
+        from jinja2 import TemplateSyntaxError
+
+        from .template import BoundedTemplate
+
+        get = getattr(self.tokenizer, "get_chat_template", None)
+        source = get() if get is not None else self.tokenizer.chat_template
+        try:
+            return BoundedTemplate(source)
+        except TemplateSyntaxError as e:
+            raise DataError(f"the tokenizer's chat template does not parse: line {e.lineno}: {e.message}") from None
+
+    def _render(self, row: Row) -> str:
+        from .template import TemplateLimit
+
+        variables = {**getattr(self.tokenizer, "special_tokens_map", {}), **self.template_kwargs}
+        try:
+            return self._template.render(timeout_s=self.template_timeout_s, max_chars=self.template_max_chars,
+                                         messages=self.messages(row), tools=None, documents=None,
+                                         add_generation_prompt=True, **variables)
+        except TemplateLimit as e:
+            raise DataError(f"{row.source}: the chat template {e}") from None
+        except RecursionError:
+            raise DataError(f"{row.source}: the chat template recursed too deeply") from None
+        except Exception as e:  # noqa: BLE001 - the template's own errors (raise_exception, TypeError, ...)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DataError(f"{row.source}: the chat template failed: {type(e).__name__}: {first[:200]}") from None
 
     def messages(self, row: Row) -> list[dict]:
         chat = list(row.messages) if row.messages is not None else [{"role": "user", "content": row.prompt}]
@@ -87,11 +131,7 @@ class PromptEncoder:
 
     def encode(self, row: Row) -> list[int]:
         if self.chat_template:
-            out = self.tokenizer.apply_chat_template(self.messages(row), add_generation_prompt=True, tokenize=True,
-                                                     **self.template_kwargs)
-            # transformers 5 returns a BatchEncoding here; 4.x returned the id list.
-            ids = out["input_ids"] if hasattr(out, "keys") else out
-            return [int(i) for i in ids]
+            return [int(i) for i in self.tokenizer(self._render(row), add_special_tokens=False)["input_ids"]]
         if row.messages is not None and row.prompt is None:
             raise DataError(f"{row.source}: the row has chat messages but the tokenizer has no chat template "
                             "(give a 'prompt' string or a tokenizer with a chat template)")

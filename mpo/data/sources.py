@@ -6,7 +6,9 @@ passed through as `metadata`. Sources give random access by index without holdin
 * jsonl: one streaming scan at open records the byte offset of each non-blank line (8 bytes a row, a numpy int64
   array); `row(i)` seeks and parses that one line. The scan checks only that each line starts with `{` (cheap, vectorised);
   the JSON itself and the keys are validated when the row is read, so a bad line fails with its file and line when the
-  stream reaches it. Whitespace-only lines are skipped (they are not rows) but line numbers stay the file's own.
+  stream reaches it. Whitespace-only lines are skipped (they are not rows) but line numbers stay the file's own. The
+  scan reads each byte once whatever the line lengths (a line spanning many chunks is not re-joined), and a line over
+  `max_row_bytes` is not a row: it is skipped and counted (`skipped_long`), never read whole.
 * parquet: the footer gives the row count per row group; `row(i)` decodes the one row group that holds it into a
   process-wide LRU of a few groups. Decoding a group costs ~10 ms, so RowStream walks parquet in a block shuffle
   (stream.py) that decodes each group once an epoch. Columns are checked at open.
@@ -19,7 +21,6 @@ Every data problem raises :class:`DataError` with one line ``FILE:LINE: what is 
 
 from __future__ import annotations
 
-import glob as globlib
 import json
 import os
 from collections import OrderedDict
@@ -30,10 +31,15 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 
+from .task_spec import safe_glob
+
 SUFFIXES = (".jsonl", ".parquet")
 REASONING_GYM_PREFIX = "reasoning_gym:"
 REASONING_GYM_DEFAULT_SIZE = 10_000
 _SCAN_CHUNK = 1 << 22  # 4 MiB: the jsonl scan's memory is this plus the offsets, whatever the file size
+MAX_ROW_BYTES = 16 << 20  # a jsonl line longer than this is skipped: ~4M tokens, far past any model's context
+_WHITESPACE = np.zeros(256, dtype=bool)
+_WHITESPACE[list(b" \t\r\n\x0b\x0c")] = True  # what bytes.strip() strips
 
 
 class DataError(ValueError):
@@ -77,6 +83,15 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _check_text(value: str, where: str, key: str) -> None:
+    """A lone surrogate (JSON allows "\\ud800") cannot be encoded for the tokenizer or the engine: fail here."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: key {key} is not valid UTF-8 text ({e.reason} at character {e.start})") from None
+
+
 def _make_row(record: Any, keys: Keys, where: str) -> Row:
     """Validate one record (a decoded JSON object or parquet row) into a Row; `where` is "FILE:LINE"."""
     if not isinstance(record, dict):
@@ -93,6 +108,8 @@ def _make_row(record: Any, keys: Keys, where: str) -> Row:
         raise DataError(f"{where}: missing key {keys.prompt!r} (or {keys.messages!r}); keys present: {present}")
     if prompt is not None and not isinstance(prompt, str):
         raise DataError(f"{where}: key {keys.prompt!r} must be a string, got {_type_name(prompt)}")
+    if prompt is not None:
+        _check_text(prompt, where, repr(keys.prompt))
     chat = None
     if messages is not None:
         if not isinstance(messages, list) or not messages:
@@ -102,75 +119,138 @@ def _make_row(record: Any, keys: Keys, where: str) -> Row:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise DataError(f"{where}: key {keys.messages!r}[{k}] must be an object with string 'role' and "
                                 f"'content', got {json.dumps(m, default=str)[:80]}")
+            _check_text(m["role"] + m["content"], where, f"{keys.messages!r}[{k}]")
         chat = tuple(messages)
     if keys.answer not in record:
         raise DataError(f"{where}: missing key {keys.answer!r}; keys present: {present}")
     answer = record[keys.answer]
     if answer is None:
         raise DataError(f"{where}: key {keys.answer!r} is null")
+    if isinstance(answer, str):
+        _check_text(answer, where, repr(keys.answer))
     used = {keys.prompt, keys.messages, keys.answer}
     metadata = {k: v for k, v in record.items() if k not in used}
     return Row(prompt=prompt, messages=chat, answer=answer, metadata=metadata, source=where)
 
 
 class JsonlSource:
-    """A jsonl file read lazily through a byte-offset index (see the module doc)."""
+    """A jsonl file read lazily through a byte-offset index (see the module doc).
 
-    def __init__(self, path: str | Path, keys: Keys = Keys()) -> None:
+    Args:
+        max_row_bytes: longer lines are skipped at the scan and counted in `skipped_long`.
+    """
+
+    def __init__(self, path: str | Path, keys: Keys = Keys(), *, max_row_bytes: int = MAX_ROW_BYTES) -> None:
+        if max_row_bytes < 1:
+            raise ValueError(f"max_row_bytes={max_row_bytes} must be >= 1")
         self.path = str(path)
         self.keys = keys
+        self.max_row_bytes = max_row_bytes
+        self.skipped_long = 0
+        self.first_skipped: str | None = None  # "path:line" of the first line skipped for its length
         self._offsets, self._lines = self._scan()
         if len(self._offsets) == 0:
-            raise DataError(f"{self.path}:1: empty file (no rows)")
+            what = f" ({self.skipped_long} lines over {max_row_bytes} bytes skipped)" if self.skipped_long else ""
+            raise DataError(f"{self.path}:1: empty file (no rows){what}")
         self._file = None
 
+    def _line_is_row(self, line: int, length: int, first: int | None, preview: bytes) -> bool:
+        """The scan's verdict on one line: a row (True), blank or too long (False), or not an object (raises)."""
+        if first is None:
+            return False
+        if first != ord("{"):
+            text = preview.split(b"\n")[0].rstrip().decode("utf-8", "replace")
+            raise DataError(f"{self.path}:{line}: invalid JSON: a row must be a JSON object, got {text[:40]!r}")
+        if length > self.max_row_bytes:
+            self.skipped_long += 1
+            if self.first_skipped is None:
+                self.first_skipped = f"{self.path}:{line}"
+            return False
+        return True
+
+    @staticmethod
+    def _first_text(buf: np.ndarray) -> int | None:
+        """Index of the first non-whitespace byte of `buf`, or None."""
+        if len(buf) == 0:
+            return None
+        k = int(np.argmin(_WHITESPACE[buf]))
+        return None if _WHITESPACE[buf[k]] else k
+
     def _scan(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Offsets of the non-blank lines; their 1-based line numbers only when blank lines made them differ."""
+        """Offsets of the rows; their 1-based line numbers only when skipped lines made them differ.
+
+        Each chunk is examined once: a line that spans chunks is tracked by its start, length and first
+        non-whitespace byte (with a few bytes for the error message), never joined into one buffer.
+        """
         offsets: list[np.ndarray] = []
-        lines: list[np.ndarray] | None = None  # allocated at the first blank line: usually never
+        lines: list[np.ndarray] = []
+        dense = True  # every line so far was a row: row i is line i + 1, and no line numbers need keeping
         n_rows = 0
-        line_no = 0  # lines before the current chunk
+        line_no = 0  # complete lines before the current one
         base = 0  # file offset of the current chunk's first byte
-        carry = b""  # an unfinished line from the previous chunk
+        cur_start, cur_len, cur_first, cur_preview = 0, 0, None, b""  # the unfinished line
+
+        def add(offs: np.ndarray, nums: np.ndarray) -> None:
+            nonlocal dense, n_rows
+            if dense and not np.array_equal(nums, np.arange(n_rows + 1, n_rows + 1 + len(nums))):
+                dense = False
+                lines.append(np.arange(1, n_rows + 1, dtype=np.int64))
+            offsets.append(offs.astype(np.int64))
+            if not dense:
+                lines.append(nums.astype(np.int64))
+            n_rows += len(offs)
+
         with open(self.path, "rb") as f:
             if f.read(3) == b"\xef\xbb\xbf":  # a UTF-8 byte-order mark is not part of the first row
-                base = 3
+                base = cur_start = 3
             f.seek(base)
             while True:
                 chunk = f.read(_SCAN_CHUNK)
-                data = carry + chunk
-                if not data:
-                    break
-                buf = np.frombuffer(data, dtype=np.uint8)
-                ends = np.flatnonzero(buf == 0x0A)
                 if not chunk:  # end of file: the last line need not end in a newline
-                    ends = np.append(ends, len(data))
-                starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else np.zeros(0, np.int64)
-                keep = ends > starts
-                first = buf[np.minimum(starts, len(data) - 1)]
-                bad = keep & (first != ord("{"))
-                for k in np.flatnonzero(bad):  # rare: leading whitespace, a blank line, or not an object
-                    text = data[starts[k]:ends[k]].strip()
-                    if not text:
-                        keep[k] = False
-                    elif text[:1] != b"{":
-                        line = text.decode("utf-8", "replace")
-                        raise DataError(f"{self.path}:{line_no + k + 1}: invalid JSON: a row must be a JSON object, "
-                                        f"got {line[:40]!r}")
-                if lines is None and not keep.all():
-                    lines = [np.arange(1, n_rows + 1, dtype=np.int64)]
-                offsets.append(starts[keep].astype(np.int64) + base)
-                if lines is not None:
-                    lines.append(np.flatnonzero(keep).astype(np.int64) + line_no + 1)
-                n_rows += int(keep.sum())
-                line_no += len(ends)
-                consumed = int(ends[-1]) + 1 if len(ends) else 0
-                carry = data[consumed:]
-                base += consumed
-                if not chunk:
+                    if self._line_is_row(line_no + 1, cur_len, cur_first, cur_preview):
+                        add(np.array([cur_start]), np.array([line_no + 1]))
                     break
+                buf = np.frombuffer(chunk, dtype=np.uint8)
+                ends = np.flatnonzero(buf == 0x0A)
+                head = buf[:ends[0]] if len(ends) else buf  # the unfinished line goes on
+                if cur_first is None:
+                    k = self._first_text(head)
+                    if k is not None:
+                        cur_first, cur_preview = int(head[k]), bytes(chunk[k:k + 40])
+                cur_len += len(head)
+                if not len(ends):
+                    base += len(chunk)
+                    continue
+                if self._line_is_row(line_no + 1, cur_len, cur_first, cur_preview):
+                    add(np.array([cur_start]), np.array([line_no + 1]))
+                line_no += 1
+                # The lines wholly inside this chunk, vectorised: most start with "{" and are short.
+                starts, stops = ends[:-1] + 1, ends[1:]
+                lengths = stops - starts
+                first = buf[np.minimum(starts, len(buf) - 1)]
+                keep = (lengths > 0) & (first == ord("{"))
+                odd = np.flatnonzero((lengths > 0) & (first != ord("{")))
+                for k in odd:  # rare: leading whitespace, a blank line, or not an object
+                    seg = buf[starts[k]:stops[k]]
+                    j = self._first_text(seg)
+                    keep[k] = j is not None and self._line_is_row(
+                        line_no + k + 1, 0, int(seg[j]), bytes(chunk[starts[k] + j:starts[k] + j + 40]))
+                long = keep & (lengths > self.max_row_bytes)
+                for k in np.flatnonzero(long):
+                    self._line_is_row(line_no + k + 1, int(lengths[k]), ord("{"), b"")
+                keep &= ~long
+                add(starts[keep] + base, np.flatnonzero(keep) + line_no + 1)
+                line_no += len(starts)
+                # The tail after the last newline starts the next unfinished line.
+                cur_start = base + int(ends[-1]) + 1
+                tail = buf[int(ends[-1]) + 1:]
+                cur_len = len(tail)
+                k = self._first_text(tail)
+                cur_first = None if k is None else int(tail[k])
+                cur_preview = b"" if k is None else bytes(chunk[int(ends[-1]) + 1 + k:int(ends[-1]) + 41 + k])
+                base += len(chunk)
         flat = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
-        return flat, (np.concatenate(lines) if lines is not None else None)
+        return flat, (None if dense else np.concatenate(lines))
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -190,6 +270,10 @@ class JsonlSource:
             raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
         except UnicodeDecodeError as e:
             raise DataError(f"{where}: invalid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except RecursionError:
+            raise DataError(f"{where}: invalid JSON: nested too deeply") from None
+        except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+            raise DataError(f"{where}: invalid JSON: {str(e).split(';')[0]}") from None
         return _make_row(record, self.keys, where)
 
     def __getstate__(self) -> dict:  # picklable: the open file is reopened on first use
@@ -268,8 +352,12 @@ class ParquetSource:
             self._pf = pq.ParquetFile(self.path)
         return self._pf.read_row_group(g)
 
-    def _group(self, g: int):
-        return GROUP_CACHE.get((self.path, g), lambda: self._load(g))
+    def _group(self, g: int, index: int):
+        try:
+            return GROUP_CACHE.get((self.path, g), lambda: self._load(g))
+        except Exception as e:  # pyarrow: OSError / ArrowInvalid for a page that does not decode
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"{self.path}:row {index}: cannot read row group {g} (corrupt file?): {first}") from None
 
     def release(self) -> None:
         self._pf = None
@@ -279,7 +367,7 @@ class ParquetSource:
             raise IndexError(f"{self.path}: row {index} out of range (0..{len(self) - 1})")
         g = int(np.searchsorted(self._ends, index, side="right"))
         start = int(self._ends[g - 1]) if g else 0
-        record = self._group(g).slice(index - start, 1).to_pylist()[0]
+        record = self._group(g, index).slice(index - start, 1).to_pylist()[0]
         return _make_row(record, self.keys, f"{self.path}:row {index}")
 
     def __getstate__(self) -> dict:
@@ -365,8 +453,8 @@ def _expand_files(task: str) -> list[str]:
         if path.suffix not in SUFFIXES:
             raise DataError(f"{task}: unsupported file type {path.suffix!r}; valid: .jsonl, .parquet")
         return [task]
-    if globlib.has_magic(task):
-        files = sorted(f for f in globlib.glob(task, recursive=True) if Path(f).suffix in SUFFIXES and os.path.isfile(f))
+    if any(c in task for c in "*?["):
+        files = sorted(f for f in safe_glob(task) if Path(f).suffix in SUFFIXES and os.path.isfile(f))
         if not files:
             raise DataError(f"{task}: no .jsonl or .parquet files match the glob")
         return files
@@ -374,12 +462,22 @@ def _expand_files(task: str) -> list[str]:
 
 
 def open_source(task: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
-                messages_key: str = "messages") -> RowSource:
+                messages_key: str = "messages", max_row_bytes: int = MAX_ROW_BYTES) -> RowSource:
     """The rows of `task`: a .jsonl / .parquet file, a directory of them (recursive, sorted), a glob, or
-    ``reasoning_gym:<task>[?size=N&seed=S]``. The key arguments rename the prompt / answer / messages fields."""
+    ``reasoning_gym:<task>[?size=N&seed=S]``. The key arguments rename the prompt / answer / messages fields;
+    jsonl lines over `max_row_bytes` are skipped (see `skipped_rows`)."""
     if task.startswith(REASONING_GYM_PREFIX):
         return ReasoningGymSource(task)
     keys = Keys(prompt=prompt_key, answer=answer_key, messages=messages_key)
     sources: list[RowSource] = [
-        ParquetSource(f, keys) if f.endswith(".parquet") else JsonlSource(f, keys) for f in _expand_files(task)]
+        ParquetSource(f, keys) if f.endswith(".parquet") else JsonlSource(f, keys, max_row_bytes=max_row_bytes)
+        for f in _expand_files(task)]
     return sources[0] if len(sources) == 1 else ConcatSource(sources)
+
+
+def skipped_rows(source: RowSource) -> tuple[int, str | None]:
+    """(jsonl lines skipped for their length, where the first was) over `source` and its parts."""
+    parts = getattr(source, "sources", [source])
+    count = sum(getattr(p, "skipped_long", 0) for p in parts)
+    first = next((p.first_skipped for p in parts if getattr(p, "first_skipped", None)), None)
+    return count, first

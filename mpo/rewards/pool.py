@@ -78,6 +78,9 @@ def _kill(worker: _Worker) -> None:
 
 def _shutdown(workers: list[_Worker]) -> None:
     for w in workers:
+        if not w.ready:  # still importing the reward: nothing to finish, do not wait for the import
+            _kill(w)
+            continue
         try:
             w.proc.stdin.close()  # end of input: an idle worker exits by itself
         except OSError:

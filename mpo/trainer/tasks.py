@@ -12,11 +12,14 @@ offset) is trainer state.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mpo.config import TrainConfig
 from mpo.data.task_spec import parse_task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +90,24 @@ class ToyRun:
         pass
 
 
+def prompt_token_limit(config: TrainConfig) -> int:
+    """The longest prompt the run sends: data.max_prompt_tokens, never above what an engine accepts (the model's
+    context length minus rollout.max_new_tokens: a longer prompt is a 400 that would end the run)."""
+    from mpo.config import model_config
+    from mpo.data.sources import DataError
+
+    context = model_config(config).max_position_embeddings
+    room = context - config.rollout.max_new_tokens
+    if room < 1:
+        raise DataError(f"the model's context length {context} leaves no room for a prompt with "
+                        f"rollout.max_new_tokens={config.rollout.max_new_tokens}; lower rollout.max_new_tokens")
+    wanted = config.data.max_prompt_tokens
+    if wanted is not None and wanted > room:
+        log.warning("data.max_prompt_tokens=%d is over the room the context leaves (%d = %d - rollout.max_new_tokens):"
+                    " prompts over %d tokens are dropped", wanted, room, context, room)
+    return room if wanted is None else min(wanted, room)
+
+
 def default_reward(kind: str) -> str:
     """The reward a text task gets when reward.fn is unset: reasoning-gym's own scorer, else math equivalence."""
     return "reasoning_gym" if kind == "reasoning_gym" else "math"
@@ -99,7 +120,7 @@ class TextRun:
 
     def __init__(self, config: TrainConfig) -> None:
         from mpo.data.chat import PromptEncoder, eos_token_ids, load_tokenizer
-        from mpo.data.sources import open_source
+        from mpo.data.sources import open_source, skipped_rows
         from mpo.data.stream import RowStream
         from mpo.data.text_task import TextTask
 
@@ -111,11 +132,15 @@ class TextRun:
         self.encoder = PromptEncoder(self.tokenizer, chat_template=d.chat_template, system_prompt=d.system_prompt)
         self.stop_token_ids = tuple(eos_token_ids(tokenizer_dir, self.tokenizer))
         self.max_answer_tokens: int | None = None
-        source = open_source(d.task, prompt_key=d.prompt_key, answer_key=d.answer_key)
-        self.data = TextTask(RowStream(source, config.seed), self.encoder, max_prompt_tokens=d.max_prompt_tokens)
+        source = open_source(d.task, prompt_key=d.prompt_key, answer_key=d.answer_key, max_row_bytes=d.max_row_bytes)
+        skipped, first = skipped_rows(source)
+        if skipped:
+            log.warning("data: %d jsonl lines over data.max_row_bytes=%d skipped (first: %s)", skipped,
+                        d.max_row_bytes, first)
+        limit = prompt_token_limit(config)
+        self.data = TextTask(RowStream(source, config.seed), self.encoder, max_prompt_tokens=limit)
         # The warm start reads its own order of the same rows, so it never moves the RL stream's position.
-        self.warm_data = TextTask(RowStream(source, config.seed + 7919), self.encoder,
-                                  max_prompt_tokens=d.max_prompt_tokens)
+        self.warm_data = TextTask(RowStream(source, config.seed + 7919), self.encoder, max_prompt_tokens=limit)
         self.reward_name = config.reward.fn or default_reward(self.spec.kind)
         from mpo.rewards import RewardPool
 

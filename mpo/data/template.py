@@ -1,0 +1,147 @@
+"""Chat templates rendered with bounds on time and size.
+
+A chat template is a program shipped with the checkpoint. transformers renders it in jinja's immutable sandbox,
+which stops attribute tricks but not `{% for i in range(99999) %}{% for j in range(99999) %}` (10^10 steps: rank 0
+hangs) nor `{{ 'x' * 10**10 }}` (10 GB). `BoundedTemplate` compiles the same template with the same filters,
+globals and extensions as transformers (taken from transformers' own compiled template), in a sandbox that:
+
+  * checks a deadline at every call, attribute or item lookup, intercepted operator and output piece (a loop that
+    does nothing at all between iterations is the one shape it cannot see: templates loop to emit text);
+  * refuses `*`, `+` and `**` whose result would exceed `max_chars` (checked before the operation allocates), and
+    int arguments above `max_chars` to calls and filters (`'x'.ljust(n)`, `center(n)`, `indent(n)`);
+  * stops once the output passes `max_chars`.
+
+`render()` raises `TemplateLimit` for a bound and lets the template's own errors through; PromptEncoder turns both
+into one DataError line naming the row.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateLimit(Exception):
+    """The template ran past its time or size bound (the message says which)."""
+
+
+def _seq_len(value: Any) -> int | None:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._state = threading.local()
+
+    # -- bounds -------------------------------------------------------------------------------------------------------
+    def arm(self, timeout_s: float, max_chars: int) -> None:
+        self._state.deadline = time.monotonic() + timeout_s
+        self._state.timeout_s = timeout_s
+        self._state.max_chars = max_chars
+
+    def tick(self) -> None:
+        state = self._state
+        if time.monotonic() > getattr(state, "deadline", float("inf")):
+            raise TemplateLimit(f"took over {state.timeout_s:g} s")
+
+    def check_size(self, n: int, what: str) -> None:
+        limit = getattr(self._state, "max_chars", None)
+        if limit is not None and n > limit:
+            raise TemplateLimit(f"would build {what} of {n} items, over the limit of {limit}")
+
+    def check_args(self, args, kwargs) -> None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool):
+                self.check_size(abs(value), "a string or list")
+
+    # -- sandbox hooks ------------------------------------------------------------------------------------------------
+    def call_binop(self, context, operator: str, left, right):
+        self.tick()
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                n = _seq_len(seq)
+                if n is not None and isinstance(count, int):
+                    self.check_size(n * max(count, 0), "a string or list")
+        elif operator == "+":
+            a, b = _seq_len(left), _seq_len(right)
+            if a is not None and b is not None:
+                self.check_size(a + b, "a string or list")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            self.check_size(right * abs(left).bit_length() // 8, "a number of bytes")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        __self.tick()
+        __self.check_args(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        self.tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        self.tick()
+        return super().getitem(obj, argument)
+
+
+def _bounded_filter(env: _BoundedSandbox, fn):
+    @functools.wraps(fn)  # keeps jinja's pass_context / pass_environment marks (copied __dict__)
+    def wrapper(*args, **kwargs):
+        env.tick()
+        env.check_args(args[1:], kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _reference_environment(source: str):
+    """transformers' environment for `source` (its filters, globals and extensions), or None if unavailable."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    return _compile_jinja_template(source).environment  # raises TemplateSyntaxError for a bad template
+
+
+class BoundedTemplate:
+    """`source` compiled once; `render(timeout_s=, max_chars=, **variables)` -> the text, within the bounds."""
+
+    def __init__(self, source: str) -> None:
+        import jinja2.ext
+
+        reference = _reference_environment(source)
+        if reference is None:
+            env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+            def raise_exception(message):
+                raise jinja2.exceptions.TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+        else:
+            env = _BoundedSandbox(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
+                                  extensions=[type(e) for e in reference.extensions.values()])
+            env.filters.update(reference.filters)
+            env.globals.update(reference.globals)
+        env.filters.update({name: _bounded_filter(env, fn) for name, fn in env.filters.items()})
+        self.env = env
+        self.template = env.from_string(source)
+
+    def render(self, *, timeout_s: float, max_chars: int, **variables) -> str:
+        self.env.arm(timeout_s, max_chars)
+        try:
+            pieces, size = [], 0
+            for piece in self.template.generate(**variables):
+                size += len(piece)
+                self.env.check_size(size, "an output")
+                self.env.tick()
+                pieces.append(piece)
+            return "".join(pieces)
+        finally:
+            self.env.arm(float("inf"), max_chars)
