@@ -143,10 +143,18 @@ def test_hardening_data_template_loop_is_stopped_by_the_time_limit(tokenizer):
     assert time.monotonic() - start < 5
 
 
-def test_hardening_data_template_string_multiplication_is_bounded(tokenizer):
-    # 300 MB without the bound (allocated then measured, so the output stays small); refused before allocating.
-    encoder = _encoder(tokenizer, "{{ ('x' * 300000000) | length }}")
-    with pytest.raises(DataError, match=r"t.jsonl:1: the chat template .* over"):
+@pytest.mark.parametrize("template", [
+    "{{ ('x' * 300000000) | length }}",
+    "{{ ('%300000000s' % 'x') | length }}",
+    "{{ '{:>300000000}'.format('x') | length }}",
+    "{{ ('x' | center(300000000)) | length }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+], ids=["multiply", "percent-width", "format-width", "filter-arg", "namespace-doubling"])
+def test_hardening_data_template_string_building_is_bounded(tokenizer, template):
+    # 128-300 MB each without the bound (built then measured, so the output stays small); refused, the first four
+    # before allocating, the doubling at the lookup after it passes the 64M-character bound.
+    encoder = _encoder(tokenizer, template)
+    with pytest.raises(DataError, match=r"t.jsonl:1: the chat template would build .* over the limit of"):
         encoder.encode(ROW)
 
 

@@ -7,22 +7,30 @@ globals and extensions as transformers (taken from transformers' own compiled te
 
   * checks a deadline at every call, attribute or item lookup, intercepted operator and output piece (a loop that
     does nothing at all between iterations is the one shape it cannot see: templates loop to emit text);
-  * refuses `*`, `+` and `**` whose result would exceed `max_chars` (checked before the operation allocates), and
-    int arguments above `max_chars` to calls and filters (`'x'.ljust(n)`, `center(n)`, `indent(n)`);
+  * refuses `*`, `+` and `**` whose result would exceed `max_chars` (checked before the operation allocates), int
+    arguments above `max_chars` to calls and filters (`'x'.ljust(n)`, `center(n)`, `indent(n)`), and widths above it
+    in `%` and `str.format` (`'%9999999999s' % x`);
+  * refuses a value over `max_chars` that a lookup, call or filter returns (`~` is not interceptable: a namespace
+    string doubled in a loop is caught at its next lookup, at most twice over the bound);
   * stops once the output passes `max_chars`.
 
 `render()` raises `TemplateLimit` for a bound and lets the template's own errors through; PromptEncoder turns both
-into one DataError line naming the row.
+into one DataError line naming the row. Nothing is evaluated while compiling (jinja folds constant expressions,
+`{{ 'x' | center(10**10) }}` included, outside these checks): the optimizer is off and filters take the context.
 """
 
 from __future__ import annotations
 
-import functools
+import re
 import threading
 import time
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import _PassArg, pass_context
+
+
+_NUMBER = re.compile(r"\d+")
 
 
 class TemplateLimit(Exception):
@@ -34,7 +42,7 @@ def _seq_len(value: Any) -> int | None:
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "+", "**"})
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -61,6 +69,18 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             if isinstance(value, int) and not isinstance(value, bool):
                 self.check_size(abs(value), "a string or list")
 
+    def check_widths(self, fmt) -> None:
+        """Field widths in a %- or {}-format string (the digits in it: a coarse but safe reading)."""
+        if isinstance(fmt, str):
+            for digits in _NUMBER.findall(fmt):
+                self.check_size(int(digits) if len(digits) < 20 else 1 << 64, "a formatted string")
+
+    def checked(self, value):
+        n = _seq_len(value)
+        if n is not None:
+            self.check_size(n, "a string or list")
+        return value
+
     # -- sandbox hooks ------------------------------------------------------------------------------------------------
     def call_binop(self, context, operator: str, left, right):
         self.tick()
@@ -75,29 +95,45 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 self.check_size(a + b, "a string or list")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
             self.check_size(right * abs(left).bit_length() // 8, "a number of bytes")
+        elif operator == "%":
+            self.check_widths(left)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
         __self.tick()
         __self.check_args(args, kwargs)
-        return super().call(__context, __obj, *args, **kwargs)
+        if getattr(__obj, "__name__", None) in ("format", "format_map"):
+            __self.check_widths(getattr(__obj, "__self__", None))
+        return __self.checked(super().call(__context, __obj, *args, **kwargs))
 
     def getattr(self, obj, attribute):
         self.tick()
-        return super().getattr(obj, attribute)
+        return self.checked(super().getattr(obj, attribute))
 
     def getitem(self, obj, argument):
         self.tick()
-        return super().getitem(obj, argument)
+        return self.checked(super().getitem(obj, argument))
 
 
 def _bounded_filter(env: _BoundedSandbox, fn):
-    @functools.wraps(fn)  # keeps jinja's pass_context / pass_environment marks (copied __dict__)
-    def wrapper(*args, **kwargs):
+    """`fn` with the bounds checked. Marked pass_context so that the compiler never folds it into a constant (it
+    calls constant filters while compiling, outside the bounds); the context is turned back into what `fn` asked
+    for."""
+    passes = _PassArg.from_obj(fn)
+
+    @pass_context
+    def wrapper(context, *args, **kwargs):
         env.tick()
         env.check_args(args[1:], kwargs)
-        return fn(*args, **kwargs)
+        if passes is _PassArg.context:
+            args = (context, *args)
+        elif passes is _PassArg.eval_context:
+            args = (context.eval_ctx, *args)
+        elif passes is _PassArg.environment:
+            args = (context.environment, *args)
+        return env.checked(fn(*args, **kwargs))
 
+    wrapper.__name__ = getattr(fn, "__name__", "filter")
     return wrapper
 
 
@@ -118,7 +154,8 @@ class BoundedTemplate:
 
         reference = _reference_environment(source)
         if reference is None:
-            env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                                  optimized=False)
 
             def raise_exception(message):
                 raise jinja2.exceptions.TemplateError(message)
@@ -126,7 +163,7 @@ class BoundedTemplate:
             env.globals["raise_exception"] = raise_exception
         else:
             env = _BoundedSandbox(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
-                                  extensions=[type(e) for e in reference.extensions.values()])
+                                  extensions=[type(e) for e in reference.extensions.values()], optimized=False)
             env.filters.update(reference.filters)
             env.globals.update(reference.globals)
         env.filters.update({name: _bounded_filter(env, fn) for name, fn in env.filters.items()})
