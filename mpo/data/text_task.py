@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .chat import PromptEncoder
+from .sources import DataError
 from .stream import RowStream
 
 
@@ -47,8 +48,8 @@ class TextTask:
                 self.dropped_long += 1
                 in_a_row += 1
                 if in_a_row >= 2 * len(self.stream):  # else a set of only long prompts would spin forever
-                    raise ValueError(f"every prompt is longer than max_prompt_tokens={self.max_prompt_tokens} "
-                                     f"(last: {row.source}, {len(ids)} tokens)")
+                    raise DataError(f"every prompt is longer than max_prompt_tokens={self.max_prompt_tokens} "
+                                    f"(last: {row.source}, {len(ids)} tokens)")
                 continue
             in_a_row = 0
             out.append(TextPrompt(ids=tuple(ids), answer=row.answer,
