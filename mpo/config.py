@@ -695,7 +695,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "algorithm.max_sampling_rounds": (lambda v: v >= 1, ">= 1 (the first draw counts)"),
     "data.prompts_per_step": (lambda v: v >= 1, ">= 1"),
     "data.digits": (lambda v: v >= 1, ">= 1"),
-    "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: no limit)"),
+    "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: context - rollout.max_new_tokens)"),
     "data.max_response_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "data.max_row_bytes": (lambda v: v >= 1, ">= 1"),
     "data.samples_logged": (lambda v: v >= 0, ">= 0"),
