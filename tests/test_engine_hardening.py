@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -35,6 +36,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 IDLE_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 48
 GROUP_INIT_TIMEOUT_S = 3.0
+HEADER_TIMEOUT_S = 1.0
+MAX_ROWS = 64
 CONTEXT_LENGTH = 512  # the tiny preset's max_position_embeddings
 
 
@@ -43,7 +46,8 @@ def engine(tmp_path_factory):
     process = LocalEngineProcess.mpo_engine(
         log_path=tmp_path_factory.mktemp("hardening") / "engine.log", api_key=KEY,
         extra_args=["--max-body-mb", "1", "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections",
-                    str(MAX_CONNECTIONS), "--group-init-timeout-s", str(GROUP_INIT_TIMEOUT_S)]).start()
+                    str(MAX_CONNECTIONS), "--group-init-timeout-s", str(GROUP_INIT_TIMEOUT_S),
+                    "--header-timeout-s", str(HEADER_TIMEOUT_S), "--max-rows-per-request", str(MAX_ROWS)]).start()
     yield process
     process.stop()
 
@@ -102,30 +106,52 @@ def test_hardening_huge_declared_body_is_refused_from_the_headers(engine):
 
 
 def test_hardening_idle_connections_time_out_and_threads_are_bounded(engine):
-    """Twice --max-connections idle connections: the engine's threads stay bounded (the excess is answered 503 at
-    once), every idle connection is closed after --idle-timeout-s, and then the engine serves normally."""
+    """Connections that send nothing get no thread and are closed (408) after --header-timeout-s. Twice
+    --max-connections kept-alive clients after one authorized request each: the engine's threads stay bounded (the
+    excess is answered 503 at once), every kept-alive connection is closed after --idle-timeout-s, and then the
+    engine serves normally."""
     pid = engine.process.pid
     baseline = _proc_status(pid, "Threads")
-    sockets = [socket.create_connection(("127.0.0.1", engine.port), timeout=30) for _ in range(2 * MAX_CONNECTIONS)]
+
+    def read_all(sock: socket.socket) -> bytes:  # until the server closes it
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+    silent = [socket.create_connection(("127.0.0.1", engine.port), timeout=30) for _ in range(2 * MAX_CONNECTIONS)]
     try:
-        time.sleep(0.5)
-        peak = _proc_status(pid, "Threads")
-        assert peak <= baseline + MAX_CONNECTIONS + 4, f"{peak} threads for {len(sockets)} idle connections " \
-                                                       f"(baseline {baseline}, limit {MAX_CONNECTIONS})"
+        time.sleep(0.3)
+        assert _proc_status(pid, "Threads") <= baseline + 2, "silent connections were given threads"
         started = time.monotonic()
-        answers = []
-        for sock in sockets:  # each one is closed by the server: recv returns what it said, then b""
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-            answers.append(data)
+        answers = [read_all(sock) for sock in silent]
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 5.0
+        assert all(a.startswith(b"HTTP/1.1 408") and b"--header-timeout-s" in a for a in answers), answers[:2]
+    finally:
+        for sock in silent:
+            sock.close()
+    kept = [socket.create_connection(("127.0.0.1", engine.port), timeout=30) for _ in range(2 * MAX_CONNECTIONS)]
+    try:
+        first = []
+        for sock in kept:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+            head = b""
+            while b'"status": "ok"}' not in head and b'"message"' not in head:
+                head += sock.recv(65536)
+            first.append(head)
+        peak = _proc_status(pid, "Threads")
+        assert peak <= baseline + MAX_CONNECTIONS + 4, f"{peak} threads for {len(kept)} kept-alive connections " \
+                                                       f"(baseline {baseline}, limit {MAX_CONNECTIONS})"
+        served = sum(h.startswith(b"HTTP/1.1 200") for h in first)  # a slot of an earlier test may be closing
+        assert MAX_CONNECTIONS - 4 <= served <= MAX_CONNECTIONS, served
+        assert sum(h.startswith(b"HTTP/1.1 503") for h in first) == len(kept) - served
+        started = time.monotonic()
+        for sock in kept:
+            read_all(sock)
         waited = time.monotonic() - started
         assert waited < IDLE_TIMEOUT_S + 20.0, f"idle connections were held {waited:.1f} s"
-        busy = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
-        assert len(busy) >= MAX_CONNECTIONS - 4, f"only {len(busy)} of the excess connections were answered 503"
-        assert all(a == b"" or a.startswith(b"HTTP/1.1 503") for a in answers)
     finally:
-        for sock in sockets:
+        for sock in kept:
             sock.close()
     assert httpx.get(f"{engine.url}/health", headers=AUTH, timeout=10).status_code == 200
 
@@ -403,3 +429,145 @@ def test_hardening_sglang_wire_pickling_leaves_stdio_and_descriptors_alone(tmp_p
                             timeout=120, env=env)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.strip() == "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0] ['a', 'b']"
+
+
+# -- issue 24, item 2: no lock-out by unauthenticated clients; bounded batches -------------------------------------
+def test_hardening_trickling_clients_cannot_lock_out_an_authorized_one(engine):
+    """More unauthenticated connections than --max-connections, each trickling one header byte every 0.3 s (well
+    under --idle-timeout-s, so a per-read timeout never fires) and reconnecting whenever it is closed: an authorized
+    client is still served at once, and every trickling connection is cut after about --header-timeout-s."""
+    tricklers, stop = MAX_CONNECTIONS + 12, threading.Event()
+    lifetimes: list[float] = []
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
+
+    def trickle() -> None:
+        def connect() -> tuple[socket.socket, float, int]:
+            return socket.create_connection(("127.0.0.1", engine.port), timeout=5), time.monotonic(), 0
+
+        conns = [connect() for _ in range(tricklers)]
+        while not stop.wait(0.3):
+            for i, (sock, opened, sent) in enumerate(conns):
+                try:
+                    readable, _, _ = select.select([sock], [], [], 0)
+                    if readable and not sock.recv(4096, socket.MSG_DONTWAIT):  # the server closed it
+                        raise ConnectionResetError
+                    sock.send(head[sent:sent + 1] if sent < len(head) else b"a")
+                    conns[i] = (sock, opened, sent + 1)
+                except OSError:
+                    lifetimes.append(time.monotonic() - opened)
+                    sock.close()
+                    conns[i] = connect()
+        for sock, _, _ in conns:
+            sock.close()
+
+    attacker = threading.Thread(target=trickle)
+    attacker.start()
+    answers = []
+    try:
+        time.sleep(0.5)
+        for _ in range(6):
+            started = time.monotonic()
+            status = httpx.get(f"{engine.url}/health", headers=AUTH, timeout=5).status_code
+            answers.append((status, round(time.monotonic() - started, 2)))
+            time.sleep(0.4)
+    finally:
+        stop.set()
+        attacker.join(30)
+    print(f"\n[lock-out] authorized answers {answers}; {len(lifetimes)} trickling connections cut, longest held "
+          f"{max(lifetimes, default=0):.1f} s", file=sys.stderr)
+    assert all(status == 200 and took < 2.0 for status, took in answers), answers
+    assert len(lifetimes) >= tricklers and max(lifetimes) < HEADER_TIMEOUT_S + 2.0, \
+        (len(lifetimes), max(lifetimes, default=None))
+
+
+def test_hardening_rows_per_request_are_capped(engine):
+    response = _post(engine, "/generate", {"input_ids": [[1, 2]] * (MAX_ROWS + 1),
+                                           "sampling_params": {"max_new_tokens": 1}})
+    assert response.status_code == 400, (response.status_code, response.text[:200])
+    message = response.json()["message"]
+    assert f"{MAX_ROWS + 1} rows" in message and "--max-rows-per-request" in message, message
+
+
+def test_hardening_work_of_a_client_that_went_away_is_aborted(engine):
+    """A batched /generate whose client disconnects while it waits (queued behind a paused scheduler) is dropped
+    from the engine's queue: /abort_request afterwards finds nothing left to abort."""
+    rows = 48
+    body = json.dumps({"input_ids": [[1, 2, 3]] * rows, "sampling_params": {"max_new_tokens": 8}})
+    engine.client.pause_generation(mode="in_place")
+    try:
+        with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as sock:
+            sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                         f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+            time.sleep(0.5)  # parsed and queued
+        time.sleep(1.5)  # the client is gone
+        left = _post(engine, "/abort_request", {}).json()["aborted"]
+    finally:
+        engine.client.continue_generation()
+    assert left == 0, f"{left} rows of a client that went away were still queued"
+
+
+# -- issue 24, item 8: one line (400), never a traceback (500) or a silent acceptance --------------------------------
+def _norm_numel() -> int:
+    from mpo.models.config import PRESETS
+
+    return PRESETS["tiny"].hidden_size  # model.norm.weight
+
+
+def test_hardening_shm_locator_to_a_fifo_is_refused_at_once(engine):
+    """A FIFO named like a slot blocks open(): it must be refused (400), not pin the request's thread forever."""
+    from mpo.rollout import shared_memory as shm
+    from mpo.rollout.weight_sync import SHM_FORMAT
+
+    fifo = shm.shm_dir() / shm.file_name(shm.new_token(), "fifo", pid=1)
+    os.mkfifo(fifo)
+    numel = _norm_numel()
+    locator = {"name": "model.norm.weight", "path": str(fifo), "dtype": "float32", "shape": [numel],
+               "stride": [1], "offset": 0}
+    engine.client.begin_weight_update()
+    try:
+        response = _post(engine, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [json.dumps([locator])], "load_format": SHM_FORMAT}, timeout_s=5)
+        assert response.status_code == 400 and "not a regular file" in response.json()["message"], response.text
+    finally:
+        try:  # a reader blocked in open() is released by a writer's open
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        fifo.unlink()
+        engine.client.end_weight_update()
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"dtype": "int32"}, "dtype int32"),
+    ({"dtype": "float64"}, "dtype float64"),
+    ({"name": ["model.norm.weight"]}, "unknown tensor"),
+], ids=["hardening-int32", "hardening-float64", "hardening-name-list"])
+def test_hardening_shm_locator_of_the_wrong_type_is_refused(engine, change, reason):
+    """A locator whose dtype is not a weight dtype reinterprets the slot's bytes: refused (400) and nothing applied."""
+    from mpo.rollout import shared_memory as shm
+    from mpo.rollout.weight_sync import SHM_FORMAT
+
+    numel = _norm_numel()
+    buffer = shm.SharedBuffer(shm.file_name(shm.new_token(), "dtype"), 2 * numel, torch.float32, create=True)
+    buffer.tensor.fill_(3.0)
+    locator = {**shm.locate("model.norm.weight", buffer.tensor[:numel]).to_json(), **change}
+    before = engine.client.call("/weights_checksum", method="GET")["checksum"]
+    engine.client.begin_weight_update()
+    try:
+        response = _post(engine, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [json.dumps([locator])], "load_format": SHM_FORMAT})
+    finally:
+        engine.client.end_weight_update()
+        buffer.close()
+    assert response.status_code == 400 and reason in response.json()["message"], (response.status_code,
+                                                                                    response.text[:300])
+    assert engine.client.call("/weights_checksum", method="GET")["checksum"] == before
+
+
+@pytest.mark.parametrize("tags", [[["weights"]], [{"a": 1}], "weights"], ids=["hardening-nested", "hardening-dict",
+                                                                              "hardening-str"])
+def test_hardening_release_with_malformed_tags_is_400(engine, tags):
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        response = _post(engine, path, {"tags": tags})
+        assert response.status_code == 400 and "tags=" in response.json()["message"], (path, response.text[:300])
+    assert httpx.get(f"{engine.url}/health_generate", headers=AUTH, timeout=30).status_code == 200

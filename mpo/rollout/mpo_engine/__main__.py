@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from mpo.rollout.engine_command import API_KEY_ENV
-from mpo.rollout.mpo_engine.server import ServerLimits
+from mpo.rollout.mpo_engine.server import DEFAULT_MAX_ROWS, ServerLimits
 
 
 def _positive(kind: type) -> Callable[[str], Any]:
@@ -59,9 +59,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="largest request body in MiB, 413 beyond; must exceed 4/3 x the weight bucket size "
                              "(base64) for /update_weights_from_tensor")
     parser.add_argument("--idle-timeout-s", type=_positive(float), default=ServerLimits.idle_timeout_s,
-                        help="close a connection idle this long")
+                        help="close a kept-alive connection idle this long between requests")
+    parser.add_argument("--header-timeout-s", type=_positive(float), default=ServerLimits.header_timeout_s,
+                        help="a request's line and headers must arrive whole within this long (408 and closed "
+                             "otherwise); until then a new connection holds no slot")
     parser.add_argument("--max-connections", type=_positive(int), default=ServerLimits.max_connections,
                         help="connections served at once (one thread each); 503 beyond; also the listen backlog")
+    parser.add_argument("--max-rows-per-request", type=_positive(int), default=DEFAULT_MAX_ROWS,
+                        help="rows of one batched /generate; 400 beyond")
     parser.add_argument("--group-init-timeout-s", type=_positive(float), default=60.0,
                         help="bound on /init_weights_update_group (rendezvous and group creation each)")
     parser.add_argument("--exit-with-parent", action="store_true",
@@ -109,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         "vocab_size": runner.vocab_size, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
         "context_length": runner.model_cfg.max_position_embeddings,
         "tp_size": 1,  # one weight-update rank (SGLang reports its --tp here)
-    })
+    }, max_rows=args.max_rows_per_request)
     runner.add_weight_routes(app, group_init_timeout_s=args.group_init_timeout_s)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), idle_timeout_s=args.idle_timeout_s,
-                          max_connections=args.max_connections, listen_backlog=max(args.max_connections, 128))
+                          header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
+                          listen_backlog=max(args.max_connections, 128))
     server = serve(app, args.host, args.port, key, limits)
     logging.info("mpo engine serving on http://%s:%d", args.host, args.port)
     stop = threading.Event()

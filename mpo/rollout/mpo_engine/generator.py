@@ -21,6 +21,8 @@ import torch
 
 from mpo.rollout.protocol import SamplingParams, check_token_ids
 
+GONE_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
 # Per finished request: (prompt+completion ids) -> (logprobs of every token [n], routed experts [n-1, L, K] or None)
 Scorer = Callable[[list[list[int]], bool], list[tuple[list[float], Any]]]
 
@@ -90,9 +92,11 @@ class MpoGenerator:
 
     def submit_many(self, rows: list[list[int]], sampling: list[SamplingParams], *, routed_experts: bool = False,
                     rids: list[str] | None = None, timeout_s: float | None = None,
-                    logprob_start_len: int = -1) -> list[dict[str, Any]]:
+                    logprob_start_len: int = -1, gone: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
         """Queue rows together, in order (one batched /generate): the schedule, and so the numerics, is then the
-        same on every run. Rows are checked before any is queued (ValueError), so a bad one never joins a batch."""
+        same on every run. Rows are checked before any is queued (ValueError), so a bad one never joins a batch.
+        `gone`: polled while waiting; once it says the caller went away, the rows still queued or running are
+        aborted (no one would read them) and their answers are returned as they stand."""
         requests = []
         for i, (input_ids, params) in enumerate(zip(rows, sampling, strict=True)):
             check_token_ids(input_ids, where=f"input_ids[{i}]" if len(rows) > 1 else "input_ids",
@@ -107,10 +111,29 @@ class MpoGenerator:
             self._cv.notify_all()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for request in requests:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not request.done.wait(left):
-                raise TimeoutError(f"request {request.rid} did not finish in {timeout_s} s")
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if gone is not None:
+                    left = GONE_POLL_S if left is None else min(GONE_POLL_S, left)
+                if request.done.wait(left):
+                    break
+                if gone is not None and gone():
+                    self._cancel(requests, "the client went away")
+                    return [r.response for r in requests]
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"request {request.rid} did not finish in {timeout_s} s")
         return [request.response for request in requests]
+
+    def _cancel(self, requests: list[_Active], why: str) -> None:
+        """Abort these requests wherever they are (queued, running or done)."""
+        mine = {id(r) for r in requests}
+        with self._cv:
+            self._pending = [r for r in self._pending if id(r) not in mine]
+            self._active = [r for r in self._active if id(r) not in mine]
+        for request in requests:
+            if request.finish_reason is None:
+                request.finish_reason = {"type": "abort", "message": why}
+            self._finish(request, score=False)
 
     def abort_all(self) -> int:
         with self._cv:

@@ -3,15 +3,17 @@
 Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 2): errors are HTTP 400 with
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
 
-One request harms no one else (ServerLimits): the API key and the declared body size are checked from the headers
-before the body is read (401, 413), idle connections time out, connection threads are bounded (503 beyond), every
-/generate field is validated before anything is queued (400 naming the field), and the generator isolates a failure
-to the request it belongs to.
+One request harms no one else (ServerLimits): a connection gets a slot (a thread; 503 beyond) only once its request
+headers arrived whole within a total deadline (mpo_engine.admission: trickling clients hold no slot), the API key and
+the declared body size are checked from the headers before the body is read (401, 413), idle connections time out,
+every /generate field and its row count are validated before anything is queued (400 naming the field), a request
+whose client went away is aborted, and the generator isolates a failure to the request it belongs to.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
 import json
 import logging
 import socket
@@ -23,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from mpo.parallel.ports import is_loopback
+from mpo.rollout.mpo_engine.admission import HeaderGate, RequestReader
 from mpo.rollout.mpo_engine.generator import MpoGenerator
 from mpo.rollout.protocol import SamplingParams, parse_generate_request
 
@@ -32,6 +35,15 @@ Route = Callable[[dict[str, Any]], Any]
 
 
 MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's GPU memory tags (ReleaseMemoryOccupationReqInput.tags)
+DEFAULT_MAX_ROWS = 16384  # rows of one batched /generate (--max-rows-per-request)
+
+# The request a connection thread is serving: routes ask it whether their client is still there.
+_CALLER = threading.local()
+
+
+def caller_gone() -> Callable[[], bool] | None:
+    """A check `() -> True once the client of the request this thread serves has gone`, or None outside a request."""
+    return getattr(_CALLER, "gone", None)
 
 
 class RequestError(Exception):
@@ -53,9 +65,10 @@ class EngineUnhealthy(Exception):
 class EngineApp:
     """The route table; weight-update routes are added by the owner of the model (see mpo_engine.main)."""
 
-    def __init__(self, generator: MpoGenerator, *, info: dict[str, Any]) -> None:
+    def __init__(self, generator: MpoGenerator, *, info: dict[str, Any], max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.generator = generator
         self.info = info
+        self.max_rows = max_rows  # rows of one /generate: a huge batch is refused before it is parsed or queued
         self.in_weight_update = False
         self.end_hooks: list[Callable[[], None]] = []  # run at /end_weight_update (staged updates take effect)
         self.routes: dict[tuple[str, str], Route] = {}
@@ -103,7 +116,7 @@ class EngineApp:
         tags = body.get("tags")
         if tags is None:
             return set(MEMORY_TAGS)
-        if not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS):
+        if not isinstance(tags, list) or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
             raise RequestError(f"tags={tags!r}: expected null or a list of {', '.join(map(repr, MEMORY_TAGS))}")
         return set(tags)
 
@@ -128,6 +141,10 @@ class EngineApp:
 
     def _generate(self, body: dict[str, Any]) -> Any:
         self.require_memory("generate", MEMORY_TAGS)
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids and isinstance(ids[0], list) and len(ids) > self.max_rows:
+            raise RequestError(f"input_ids has {len(ids)} rows; this engine takes at most {self.max_rows} per request "
+                               f"(--max-rows-per-request): send them in several requests")
         # Everything is checked before anything is queued: a bad request is refused alone and never joins a batch.
         try:
             request = parse_generate_request(body, vocab_size=self.generator.vocab_size,
@@ -139,7 +156,8 @@ class EngineApp:
         want_routes = request.return_routed_experts and bool(self.info.get("enable_return_routed_experts"))
         try:
             results = self.generator.submit_many(request.rows, request.sampling, routed_experts=want_routes,
-                                                 rids=request.rids, logprob_start_len=logprob_start_len)
+                                                 rids=request.rids, logprob_start_len=logprob_start_len,
+                                                 gone=caller_gone())  # no one to answer: its rows are aborted
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         return results if request.batch else results[0]
@@ -178,10 +196,16 @@ class ServerLimits:
         max_body_bytes: largest request body. A larger declared Content-Length is answered 413 before any of the
             body is read. The default fits a weight bucket of rollout.bucket_mb=64 after base64 (x4/3) with room
             to spare; raise it (--max-body-mb) together with a larger bucket_mb.
-        idle_timeout_s: a connection that sends nothing for this long is closed (the socket timeout; also bounds a
-            stalled body upload between two reads).
-        max_connections: connections served at once, one thread each. One more is answered 503 and closed, so
-            idle or slow clients cannot make the engine grow threads without bound.
+        idle_timeout_s: a kept-alive connection that sends nothing for this long between requests is closed (also
+            bounds a stalled body upload between two reads).
+        header_timeout_s: a request's line and headers must arrive whole within this long of the connection (of the
+            request's first byte, on a kept-alive connection), however they trickle in; the connection is closed
+            otherwise (408). Until then a new connection holds no slot (mpo_engine.admission).
+        max_connections: connections served at once, one thread each, taken once a request's headers are complete.
+            One more is answered 503 and closed, so clients cannot make the engine grow threads without bound.
+        max_pending_connections: new connections waiting for their headers (no thread each); beyond it the oldest
+            is closed, so connections that never finish their headers cannot keep a prompt client out.
+        max_header_bytes: request line and headers larger than this are answered 431 and closed.
         listen_backlog: connections the kernel queues before they are accepted. It must cover a rollout pool's burst
             of new connections arriving while the accept loop is held up (with a backlog of 5, 34 of 40 connections
             arriving during a short stall were dropped).
@@ -189,11 +213,15 @@ class ServerLimits:
 
     max_body_bytes: int = 256 << 20
     idle_timeout_s: float = 60.0
+    header_timeout_s: float = 10.0
     max_connections: int = 128
+    max_pending_connections: int = 256
+    max_header_bytes: int = 64 << 10
     listen_backlog: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "idle_timeout_s", "max_connections", "listen_backlog"):
+        for name in ("max_body_bytes", "idle_timeout_s", "header_timeout_s", "max_connections",
+                     "max_pending_connections", "max_header_bytes", "listen_backlog"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server limits: {name}={getattr(self, name)} must be > 0")
 
@@ -215,8 +243,10 @@ def authorized(headers: Message, api_key: str | None) -> bool:
 
 # A refused request's body is drained (not parsed) up to this size before the connection closes: closing a socket
 # with unread input makes the kernel send a reset, which can destroy the answer before the client reads it. Larger
-# bodies are not read at all; the client then sees the answer or a reset, both of which say "not accepted".
+# bodies are not read at all; the client then sees the answer or a reset, both of which say "not accepted". The
+# drain has a total deadline: a refused client must not hold its slot by trickling the body.
 _DRAIN_LIMIT = 64 << 10
+_DRAIN_S = 1.0
 
 
 def _logprob_start_len(body: dict[str, Any]) -> int:
@@ -253,6 +283,33 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
         disable_nagle_algorithm = True
         timeout = limits.idle_timeout_s  # socket timeout: an idle connection is closed, its thread freed
 
+        def setup(self) -> None:
+            super().setup()
+            # The request's first bytes were read by the admission gate: the handler reads them, then the socket,
+            # through a reader that puts a total deadline on every request's headers.
+            self.rfile.close()
+            self.reader = RequestReader(self.connection, self.server.take_prefix(self.connection),
+                                        idle_timeout_s=limits.idle_timeout_s, header_timeout_s=limits.header_timeout_s)
+            self.rfile = io.BufferedReader(self.reader, 1 << 16)
+
+        def handle_one_request(self) -> None:
+            self.reader.begin_headers()
+            super().handle_one_request()
+
+        def parse_request(self) -> bool:
+            ok = super().parse_request()
+            self.reader.end_headers()
+            return ok
+
+        def _client_gone(self) -> bool:
+            """The client closed or reset its connection (a pending request then has no one to answer)."""
+            try:
+                return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False  # nothing to read: still there
+            except OSError:
+                return True
+
         def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
             log.debug("%s - " + fmt, self.address_string(), *args)
 
@@ -271,6 +328,7 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
             self._reply(exc.status, {"success": False, "message": str(exc)}, close=True)
             text = (self.headers.get("Content-Length") or "").strip()
             if drain and text.isascii() and text.isdigit() and int(text) <= _DRAIN_LIMIT:
+                self.reader.limit(_DRAIN_S)
                 try:
                     self.rfile.read(int(text))
                 except OSError:
@@ -320,16 +378,23 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
             if not isinstance(body, dict):
                 return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": "the request body must be a "
                                                             f"JSON object, got {type(body).__name__}"})
+            _CALLER.gone = self._client_gone
             try:
-                return self._reply(HTTPStatus.OK, route(body))
+                status, payload = HTTPStatus.OK, route(body)
             except RequestError as exc:
-                return self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)})
+                status, payload = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
             except EngineUnhealthy as exc:
-                return self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)})
+                status, payload = HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)}
             except Exception as exc:  # noqa: BLE001 - report, keep serving
                 log.exception("mpo engine: %s %s failed", method, path)
-                return self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False,
-                                                                      "message": f"{type(exc).__name__}: {exc}"})
+                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False,
+                                                                     "message": f"{type(exc).__name__}: {exc}"}
+            finally:
+                _CALLER.gone = None
+            try:
+                self._reply(status, payload)
+            except OSError:  # the client went away before its answer
+                self.close_connection = True
 
         def do_GET(self) -> None:
             self._dispatch("GET")
@@ -343,7 +408,8 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
 
 
 class EngineHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with a bounded number of connection threads and a listen backlog sized by ServerLimits."""
+    """ThreadingHTTPServer with a bounded number of connection threads, taken only by connections whose request
+    headers arrived whole in time (mpo_engine.admission), and a listen backlog sized by ServerLimits."""
 
     daemon_threads = True
 
@@ -351,15 +417,31 @@ class EngineHTTPServer(ThreadingHTTPServer):
         self.request_queue_size = limits.listen_backlog  # read by server_activate (listen) inside __init__
         self.limits = limits
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._prefixes: dict[socket.socket, bytes] = {}  # what the gate read from a connection handed over
         super().__init__(address, handler)
+        self._gate = HeaderGate(self._admit, header_timeout_s=limits.header_timeout_s,
+                                max_pending=limits.max_pending_connections, max_header_bytes=limits.max_header_bytes)
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
+        self._gate.add(request, client_address)  # its headers are awaited without a thread
+
+    def take_prefix(self, request: socket.socket) -> bytes:
+        return self._prefixes.pop(request, b"")
+
+    def server_close(self) -> None:
+        self._gate.close()
+        super().server_close()
+
+    def _admit(self, request: socket.socket, client_address: Any, prefix: bytes) -> None:
+        """Called by the gate for a connection whose request headers are complete: a slot and a thread, or 503."""
         if not self._slots.acquire(blocking=False):
             self._answer_busy(request)
             return
+        self._prefixes[request] = prefix
         try:
             super().process_request(request, client_address)  # starts the connection's thread
         except BaseException:
+            self._prefixes.pop(request, None)
             self._slots.release()
             raise
 

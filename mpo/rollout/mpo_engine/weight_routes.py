@@ -25,8 +25,19 @@ import torch.distributed as dist
 
 from mpo.rollout.mpo_engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
+from mpo.rollout.shared_memory import WEIGHT_DTYPES
 from mpo.rollout.sglang_wire import dtype_from_name, join_weight_update_group
 from mpo.rollout.weight_sync import MPO_FORMAT, SHM_FORMAT, decode_mpo_bucket
+
+_WEIGHT_DTYPES = {getattr(torch, name) for name in WEIGHT_DTYPES}
+
+
+def _check_dtype(name: str, dtype: torch.dtype) -> None:
+    """Weights arrive in a float dtype mpo trains or serves in; any other (int32, float64, ...) is a wrong request,
+    never converted silently into the parameters."""
+    if dtype not in _WEIGHT_DTYPES:
+        raise RequestError(f"weight update: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, not a "
+                           f"weight dtype ({', '.join(WEIGHT_DTYPES)})")
 
 
 class WeightRoutes:
@@ -62,6 +73,7 @@ class WeightRoutes:
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
+            _check_dtype(name, tensor.dtype)
             if name not in self._expected:
                 raise RequestError(f"weight update: unknown tensor {name!r} for this model")
             if tuple(tensor.shape) != self._expected[name]:
@@ -98,7 +110,7 @@ class WeightRoutes:
         received: dict[str, torch.Tensor] = {}
         for i, locator in enumerate(locators):
             name = locator.get("name")
-            if name not in self._expected:
+            if not isinstance(name, str) or name not in self._expected:
                 raise RequestError(f"weight update: unknown tensor {name!r} for this model")
             try:
                 view = read_view(locator, expected_shape=self._expected[name], cache=self._mapped)
@@ -168,7 +180,8 @@ class WeightRoutes:
                                    f"integers >= 0")
             try:
                 specs.append((name, dtype_from_name(dtype), tuple(shape)))
-            except ValueError as exc:
+                _check_dtype(name, specs[-1][1])
+            except (ValueError, RequestError) as exc:
                 raise RequestError(f"update_weights_from_distributed: dtypes[{i}]: {exc}") from exc
         received: dict[str, torch.Tensor] = {}
         with self._group_lock:
