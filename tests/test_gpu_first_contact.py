@@ -174,3 +174,19 @@ def test_engine_scoring_runs_on_the_models_device(monkeypatch):
     assert seen == [torch.device("meta")], f"the scored batch arrived on {seen}, the model is on meta"
     assert scored[0][0] == [-1.0] * 4 and scored[1][0] == [-1.0] * 2
     assert scored[0][1].shape == (3, 2, 2) and scored[1][1].shape == (1, 2, 2)
+
+
+def test_cuda_ipc_payload_builds_and_loads_back():
+    """Failed on the first GPU run (torch 2.11: `torch.multiprocessing.reductions` no longer re-exports
+    ForkingPickler). On CPU the same pickler reduces the flat tensor to a shared-memory handle instead of a CUDA IPC
+    handle; loading it back in this process checks the payload's framing, not the IPC (that is the GPU tier's
+    `cuda_ipc` step)."""
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    from mpo.rollout.weight_sync import cuda_ipc_payload
+
+    named = [("a.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b.bias", torch.ones(4))]
+    flat = ForkingPickler.loads(base64.b64decode(cuda_ipc_payload(named)))
+    assert [m.name for m in flat["metadata"]] == ["a.weight", "b.bias"]
+    assert flat["flattened_tensor"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0]
