@@ -307,6 +307,9 @@ class LoggingSection:
         wandb: also log every metrics row to Weights & Biases (rank 0; needs `pip install 'mpo[wandb]'`). The run's
             files go under out_dir/wandb; WANDB_MODE=offline (or WANDB_MODE=disabled) works without a network.
         wandb_project / wandb_run_name: the W&B project and run name (None: W&B's generated name).
+        phase_times: log each step's wall time per phase as `time/<phase>_s` (prompt draw, request build, engine,
+            HTTP, scoring, broadcast, micro-batch build, old-logprob pass, each update, sync, metrics, checkpoint;
+            mpo.trainer.phases). Off by default; `python -m mpo.bench step_profile` turns it on.
     """
 
     out_dir: str = "runs/mpo"
@@ -317,6 +320,7 @@ class LoggingSection:
     wandb: bool = False
     wandb_project: str = "mpo"
     wandb_run_name: str | None = None
+    phase_times: bool = False
 
 
 @dataclass(frozen=True)

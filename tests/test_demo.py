@@ -217,10 +217,19 @@ def test_hardening_dp2_demo_runs_and_resumes_an_ep2_checkpoint(tmp_path):
     out = tmp_path / "run"
     settings = ("schedule.sft_steps=3", "logging.checkpoint_every=2", "logging.tensorboard=false", "eval.every=0")
     assert _run(_demo_command(out, 2, *settings), tmp_path / "ep2.log").returncode == 0
-    result = _run(_demo_command(out, 4, *settings, "parallel.expert_parallel=1"), tmp_path / "dp2.log")
+    result = _run(_demo_command(out, 4, *settings, "parallel.expert_parallel=1", "logging.phase_times=true"),
+                  tmp_path / "dp2.log")
     log = (tmp_path / "dp2.log").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "resumed from" in log and "(step 2)" in log
     rows = _rl_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["sync_bytes"] > 0 for r in rows[2:])
+    # logging.phase_times (the DP2 leg only): each step's phases are disjoint spans inside its wall time
+    assert not any(k.startswith("time/") for r in rows[:2] for k in r)
+    top = ("eval", "collect", "broadcast", "microbatch_build", "old_logprob_pass", "update0", "update1",
+           "metrics_gather", "sync", "metrics_write", "checkpoint")
+    for r in rows[2:]:
+        assert all(r[f"time/{name}_s"] > 0 for name in ("collect", "engine", "old_logprob_pass", "update0", "sync"))
+        assert r["time/engine_s"] + r["time/http_and_decode_s"] <= r["time/collect_s"] + 1e-6
+        assert sum(r.get(f"time/{name}_s", 0.0) for name in top) <= r["schedule/step_s"] + 1e-6, r

@@ -322,25 +322,30 @@ def run(config: TrainConfig) -> None:
         if trainer.rank == 0 and config.eval.every:
             evaluator = Evaluator(config)
         for step in range(start, config.schedule.steps):
-            held_out = _evaluate(evaluator, step, engines, metrics_log)  # the policy the engines hold: version `step`
+            with trainer.clock("eval"):
+                held_out = _evaluate(evaluator, step, engines, metrics_log)  # the policy the engines hold: `step`
             metrics = trainer.train_step(step)
             metrics.update(held_out)
             if schedule is not None:
                 schedule.before_sync()
             try:
-                metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
+                with trainer.clock("sync"):
+                    metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
             finally:
                 if schedule is not None:
                     schedule.after_sync(step + 1)
             if schedule is not None:
                 metrics.update(schedule.step_metrics())
+            metrics.update(trainer.clock.take())  # rank 0's phases (time/<phase>_s with logging.phase_times)
             if metrics_log is not None:
-                metrics_log.log(step, metrics)
-                metrics_log.log_samples(trainer.samples_log)
+                with trainer.clock("metrics_write"):
+                    metrics_log.log(step, metrics)
+                    metrics_log.log_samples(trainer.samples_log)
             trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
-                trainer.save(step + 1)
+                with trainer.clock("checkpoint"):
+                    trainer.save(step + 1)
         # The final policy: its own row, step = schedule.steps, eval metrics only (again on a rerun of a finished run,
         # whose resume dropped it with every row past the checkpoint).
         final = _evaluate(evaluator, config.schedule.steps, engines, metrics_log)

@@ -77,7 +77,10 @@ class Trainer:
         from mpo.routing import attach_routing_hooks
         from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings
 
+        from mpo.trainer.phases import PhaseClock
+
         self.config = config
+        self.clock = PhaseClock(enabled=config.logging.phase_times)  # time/<phase>_s per step (bench step_profile)
         self.model_cfg = model_config(config)
         self.ctx = initialize_parallel(config.parallel, num_layers=self.model_cfg.num_layers,
                                        num_experts=self.model_cfg.num_experts,
@@ -242,18 +245,20 @@ class Trainer:
 
         cfg = self.config
         G = cfg.rollout.samples_per_prompt
-        prompts = self.task.draw(step, count, self.retirement, round_=round_)
+        with self.clock("prompt_draw"):
+            prompts = self.task.draw(step, count, self.retirement, round_=round_)
         want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
         budget = cfg.rollout.max_new_tokens
         if self.task.max_answer_tokens is not None:
             budget = min(budget, self.task.max_answer_tokens)
         requests = []
-        for p_index, prompt in enumerate(prompts):
-            for g in range(G):
-                sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                          max_new_tokens=budget, stop_token_ids=self.task.stop_token_ids,
-                                          sampling_seed=_sampling_seed(cfg.seed, step, p_index * G + g, round_))
-                requests.append(GenerateRequest(list(prompt.ids), sampling, return_routed_experts=want_routes))
+        with self.clock("request_build"):
+            for p_index, prompt in enumerate(prompts):
+                for g in range(G):
+                    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                              max_new_tokens=budget, stop_token_ids=self.task.stop_token_ids,
+                                              sampling_seed=_sampling_seed(cfg.seed, step, p_index * G + g, round_))
+                    requests.append(GenerateRequest(list(prompt.ids), sampling, return_routed_experts=want_routes))
         started = time.perf_counter()
         # One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
         # function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit.
@@ -263,7 +268,13 @@ class Trainer:
                                       requests_per_call=per_engine))
         results = pool.generate(requests)
         rollout_s = time.perf_counter() - started
-        scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
+        # The engine's own time: from its receipt of the batch to the last response (e2e_latency, its clock); the rest
+        # of the rollout is the client's (HTTP, JSON, decoding the arrays).
+        engine_s = max((r.meta.get("e2e_latency") or 0.0 for r in results), default=0.0)
+        self.clock.add("engine", engine_s)
+        self.clock.add("http_and_decode", max(rollout_s - engine_s, 0.0))
+        with self.clock("scoring"):
+            scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
         penalties = self._overlong_penalties(results)
         rewards = [r + p for r, p in zip(scored.rewards, penalties)]
         if self.retirement is not None:
@@ -455,7 +466,8 @@ class Trainer:
             self._router_shifts(microbatches, old_records, replay)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with self.routing.session(replay=replay, gather_at=old_records, backward=True) as current:
+        with self.clock("forward_backward"), \
+                self.routing.session(replay=replay, gather_at=old_records, backward=True) as current:
             outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size,
                                     loss_fn=self._loss_fn(denominators, counts, positive_tokens))
         metrics: dict[str, float] = {}
@@ -473,7 +485,8 @@ class Trainer:
                                          prefix="routing/old_vs_update", **layers))
         metrics.update(replay_forced_metrics(current.records, valid, prefix="routing/update_replay", **layers))
         if self._grads_finite(loss_ok):
-            success, grad_norm, _ = self.optimizer.step()
+            with self.clock("optimizer"):
+                success, grad_norm, _ = self.optimizer.step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             metrics["nonfinite_skipped"] = 0.0
             self.nonfinite_in_row = 0
@@ -494,10 +507,12 @@ class Trainer:
         if offload is not None:
             offload.offload()
         try:
-            samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
+            with self.clock("collect"):
+                samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
             # Every other rank waits here while rank 0 generates: on the gloo object group
             # (parallel.distributed_timeout_s), which holds none of the offloaded storages
-            samples = _broadcast_object(samples, group=self.ctx.object_group)
+            with self.clock("broadcast"):
+                samples = _broadcast_object(samples, group=self.ctx.object_group)
         finally:
             if offload is not None:
                 offload.reload()
@@ -516,12 +531,14 @@ class Trainer:
         updates = min(cfg.schedule.updates_per_step, len(samples))
         minis = [samples[u::updates] for u in range(updates)]
         seq_len = self.uniform_seq_len(samples)
-        per_update = [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size,
-                                        micro_batch_size=cfg.schedule.micro_batch_size, seq_len=seq_len,
-                                        device=self.device)
-                      for m in minis]
+        with self.clock("microbatch_build"):
+            per_update = [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size,
+                                            micro_batch_size=cfg.schedule.micro_batch_size, seq_len=seq_len,
+                                            device=self.device)
+                          for m in minis]
         flat = [mb for mbs in per_update for mb in mbs]
-        old_records, old_metrics = self._old_forward(flat)
+        with self.clock("old_logprob_pass"):
+            old_records, old_metrics = self._old_forward(flat)
         metrics.update(old_metrics)
         if self.critic is not None:
             metrics.update(self.critic.advantages(flat))
@@ -531,7 +548,8 @@ class Trainer:
         for mbs in per_update:
             records = old_records[offset : offset + len(mbs)]
             engine_routes = [mb.extras["engine_routes"] for mb in mbs] if cfg.algorithm.replay == "r3" else None
-            update = {} if critic_only else self._update(mbs, records, cfg.data.prompts_per_step, engine_routes)
+            with self.clock(f"update{len(update_metrics)}"):
+                update = {} if critic_only else self._update(mbs, records, cfg.data.prompts_per_step, engine_routes)
             if self.critic is not None:
                 update.update(self.critic.update(mbs))
             update_metrics.append(update)
@@ -546,8 +564,9 @@ class Trainer:
         metrics["train_time_s"] = time.perf_counter() - started
         metrics["train_tokens_per_s"] = tokens / max(metrics["train_time_s"], 1e-9)
         # Metrics live on the last pipeline stage; rank 0 reports them.
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, metrics if self.is_last_stage else None, group=self.ctx.object_group)
+        with self.clock("metrics_gather"):
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, metrics if self.is_last_stage else None, group=self.ctx.object_group)
         merged = next(m for m in gathered if m is not None)
         merged.update(rollout_metrics)
         return merged

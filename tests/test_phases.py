@@ -1,0 +1,29 @@
+"""PhaseClock (logging.phase_times): per-step sums of timed spans, nested spans counted each, reset by take()."""
+
+from __future__ import annotations
+
+import itertools
+
+from mpo.trainer import phases
+from mpo.trainer.phases import PhaseClock
+
+
+def test_phase_clock_sums_spans_per_step_and_resets(monkeypatch):
+    ticks = itertools.count()
+    monkeypatch.setattr(phases.time, "perf_counter", lambda: float(next(ticks)))
+    clock = PhaseClock(enabled=True)
+    with clock("collect"):  # 0 .. 3
+        with clock("engine"):  # 1 .. 2
+            pass
+    with clock("collect"):  # 4 .. 5
+        pass
+    clock.add("http", 0.25)
+    assert clock.take() == {"time/collect_s": 4.0, "time/engine_s": 1.0, "time/http_s": 0.25}
+    assert clock.take() == {}
+
+
+def test_disabled_clock_records_nothing():
+    clock = PhaseClock()
+    with clock("collect"):
+        clock.add("engine", 1.0)
+    assert clock.take() == {}
