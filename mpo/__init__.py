@@ -1,3 +1,7 @@
 """mpo: reinforcement learning for Mixture-of-Experts language models on megatron-core and SGLang."""
 
+from mpo import quiet as _quiet
+
+_quiet.install()  # before torch or megatron is imported by anything under mpo
+
 __version__ = "0.1.0"

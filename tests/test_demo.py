@@ -222,6 +222,11 @@ def test_hardening_dp2_demo_runs_and_resumes_an_ep2_checkpoint(tmp_path):
     log = (tmp_path / "dp2.log").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "resumed from" in log and "(step 2)" in log
+    # quiet start-up (mpo.quiet): megatron's and torch's notices a CPU user cannot act on are gone; one line says
+    # what runs instead
+    for noise in ("IS DEPRECATED", "async save is deprecated", "No CUDA runtime", "Apex"):
+        assert noise not in log, noise
+    assert log.count("model: megatron-core GPTModel, local layer spec") == 1
     rows = _rl_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["sync_bytes"] > 0 for r in rows[2:])

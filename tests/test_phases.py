@@ -27,3 +27,19 @@ def test_disabled_clock_records_nothing():
     with clock("collect"):
         clock.add("engine", 1.0)
     assert clock.take() == {}
+
+
+def test_quiet_drops_only_the_named_notices(caplog):
+    """mpo.quiet: megatron's GPTModel deprecation notice is dropped at its logger; any other message of that logger,
+    and the same text from another logger, still gets through."""
+    import logging
+
+    import mpo  # noqa: F401 - importing mpo installs the filters
+
+    caplog.set_level(logging.WARNING)
+    gpt_logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    gpt_logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")
+    gpt_logger.warning("a real problem")
+    logging.getLogger("elsewhere").warning("GPTModel IS DEPRECATED (quoted by someone else)")
+    assert [r.getMessage() for r in caplog.records] == ["a real problem",
+                                                         "GPTModel IS DEPRECATED (quoted by someone else)"]

@@ -96,7 +96,13 @@ class Trainer:
 
             gpt = unwrap(model)
             gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), config.model.mcore_dir))
-        self.model = wrap_ddp(model, **ddp_options(config.parallel, self.ctx.device))
+        options = ddp_options(config.parallel, self.ctx.device)
+        self.model = wrap_ddp(model, **options)
+        if self.rank == 0:  # the one start-up line on what runs (megatron's own notices are quieted: mpo.quiet)
+            log.info("model: megatron-core GPTModel, %s layer spec, %s%s on %s; optimizer: megatron Adam (%s)",
+                     self.ctx.device.layer_spec, config.model.dtype,
+                     " with an fp32 LM head" if config.model.fp32_lm_head else "", self.ctx.device.device,
+                     "distributed, sharded over data parallel" if options["distributed_optimizer"] else "plain")
         self.gpt = unwrap(model)
         self.optimizer = make_optimizer(self.model, clip_grad=config.schedule.clip_grad,
                                         bf16=config.model.dtype == "bf16",
