@@ -597,8 +597,9 @@ def validate(config: TrainConfig) -> None:
                           "room for engines on its own GPUs")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={_show(m.preset)}; valid values: {', '.join(PRESETS)}")
-    if r.samples_per_prompt < 2 and a.advantage not in ("drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"):
-        raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2")
+    if r.samples_per_prompt < 2 and _advantage_needs_groups(a.advantage):
+        raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: algorithm.advantage={a.advantage!r} "
+                          f"takes its baseline from the prompt's group, which needs >= 2")
     if a.dynamic_sampling and r.samples_per_prompt < 2:
         raise ConfigError(f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got "
                           f"{r.samples_per_prompt}): a group of one response never has reward variance")
@@ -762,6 +763,13 @@ def _check_mcore_dir(mcore_dir: str) -> None:
         read_dcp_metadata(metadata)
     except CheckpointFileError as exc:
         raise ConfigError(f"model.mcore_dir: {exc}") from None
+
+
+def _advantage_needs_groups(name: str) -> bool:
+    """Whether estimator `name` (already validated) takes its baseline from the prompt's group of responses."""
+    from mpo.algorithms.advantage_registry import get_advantage
+
+    return get_advantage(name).needs_groups
 
 
 def model_config(config: TrainConfig):

@@ -117,3 +117,30 @@ def test_router_topk_overlap():
     assert router_topk_overlap(old_idx, logits).tolist() == [[1.0, 1.0]]
     shifted = torch.tensor([[[3.0, 0.0, 2.5, 1.0], [3.0, 2.0, 1.0, 0.0]]])
     assert router_topk_overlap(old_idx, shifted).tolist() == [[0.5, 0.0]]
+
+
+def test_advantage_registry_is_the_one_source_of_estimators():
+    """Every estimator the config accepts is in the registry with what it needs; a registered estimator is usable by
+    name without touching config or trainer code (register_advantage, as register_loss)."""
+    import torch
+
+    from mpo.algorithms import ADVANTAGE_REGISTRY, compute_advantages, register_advantage
+    from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
+
+    assert {n for n, s in ADVANTAGE_REGISTRY.items() if s.needs_critic} == {"gae", "vapo"}
+    assert {n for n, s in ADVANTAGE_REGISTRY.items() if not s.needs_groups} == {
+        "drgrpo", "reinforce_pp", "reinforce_ema", "gae", "vapo"}
+
+    @register_advantage("test_centered", level="response", args=("eps",), needs_groups=True)
+    def centered(r, g, eps, verl):
+        return r - g.mean
+
+    try:
+        rewards, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+        assert compute_advantages(rewards, groups, estimator="test_centered").advantages.tolist() == [0.5, -0.5, 0, 0]
+        per_token, zero_variance = StepAdvantages(AdvantageConfig("test_centered"))(rewards, groups, [2, 1, 1, 1])
+        assert per_token == [[0.5, 0.5], [-0.5], [0.0], [0.0]] and zero_variance.tolist() == [False, False, True, True]
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage("test_centered", level="response")(centered)
+    finally:
+        del ADVANTAGE_REGISTRY["test_centered"]

@@ -11,7 +11,8 @@ Typical optimizer step::
     metrics = all_reduce_metrics(merge_metrics(per_mb_metrics), dp_group)
 """
 
-from .advantages import ADVANTAGE_ESTIMATORS, AdvantageOutput, compute_advantages
+from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec, get_advantage, register_advantage
+from .advantages import AdvantageOutput, compute_advantages
 from .aggregation import AGG_MODES, GlobalDenominators, compute_global_denominators, token_weights
 from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import (
@@ -47,7 +48,6 @@ from .router_shift import (
     router_topk_overlap,
 )
 from .token_advantages import (
-    TOKEN_ADVANTAGE_ESTIMATORS,
     EMABaseline,
     TokenAdvantages,
     compute_token_advantages,
@@ -64,13 +64,13 @@ def loss_names() -> list[str]:
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "AdvantageOutput", "CISPOConfig", "CORRECTION_DEFAULTS", "Correction",
-    "CorrectionConfig", "DPPOConfig", "EMABaseline", "TOKEN_ADVANTAGE_ESTIMATORS", "TokenAdvantages",
+    "ADVANTAGE_REGISTRY", "AGG_MODES", "AdvantageOutput", "AdvantageSpec", "CISPOConfig", "CORRECTION_DEFAULTS", "Correction",
+    "CorrectionConfig", "DPPOConfig", "EMABaseline", "TokenAdvantages",
     "apply_rollout_correction", "compute_token_advantages", "correction_counts", "masked_whiten", "positive_nll", "value_loss", "GMPOConfig", "GSPOConfig",
     "GSPORouterShiftConfig", "GlobalDenominators", "KL_ESTIMATORS", "LOSS_REGISTRY", "LossConfig", "LossContext",
     "LossOutput", "LossSpec", "PPOClipConfig", "PPOClipRouterShiftConfig", "PolicyBatch", "RSPOConfig",
     "RouterShift", "SAPOConfig", "all_reduce_metrics", "compute_advantages", "compute_global_denominators",
-    "compute_policy_loss", "gamma_from_router_logits", "gamma_from_sums", "get_loss", "kl_penalty", "kl_per_token",
-    "loss_names", "make_loss_config", "merge_metrics", "register_loss", "router_logp_at_old_topk",
+    "compute_policy_loss", "gamma_from_router_logits", "gamma_from_sums", "get_advantage", "get_loss", "kl_penalty", "kl_per_token",
+    "loss_names", "make_loss_config", "merge_metrics", "register_advantage", "register_loss", "router_logp_at_old_topk",
     "router_shift_gamma", "router_shift_sum", "router_topk_overlap", "token_weights",
 ]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .advantage_registry import get_advantage, register_advantage
+
 SINGLETON_MODES: tuple[str, ...] = ("zero", "verl")
 
 
@@ -48,38 +50,35 @@ def group_stats(rewards: Tensor, group_ids: Tensor) -> GroupStats:
     return GroupStats(size=size, mean=mean[inverse], std=var.sqrt()[inverse], singleton=size < 2)
 
 
+@register_advantage("grpo", level="response", args=("eps",), needs_groups=True)
 def _grpo(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     mean = torch.where(g.singleton & verl, 0.0, g.mean)
     std = torch.where(g.singleton & verl, 1.0, g.std)
     return (r - mean) / (std + eps)
 
 
+@register_advantage("drgrpo", level="response", args=("eps",))
 def _drgrpo(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     return r - torch.where(g.singleton & verl, 0.0, g.mean)
 
 
+@register_advantage("rloo", level="response", args=("eps",), needs_groups=True)
 def _rloo(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     # r_i - mean of the others = G/(G-1) (r_i - mean_g); a singleton has no "others" (0 in both conventions).
     return torch.where(g.singleton, 0.0, g.size / (g.size - 1).clamp(min=1) * (r - g.mean))
 
 
+@register_advantage("batchstd", level="response", args=("eps",), needs_groups=True)
 def _batchstd(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     batch_std = r.std(unbiased=True) if r.numel() > 1 else r.new_zeros(())
     return (r - torch.where(g.singleton & verl, 0.0, g.mean)) / (batch_std + eps)
 
 
+@register_advantage("maxrl", level="response", args=("eps",), needs_groups=True)
 def _maxrl(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     # MaxRL (algorithms_v2.md section 1): (r - mu_g) / (mu_g + eps) where the group has any success, else 0.
     return torch.where(g.mean > 0, (r - g.mean) / (g.mean + eps), 0.0)
 
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, GroupStats, float, bool], Tensor]] = {
-    "grpo": _grpo,
-    "drgrpo": _drgrpo,
-    "rloo": _rloo,
-    "batchstd": _batchstd,
-    "maxrl": _maxrl,
-}
 
 
 def compute_advantages(
@@ -99,8 +98,7 @@ def compute_advantages(
         eps: added to the std (verl 1e-6, TRL 1e-4); ignored by ``drgrpo`` and ``rloo``.
         singleton: ``zero`` (default) or ``verl``, see the module docstring.
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    fn = get_advantage(estimator, level="response").fn
     if singleton not in SINGLETON_MODES:
         raise ValueError(f"singleton must be one of {', '.join(SINGLETON_MODES)}, got {singleton!r}")
     if eps < 0:
@@ -108,7 +106,7 @@ def compute_advantages(
     r = rewards.to(torch.float64)
     g = group_stats(r, group_ids)
     verl = torch.tensor(singleton == "verl", device=r.device)
-    adv = ADVANTAGE_ESTIMATORS[estimator](r, g, eps, verl)
+    adv = fn(r, g, eps, verl)
     if singleton == "zero":
         adv = torch.where(g.singleton, 0.0, adv)
     return AdvantageOutput(advantages=adv, zero_variance=g.std == 0)

@@ -10,18 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantages import ADVANTAGE_ESTIMATORS, compute_advantages, group_stats
-from .token_advantages import CRITIC_ESTIMATORS, EMABaseline, compute_token_advantages
-
-# estimator -> the parameters it takes from algorithm.advantage_args
-ESTIMATOR_ARGS: dict[str, tuple[str, ...]] = {
-    **{name: ("eps",) for name in ADVANTAGE_ESTIMATORS},
-    "reinforce_pp": ("gamma",),
-    "reinforce_pp_baseline": (),
-    "reinforce_ema": ("beta",),
-    "gae": ("gamma", "lam"),
-    "vapo": ("gamma", "alpha", "lam_value"),
-}
+from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec
+from .advantages import compute_advantages, group_stats
+from .token_advantages import EMABaseline, compute_token_advantages
 
 
 @dataclass(frozen=True)
@@ -32,12 +23,12 @@ class AdvantageConfig:
     args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in ESTIMATOR_ARGS:
-            raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(ESTIMATOR_ARGS)}")
-        unknown = sorted(set(self.args) - set(ESTIMATOR_ARGS[self.name]))
+        if self.name not in ADVANTAGE_REGISTRY:
+            raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(ADVANTAGE_REGISTRY)}")
+        unknown = sorted(set(self.args) - set(self.spec.args))
         if unknown:
             raise ValueError(f"advantage_args {unknown} are not parameters of {self.name!r}; valid: "
-                             f"{list(ESTIMATOR_ARGS[self.name])}")
+                             f"{list(self.spec.args)}")
         for key, value in self.args.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"advantage_args.{key}={value!r} must be a number")
@@ -54,9 +45,13 @@ class AdvantageConfig:
             EMABaseline(self.args["beta"])  # validates the range
 
     @property
+    def spec(self) -> AdvantageSpec:
+        return ADVANTAGE_REGISTRY[self.name]
+
+    @property
     def needs_critic(self) -> bool:
         """GAE / VAPO: advantages come from the critic's values, after the old forward (mpo.trainer.critic)."""
-        return self.name in CRITIC_ESTIMATORS
+        return self.spec.needs_critic
 
 
 class StepAdvantages:
@@ -64,7 +59,7 @@ class StepAdvantages:
 
     def __init__(self, config: AdvantageConfig) -> None:
         self.config = config
-        self.ema = EMABaseline(**config.args) if config.name == "reinforce_ema" else None
+        self.ema = config.spec.fn(**config.args) if config.spec.level == "running" else None
 
     def __call__(self, rewards: Tensor, group_ids: Tensor, lengths: list[int]) -> tuple[list[list[float]], Tensor]:
         """Per response, the advantage of each completion token, and ``zero_variance [N]`` (its group's rewards
@@ -74,7 +69,7 @@ class StepAdvantages:
         zero_variance = group_stats(rewards, group_ids).std == 0
         if self.config.needs_critic:  # filled in per rank once the critic has scored the rows
             return [[0.0] * n for n in lengths], zero_variance
-        if name in ADVANTAGE_ESTIMATORS:
+        if self.config.spec.level == "response":
             scalar = compute_advantages(rewards, group_ids, estimator=name, **args).advantages
         elif self.ema is not None:
             scalar, _ = self.ema(rewards)

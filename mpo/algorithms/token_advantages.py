@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mpo.parallel.collectives import all_reduce_
 
+from .advantage_registry import get_advantage, register_advantage
 from .advantages import group_stats
 
 WHITEN_EPS = 1e-8
@@ -90,6 +91,7 @@ def _gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam:
     return adv
 
 
+@register_advantage("reinforce_pp", level="token", args=("gamma",))
 def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, kl: Tensor | None = None,
                  kl_coef: float = 0.0, process_group: dist.ProcessGroup | None = None, **_: Any) -> TokenAdvantages:
     """REINFORCE++: outcome reward at the last token minus ``kl_coef * kl_t`` on every token, discounted returns,
@@ -103,6 +105,7 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, kl: Tenso
     return TokenAdvantages(masked_whiten(returns, mask, process_group), returns=returns)
 
 
+@register_advantage("reinforce_pp_baseline", level="token", needs_groups=True)
 def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_ids: Tensor,
                           process_group: dist.ProcessGroup | None = None, **_: Any) -> TokenAdvantages:
     """``r_i - mean_group`` (a singleton group's mean is 0), broadcast to the row's tokens, whitened globally."""
@@ -112,6 +115,7 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_ids: Tensor,
     return TokenAdvantages(masked_whiten(per_token, mask, process_group))
 
 
+@register_advantage("gae", level="token", args=("gamma", "lam"), needs_critic=True)
 def gae(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float = 1.0, lam: float = 0.95,
         process_group: dist.ProcessGroup | None = None, **_: Any) -> TokenAdvantages:
     """PPO's GAE: ``returns = A_raw + V`` are the critic's targets; the policy gets whitened ``A_raw``."""
@@ -120,6 +124,7 @@ def gae(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float = 1.0, la
     return TokenAdvantages(masked_whiten(raw, mask, process_group), returns=returns)
 
 
+@register_advantage("vapo", level="token", args=("gamma", "alpha", "lam_value"), needs_critic=True)
 def vapo(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float = 1.0, alpha: float = 0.05,
          lam_value: float = 1.0, process_group: dist.ProcessGroup | None = None, **_: Any) -> TokenAdvantages:
     """VAPO's decoupled, length-adaptive GAE: the policy uses ``lam_i = clip(1 - 1/(alpha |y_i|), 0, 1)``, the value
@@ -133,28 +138,16 @@ def vapo(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float = 1.0, a
     return TokenAdvantages(masked_whiten(raw, mask, process_group), returns=returns, lambda_policy=lam_policy)
 
 
-TOKEN_ADVANTAGE_ESTIMATORS: dict[str, Callable[..., TokenAdvantages]] = {
-    "reinforce_pp": reinforce_pp,
-    "reinforce_pp_baseline": reinforce_pp_baseline,
-    "gae": gae,
-    "vapo": vapo,
-}
-# Estimators that need the critic's values.
-CRITIC_ESTIMATORS: tuple[str, ...] = ("gae", "vapo")
-
 
 def compute_token_advantages(estimator: str, rewards: Tensor, mask: Tensor, **kwargs: Any) -> TokenAdvantages:
-    """Dispatch to a token-level estimator by name (see ``TOKEN_ADVANTAGE_ESTIMATORS``)."""
-    try:
-        fn = TOKEN_ADVANTAGE_ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(f"unknown token advantage estimator {estimator!r}; valid: "
-                         f"{', '.join(TOKEN_ADVANTAGE_ESTIMATORS)}") from None
-    if estimator in CRITIC_ESTIMATORS and kwargs.get("values") is None:
+    """Dispatch to a token-level estimator by name (mpo.algorithms.advantage_registry)."""
+    spec = get_advantage(estimator, level="token")
+    if spec.needs_critic and kwargs.get("values") is None:
         raise ValueError(f"advantage estimator {estimator!r} needs the critic's values")
-    return fn(rewards, mask, **kwargs)
+    return spec.fn(rewards, mask, **kwargs)
 
 
+@register_advantage("reinforce_ema", level="running", args=("beta",))
 class EMABaseline:
     """REINFORCE with a running baseline: ``A_i = r_i - b``, then ``b <- beta b + (1 - beta) mean(r_batch)``.
 
