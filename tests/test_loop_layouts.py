@@ -29,9 +29,14 @@ FOUR_RANKS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_paralle
 # Sequence packing (mpo.trainer.packing) on long-tailed rows (prompts 3..40, responses 1..200 tokens): each layout
 # packed against DP2 padded (packing off), R3 packed against R3 padded. 256 tokens hold one to four sequences.
 PACK = ["schedule.max_tokens_per_microbatch=256", "schedule.micro_batch_size=4"]
+CRITIC = ["algorithm.advantage=gae", "algorithm.kl_coef=0.1", "algorithm.critic_warmup_steps=0"]
+RSPO = ["algorithm.loss=rspo", "algorithm.replay=r2"]
 PACKED_TWO = {"packed-dp2-off": [], "packed-dp2": PACK, "packed-tp2": [*TWO_RANKS["tp2"], *PACK],
               "packed-pp2": [*TWO_RANKS["pp2"], *PACK], "packed-ep2": [*TWO_RANKS["ep2"], *PACK],
-              "packed-r3-off": ["algorithm.replay=r3"], "packed-r3": ["algorithm.replay=r3", *PACK]}
+              "packed-r3-off": ["algorithm.replay=r3"], "packed-r3": ["algorithm.replay=r3", *PACK],
+              # the reference pass (KL), the critic's values and update (GAE); RSPO's router-shift gammas under R2
+              "packed-critic-off": CRITIC, "packed-critic": [*CRITIC, *PACK],
+              "packed-rspo-off": RSPO, "packed-rspo": [*RSPO, *PACK]}
 PACKED_FOUR = {"packed-tp2xep2": [*FOUR_RANKS["tp2xep2"], *PACK]}
 
 
@@ -80,12 +85,20 @@ def test_packed_reference_rows_are_long_tailed(layout_runs):
     assert len(lengths) == 8 and lengths[0] == 1 and lengths[-1] == 200
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "ep2", "tp2xep2", "r3"], ids=lambda k: f"packed-{k}")
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "ep2", "tp2xep2", "r3", "critic", "rspo"],
+                         ids=lambda k: f"packed-{k}")
 def test_packed_first_step_equals_padded(layout_runs, layout):
     """Packing on (256-token micro-batches, balanced DP shares) gives the padded step's loss, every response's old
-    log-probs and the gathered gradients; layouts against DP2 padded, R3 against R3 padded."""
-    reference = "packed-r3-off" if layout == "r3" else "packed-dp2-off"
-    _assert_same_step(layout_runs[reference], layout_runs[f"packed-{layout}"])
+    log-probs and the gathered gradients; layouts against DP2 padded, R3 / GAE+KL / RSPO against themselves padded
+    (with the critic's values and value loss, the KL term and the router shift in the metrics)."""
+    reference = f"packed-{layout}-off" if layout in ("r3", "critic", "rspo") else "packed-dp2-off"
+    ref, got = layout_runs[reference], layout_runs[f"packed-{layout}"]
+    _assert_same_step(ref, got)
+    keys = [k for k in ref["metrics"] if k.startswith(("critic/", "kl", "rspo", "router")) and "time" not in k]
+    if layout in ("critic", "rspo"):
+        assert keys, sorted(ref["metrics"])
+    for key in keys:
+        assert abs(got["metrics"][key] - ref["metrics"][key]) <= TOL * max(1.0, abs(ref["metrics"][key])), key
 
 
 def test_packed_sequences_do_not_attend_to_each_other(layout_runs):

@@ -131,7 +131,8 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, layouts: dict[str, list[str]]
         if dist.get_rank() == 0:
             old = {ids: lp for rank_rows in rows for ids, lp in rank_rows}
             torch.save({"loss": metrics["loss"], "old_logprobs": old, "grads": grads,
-                        "grad_norm": metrics["grad_norm"], "isolation": probe}, Path(out_dir) / f"{name}.pt")
+                        "grad_norm": metrics["grad_norm"], "isolation": probe,
+                        "metrics": {k: float(v) for k, v in metrics.items()}}, Path(out_dir) / f"{name}.pt")
         dist.barrier()
         del trainer
     dist.destroy_process_group()
