@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 
 import torch
 
 from mpo.models.forward import MicroBatch
 from mpo.models.packed import PackedLayout
 from mpo.trainer.rows import Sample, _pad_sample, sample_extras
+
+log = logging.getLogger(__name__)
 
 
 def karmarkar_karp(lengths: list[int], parts: int) -> list[list[int]]:
@@ -99,6 +102,10 @@ def pack_pass(minis: list[list[Sample]], *, dp_rank: int, dp_size: int, max_toke
         lengths = [len(s.ids) for s in mini]
         shares = karmarkar_karp(lengths, dp_size)
         plans.append([first_fit_bins({i: lengths[i] for i in share}, max_tokens, max_rows) for share in shares])
+    longest = max((len(s.ids) for mini in minis for s in mini), default=0)
+    if longest > max_tokens:
+        log.warning("a sample of %d tokens exceeds schedule.max_tokens_per_microbatch=%d: it runs alone%s", longest,
+                    max_tokens, " and sets the pass's one row length (PP)" if uniform else "")
     fullest = max((sum(len(minis[m][i].ids) for i in b) for m, plan in enumerate(plans) for bins in plan
                    for b in bins), default=2)
     out = []

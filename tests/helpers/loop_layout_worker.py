@@ -63,8 +63,9 @@ def long_samples(model_cfg, *, routes: bool = False, seed: int = 5) -> list:
 
 def isolation(trainer) -> dict[str, float] | None:
     """Packed attention stays inside each sequence: perturb the first of two packed sequences, the second's
-    log-probs do not move (and the first's do, so the probe is not vacuous). One micro-batch on this rank."""
-    from mpo.models.forward import run_microbatches
+    log-probs do not move (and the first's do, so the probe is not vacuous); the second equals itself run alone from
+    position 0. One micro-batch on this rank."""
+    from mpo.models.forward import MicroBatch, run_microbatches
     from mpo.trainer.packing import packed_microbatch
     from mpo.trainer.rows import Sample
 
@@ -78,10 +79,14 @@ def isolation(trainer) -> dict[str, float] | None:
         mb = packed_microbatch(rows, 2, 64, thd=trainer.ctx.device.layer_spec == "te").to(trainer.device)
         out = run_microbatches(trainer.model, [mb], vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
         outs.append(out[0]["logprobs"] if out else None)
+    # the second sequence alone, positions from 0 (RoPE over the packed row's continuous positions must agree)
+    alone = run_microbatches(trainer.model, [MicroBatch(torch.tensor([b])).to(trainer.device)],
+                             vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
     if outs[0] is None:
         return None
     return {"other_maxdiff": (outs[0][1] - outs[1][1]).abs().max().item(),
-            "perturbed_maxdiff": (outs[0][0] - outs[1][0]).abs().max().item()}
+            "perturbed_maxdiff": (outs[0][0] - outs[1][0]).abs().max().item(),
+            "alone_maxdiff": (outs[0][1, : len(b)] - alone[0]["logprobs"][0]).abs().max().item()}
 
 
 def _old_logprobs_by_row(trainer, microbatches) -> list[tuple[tuple[int, ...], list[float]]]:
