@@ -233,7 +233,10 @@ class ScheduleSection:
     Attributes:
         steps: RL steps.
         updates_per_step: optimizer steps (mini-batches) per RL step.
-        micro_batch_size: rows per forward/backward.
+        micro_batch_size: rows per forward/backward (with packing: at most this many sequences per micro-batch).
+        max_tokens_per_microbatch: sequence packing (mpo.trainer.packing): every pass packs its samples end to end
+            into micro-batches of at most this many tokens (no padding between sequences; DP shares balanced by
+            token count); null: off, each micro-batch is micro_batch_size right-padded rows.
         lr: Adam learning rate (the peak, after warmup).
         clip_grad: gradient-norm clip.
         lr_warmup_steps: RL steps of linear warmup from 0 to lr (0: none); below `steps` (mpo.trainer.lr_schedule).
@@ -254,6 +257,7 @@ class ScheduleSection:
     steps: int = 20
     updates_per_step: int = 1
     micro_batch_size: int = 16
+    max_tokens_per_microbatch: int | None = None
     lr: float = 1e-3
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
@@ -711,6 +715,8 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "schedule.steps": (lambda v: v >= 0, ">= 0"),
     "schedule.updates_per_step": (lambda v: v >= 1, ">= 1"),
     "schedule.micro_batch_size": (lambda v: v >= 1, ">= 1"),
+    "schedule.max_tokens_per_microbatch": (lambda v: v is None or v >= 2,
+                                           ">= 2 (tokens per packed micro-batch; null: packing off)"),
     "schedule.lr": (lambda v: v > 0, "> 0"),
     "schedule.clip_grad": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "schedule.lr_warmup_steps": (lambda v: v >= 0, ">= 0 (0: no warmup)"),

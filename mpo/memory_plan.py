@@ -30,7 +30,8 @@ With full recompute (model.recompute: megatron's uniform method, one layer per g
 2 s b h / t bytes, and one layer's activations are live while it is recomputed. A pipeline stage keeps the
 activations of the micro-batches in flight: PP - rank under 1F1B; under the interleaved schedule megatron's warm-up
 count 2 (PP - rank - 1) + (vpp - 1) PP + 1 chunk-micro-batches. The last stage adds the fp32 logits of one
-micro-batch and their gradient (2 x 4 x s b V / t). A fixed reserve covers the CUDA context, NCCL buffers and
+micro-batch and their gradient (2 x 4 x s b V / t). With sequence packing (schedule.max_tokens_per_microbatch) a
+micro-batch is one row of the token budget (s b = the budget; a sample longer than it runs alone). A fixed reserve covers the CUDA context, NCCL buffers and
 allocator fragmentation.
 
 Engines (SGLang): bf16 weights of the whole model divided by the engine's TP; SGLang reserves mem_fraction of the GPU
@@ -246,6 +247,13 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
     critic = AdvantageConfig(config.algorithm.advantage, dict(config.algorithm.advantage_args)).needs_critic
     rows = r.samples_per_prompt * config.data.prompts_per_step
     microbatches = max(1, -(-rows // (dp * config.schedule.updates_per_step * s.micro_batch_size)))
+    # Activations scale with the tokens of one micro-batch: micro_batch_size rows of `seq` padded, or one packed row
+    # of the token budget (a sample longer than the budget runs alone at its own length, at most `seq`).
+    act_seq, act_rows, shape = seq, s.micro_batch_size, f"{seq} tokens x {s.micro_batch_size} rows"
+    if s.max_tokens_per_microbatch:
+        act_seq, act_rows = max(s.max_tokens_per_microbatch, seq), 1
+        shape = f"packed, {act_seq} tokens per micro-batch"
+        microbatches = max(1, -(-rows * seq // (dp * config.schedule.updates_per_step * s.max_tokens_per_microbatch)))
     roles = []
     best: RoleMemory | None = None
     for rank in range(par.pipeline_parallel):
@@ -261,13 +269,13 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
                                  data_parallel=dp, expert_data_parallel=edp, distributed_optimizer=distributed)
             items.update({"critic params": value.params, "critic grads": value.grads,
                           "critic optimizer": value.optimizer})
-        items["activations"] = activation_bytes(m, par, rank, seq_len=seq, micro_batch_size=s.micro_batch_size,
+        items["activations"] = activation_bytes(m, par, rank, seq_len=act_seq, micro_batch_size=act_rows,
                                                 num_microbatches=microbatches, recompute=config.model.recompute)
         items["reserve (CUDA, NCCL, fragmentation)"] = RESERVE_BYTES
         role = RoleMemory(f"trainer (pipeline stage {rank} of {par.pipeline_parallel})", items, capacity,
                           f"TP{par.tensor_parallel} PP{par.pipeline_parallel} EP{par.expert_parallel} "
                           f"ETP{par.etp} DP{dp} expert-DP{edp}, distributed optimizer "
-                          f"{'on' if distributed else 'off'}, {seq} tokens x {s.micro_batch_size} rows, "
+                          f"{'on' if distributed else 'off'}, {shape}, "
                           f"recompute {'full' if config.model.recompute else 'off'}")
         if best is None or role.total > best.total:
             best = role

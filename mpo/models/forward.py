@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, sequence_logprobs
+from mpo.models.packed import PackedLayout
 
 
 @dataclass
@@ -24,17 +25,26 @@ class MicroBatch:
         input_ids: [b, s] token ids.
         position_ids: [b, s]; restart at 0 for each packed sequence. Default: 0..s-1 per row.
         extras: anything the loss function needs (masks, advantages, old log-probs, ...), passed through untouched.
+        packing: for a packed row ([1, s], mpo.models.packed): where its sequences sit. Then `extras` hold the
+            per-token tensors in the sample layout [n, L] and the log-probs, entropies and values handed to the loss
+            and returned are in that layout too; None: right-padded rows, one sample per row.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    packing: PackedLayout | None = None
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         """This micro-batch with its ids, positions and every tensor in `extras` on `device` (other extras as they
         are): the one place a batch built on the host moves to the compute device."""
         move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return MicroBatch(move(self.input_ids), move(self.position_ids), {k: move(v) for k, v in self.extras.items()})
+        return MicroBatch(move(self.input_ids), move(self.position_ids), {k: move(v) for k, v in self.extras.items()},
+                          self.packing.to(device) if self.packing is not None else None)
+
+    def model_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of the sample layout (extras) in the layout the model and its routing records see."""
+        return x if self.packing is None else self.packing.pack(x)
 
     def positions(self) -> torch.Tensor:
         if self.position_ids is not None:
@@ -77,7 +87,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
     real_microbatches = len(microbatches)
     if padding:
         filler = MicroBatch(microbatches[-1].input_ids, microbatches[-1].position_ids,
-                            {**microbatches[-1].extras, "_vpp_padding": True})
+                            {**microbatches[-1].extras, "_vpp_padding": True}, microbatches[-1].packing)
         microbatches = list(microbatches) + [filler] * padding
     forward_only = loss_fn is None if forward_only is None else forward_only
     num_microbatches = len(microbatches)
@@ -93,6 +103,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         from mpo.models.value_head import scored_values
 
         scored = scored_values(output)
+        if mb.packing is not None:  # a sequence's first value would read the previous sequence's last token
+            scored = mb.packing.unpack(scored.masked_fill(mb.position_ids == 0, 0.0))
         out = {"values": scored.detach()}
         if loss_fn is None or mb.extras.get("_vpp_padding"):
             loss = scored.sum() * 0.0
@@ -105,6 +117,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
     def loss_func(mb: MicroBatch, logits: torch.Tensor):
         logprobs, entropy = sequence_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
                                               position_ids=mb.position_ids, chunk_tokens=chunk_tokens)
+        if mb.packing is not None:
+            logprobs, entropy = mb.packing.unpack(logprobs), mb.packing.unpack(entropy)
         out = {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
         if keep_logits:
             out["logits"] = logits.detach()
@@ -118,7 +132,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
 
     def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: torch.nn.Module):
         mb = next(data_iterator)
-        logits = model_chunk(mb.input_ids, mb.positions(), None)
+        attention = mb.packing.forward_kwargs(mb.input_ids.device) if mb.packing is not None else {}
+        logits = model_chunk(mb.input_ids, mb.positions(), attention.pop("attention_mask", None), **attention)
         return logits, partial(value_loss_func if values else loss_func, mb)
 
     outputs = get_forward_backward_func()(

@@ -52,10 +52,11 @@ class Critic:
         if not outs:
             return {}
         algo = self.trainer.config.algorithm
-        seq = max(mb.input_ids.shape[1] for mb in microbatches)
+        # per sample (the sample layout: also for packed micro-batches, whose values arrive unpacked)
+        seq = max(mb.extras["mask"].shape[1] for mb in microbatches)
 
         def stacked(key: str) -> torch.Tensor:
-            rows = [torch.nn.functional.pad(mb.extras[key].to(torch.float64), (0, seq - mb.input_ids.shape[1]))
+            rows = [torch.nn.functional.pad(mb.extras[key].to(torch.float64), (0, seq - mb.extras[key].shape[1]))
                     for mb in microbatches]
             return torch.cat(rows)
 
@@ -67,7 +68,7 @@ class Critic:
                                           process_group=self.trainer.dp_group, **algo.advantage_args)
         start = 0
         for mb in microbatches:
-            b, s = mb.input_ids.shape
+            b, s = mb.extras["mask"].shape
             mb.extras["advantages"] = result.advantages[start:start + b, :s].to(mb.extras["advantages"].dtype)
             mb.extras["returns"] = result.returns[start:start + b, :s]
             start += b

@@ -237,20 +237,17 @@ def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str
 
 def supervised_warm_start(trainer: Trainer) -> float:
     """A few teacher-forced steps on task answers, so RL starts from a policy that sometimes succeeds."""
-    from mpo.trainer.rows import Sample, rank_microbatches
+    from mpo.trainer.rows import Sample
 
     cfg = trainer.config
     for group in trainer.optimizer.param_groups:
         group["lr"] = cfg.schedule.sft_lr
     loss_value = float("nan")
-    dp_rank, dp_size = trainer._dp()
     for step in range(cfg.schedule.sft_steps):
         pairs = trainer.task.warm_start_prompts(step, 64) if trainer.rank == 0 else None
         pairs = _broadcast_object(pairs, group=trainer.ctx.object_group)  # rank 0 reads the data
         samples = [Sample(ids=[*ids, *answer], prompt_len=len(ids), group=0, reward=0.0) for ids, answer in pairs]
-        mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size,
-                                micro_batch_size=cfg.schedule.micro_batch_size,
-                                seq_len=trainer.uniform_seq_len(samples), device=trainer.device)
+        mbs = trainer.pass_microbatches([samples])[0]
         total = float(sum(len(answer) for _, answer in pairs))
 
         def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):

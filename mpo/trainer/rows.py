@@ -63,6 +63,23 @@ def _microbatch_multiple() -> int:
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
+def sample_extras(rows: list[Sample], n_real: int, width: int) -> dict:
+    """The loss tensors of `rows` (one sample per row, right-padded to `width`): see :func:`rank_microbatches`."""
+    b = len(rows)
+    mask = torch.zeros(b, width)
+    adv = torch.zeros(b, width)
+    rollout_lp = torch.zeros(b, width)
+    for i, s in enumerate(rows):
+        n = len(s.ids)
+        mask[i, s.prompt_len : n] = 1.0
+        adv[i, s.prompt_len : n] = torch.as_tensor(s.advantage, dtype=adv.dtype)
+        if s.rollout_logprobs is not None:
+            rollout_lp[i, s.prompt_len : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return {"mask": mask, "advantages": adv, "rollout_logprobs": rollout_lp, "n_real": n_real,
+            "group_ids": torch.tensor([s.group for s in rows]), "rewards": torch.tensor([s.reward for s in rows]),
+            "samples": rows}
+
+
 def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micro_batch_size: int,
                       seq_len: int | None = None, device: torch.device | str = "cpu") -> list[MicroBatch]:
     """This DP rank's share of `samples` (round-robin), as micro-batches with loss tensors in `extras`.
@@ -86,21 +103,8 @@ def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micr
         if seq_len is not None:
             rows = rows + [_pad_sample(2)] * (micro_batch_size - len(rows))
         seq = seq_len if seq_len is not None else max(len(s.ids) for s in rows)
-        b = len(rows)
-        ids = torch.zeros(b, seq, dtype=torch.long)
-        mask = torch.zeros(b, seq)
-        adv = torch.zeros(b, seq)
-        rollout_lp = torch.zeros(b, seq)
+        ids = torch.zeros(len(rows), seq, dtype=torch.long)
         for i, s in enumerate(rows):
-            n = len(s.ids)
-            ids[i, :n] = torch.tensor(s.ids)
-            mask[i, s.prompt_len : n] = 1.0
-            adv[i, s.prompt_len : n] = torch.as_tensor(s.advantage, dtype=adv.dtype)
-            if s.rollout_logprobs is not None:
-                rollout_lp[i, s.prompt_len : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-        out.append(MicroBatch(ids, extras={
-            "mask": mask, "advantages": adv, "rollout_logprobs": rollout_lp, "n_real": len(real),
-            "group_ids": torch.tensor([s.group for s in rows]), "rewards": torch.tensor([s.reward for s in rows]),
-            "samples": rows,
-        }).to(device))
+            ids[i, : len(s.ids)] = torch.tensor(s.ids)
+        out.append(MicroBatch(ids, extras=sample_extras(rows, len(real), seq)).to(device))
     return out

@@ -321,6 +321,24 @@ class Trainer:
             return None
         return uniform_length(samples, tp)
 
+    def pass_microbatches(self, minis: list[list[Sample]]) -> list[list[MicroBatch]]:
+        """This rank's micro-batches of every mini-batch of one pass: packed by schedule.max_tokens_per_microbatch
+        when it is set (balanced DP shares, mpo.trainer.packing), else padded rows (one [b, s] under PP or TP)."""
+        from mpo.trainer.rows import _microbatch_multiple
+
+        schedule, (dp_rank, dp_size) = self.config.schedule, self._dp()
+        if schedule.max_tokens_per_microbatch:
+            from mpo.trainer.packing import pack_pass
+
+            return pack_pass(minis, dp_rank=dp_rank, dp_size=dp_size, max_tokens=schedule.max_tokens_per_microbatch,
+                             max_rows=schedule.micro_batch_size, tp=self.ps.get_tensor_model_parallel_world_size(),
+                             uniform=self.ps.get_pipeline_model_parallel_world_size() > 1,
+                             multiple=_microbatch_multiple(), thd=self.ctx.device.layer_spec == "te",
+                             device=self.device)
+        seq_len = self.uniform_seq_len([s for mini in minis for s in mini])
+        return [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=schedule.micro_batch_size,
+                                  seq_len=seq_len, device=self.device) for m in minis]
+
     def _dp(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
 
@@ -337,6 +355,8 @@ class Trainer:
                 n = len(mb.extras["samples"][i].ids)
                 shape = (n - 1, self.model_cfg.num_layers, self.model_cfg.router_topk)
                 rows[i] = [RolloutRoutes(torch.full(shape, -1, dtype=torch.int32), n)]
+        if mb.packing is not None:  # the samples end to end in one row
+            rows = [[seq for row in rows for seq in row]]
         return place_rollout_routes(rows, seq)
 
     def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
@@ -364,7 +384,7 @@ class Trainer:
                 mb.extras["logp_old"] = outs[i]["logprobs"]
                 if self.reference is not None:
                     mb.extras["logp_ref"] = outs_ref[i]
-        valid = [mb.extras["mask"].bool() for mb in microbatches]
+        valid = [mb.model_layout(mb.extras["mask"]).bool() for mb in microbatches]  # as the routing records
         layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
         if all(r is not None for r in engine_routes):
             # Against the trainer's natural choice: under R3 the replayed experts equal the engine's by construction.
@@ -400,7 +420,12 @@ class Trainer:
         with self.routing.session(replay=replay, gather_at=old_records) as probe:
             run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
         for mb, old, cur in zip(microbatches, old_records, probe.records):
-            mb.extras["router_shift"] = router_shift(old, cur, self.loss_cfg.gamma_min, pp_group=self.pp_group)
+            shift = router_shift(old, cur, self.loss_cfg.gamma_min, position_ids=mb.position_ids,
+                                 pp_group=self.pp_group)
+            if mb.packing is not None:  # gammas of the packed row -> the loss's sample layout
+                shift = type(shift)(*(None if f is None else mb.packing.unpack(f) for f in
+                                      (shift.log_gamma, shift.gamma_raw, shift.abs_logdiff)))
+            mb.extras["router_shift"] = shift
 
     def _loss_fn(self, denominators, counts: tuple[float, float] | None, positive_tokens: float):
         """The micro-batch loss: the policy loss (with the rollout correction and its mismatch metrics where the
@@ -484,7 +509,7 @@ class Trainer:
             merged = all_reduce_metrics(merged, self.dp_group)
             metrics = {k: float(v) for k, v in merged.items()}
             loss_ok = math.isfinite(metrics.get("loss", 0.0))
-        valid = [mb.extras["mask"].bool() for mb in microbatches]
+        valid = [mb.model_layout(mb.extras["mask"]).bool() for mb in microbatches]  # as the routing records
         layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
         natural = lambda records: [r.natural_choice() for r in records]  # noqa: E731 - what the routers chose
         metrics.update(agreement_metrics(natural(old_records), natural(current.records), valid,
@@ -533,15 +558,9 @@ class Trainer:
         if not samples:  # every group had equal rewards: no update; the loss row is 0 (no gradient was taken)
             metrics.update(skipped_no_signal=1.0, loss=0.0)
             return metrics
-        dp_rank, dp_size = self._dp()
         updates = min(cfg.schedule.updates_per_step, len(samples))
-        minis = [samples[u::updates] for u in range(updates)]
-        seq_len = self.uniform_seq_len(samples)
         with self.clock("microbatch_build"):
-            per_update = [rank_microbatches(m, dp_rank=dp_rank, dp_size=dp_size,
-                                            micro_batch_size=cfg.schedule.micro_batch_size, seq_len=seq_len,
-                                            device=self.device)
-                          for m in minis]
+            per_update = self.pass_microbatches([samples[u::updates] for u in range(updates)])
         flat = [mb for mbs in per_update for mb in mbs]
         with self.clock("old_logprob_pass"):
             old_records, old_metrics = self._old_forward(flat)
