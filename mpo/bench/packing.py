@@ -1,4 +1,5 @@
-"""Sequence packing vs padded rows on one long-tailed RL batch: the old-logprob pass plus one update, at world size 2.
+"""Sequence packing vs padded rows on one long-tailed RL batch: the old-logprob pass plus one update, at world size 2
+(`--world-size 1` on a machine with one GPU: NCCL needs a GPU per rank).
 
 One batch of `--samples` responses whose lengths (prompt + response) are lognormal with median `--median` tokens,
 capped at `--max-len` (the longest sample is exactly the cap: the tail every reasoning batch has). Each of two ranks
@@ -93,7 +94,10 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
             mbs = microbatches(name)
             records, _ = trainer._old_forward(mbs)
             trainer._update(mbs, records, config.data.prompts_per_step, None)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            # on the trainer's device: NCCL reduces device tensors only
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=trainer.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if repeat:
                 timings[name].append(float(elapsed))
@@ -110,7 +114,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
                    for i in merged["padded"])
         assert merged["packed"].keys() == merged["padded"].keys() == set(range(len(samples)))
         Path(out, "result.json").write_text(json.dumps({
-            "timings": timings, "tokens": tokens, "real": sum(len(s.ids) for s in samples), "diff": diff}))
+            "timings": timings, "tokens": tokens, "real": sum(len(s.ids) for s in samples), "diff": diff,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo, 1 thread a rank)"}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -125,6 +130,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=1024, help="schedule.max_tokens_per_microbatch")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", type=float, default=None,
+                        help="exit 1 when max_logprob_diff is above this (the GPU tier's packing step)")
+    parser.add_argument("--world-size", type=int, default=2, choices=(1, 2),
+                        help="data-parallel ranks (each gets a GPU when CUDA is there, else a gloo CPU process)")
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp
@@ -133,14 +142,15 @@ def main(argv: list[str]) -> int:
 
     lens = lengths(args.samples, args.median, args.max_len, args.sigma, args.seed)
     with tempfile.TemporaryDirectory(prefix="mpo-bench-packing-") as out:
-        mp.start_processes(_rank, args=(2, free_port(), args, out), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_rank, args=(args.world_size, free_port(), args, out), nprocs=args.world_size, join=True,
+                           start_method="spawn")
         result = json.loads(Path(out, "result.json").read_text())
     med = {name: statistics.median(t) for name, t in result["timings"].items()}
     print(f"{args.samples} samples, lengths lognormal: median {statistics.median(lens):.0f}, max {max(lens)}, "
-          f"{result['real']} tokens; DP2 on CPU (gloo, 1 thread per rank), tiny MoE fp32")
+          f"{result['real']} tokens; DP{args.world_size} on {result['device']}, tiny MoE fp32")
     for name in ("padded", "packed"):
         print(f"  {name:7s} {result['tokens'][name]:7d} tokens in micro-batches   old-logprob pass + update "
               f"{med[name] * 1e3:8.0f} ms (median of {args.repeats})")
     print(f"packing tokens_ratio={result['tokens']['padded'] / result['real']:.2f} "
           f"time_ratio={med['packed'] / med['padded']:.3f} max_logprob_diff={result['diff']:.2e}")
-    return 0
+    return 1 if args.check is not None and not result["diff"] <= args.check else 0

@@ -8,6 +8,7 @@
 #   rl_step   one RL step with mpo's engine on the GPU: bf16 body + FP32 head on both sides, R3
 #   cuda_ipc  python -m mpo.bench cuda_ipc: the 1.5B model's buckets through CUDA IPC vs a device-to-device copy
 #   parity    the local spec on the GPU (fp32 and bf16) against HF transformers fp32 on the CPU, same checkpoint
+#   packing   python -m mpo.bench packing --world-size 1: packed (block-diagonal mask on the local spec) vs padded rows
 #   rest      the rest of tests/gpu: what needs Transformer Engine or SGLang skips with one line naming it
 # Logs go to $OUT (the device tool's output folder) or runs/gpu-offline, with gpu_results.json summarising every
 # step (exit code, seconds, the numbers each step reported). Exits 1 at once, with one line, without CUDA.
@@ -43,7 +44,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLI
 rm -f "$MPO_GPU_RESULTS" "$out/steps.jsonl"
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env gpu_step rl_step cuda_ipc parity rest)
+[ ${#steps[@]} -gt 0 ] || steps=(env gpu_step rl_step cuda_ipc parity packing rest)
 pytest_gpu=("$python" -m pytest -m gpu -p no:cacheprovider -ra -s)
 status=0
 for name in "${steps[@]}"; do
@@ -53,9 +54,10 @@ for name in "${steps[@]}"; do
         rl_step)  limit=180; cmd=("${pytest_gpu[@]}" tests/gpu/test_gpu_rl_step.py -k mpo_engine) ;;
         cuda_ipc) limit=90;  cmd=("$python" -m mpo.bench cuda_ipc) ;;
         parity)   limit=90;  cmd=("${pytest_gpu[@]}" tests/gpu/test_gpu_local_parity.py) ;;
+        packing)  limit=120; cmd=("$python" -m mpo.bench packing --world-size 1 --check 1e-4) ;;
         rest)     limit=60;  cmd=("${pytest_gpu[@]}" tests/gpu --deselect tests/gpu/test_gpu_rl_step.py::test_rl_step_with_mpo_engine
                                   --ignore tests/gpu/test_gpu_local_parity.py) ;;
-        *) fail "unknown step '$name' (steps: env gpu_step rl_step cuda_ipc parity rest)" ;;
+        *) fail "unknown step '$name' (steps: env gpu_step rl_step cuda_ipc parity packing rest)" ;;
     esac
     echo "[gpu tier offline] $name (limit ${limit} s): ${cmd[*]}" >&2
     started=$(date +%s%N)
