@@ -49,7 +49,6 @@ def is_ddp(model: torch.nn.Module) -> bool:
     from mpo.models.chunks import as_chunks
 
     return isinstance(as_chunks(model)[0], DistributedDataParallel)
-    return isinstance(model, DistributedDataParallel)
 
 
 def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, bf16: bool, min_lr: float | None = None,

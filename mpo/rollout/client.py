@@ -180,9 +180,6 @@ class EngineClient:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.call("/resume_memory_occupation", {"tags": tags})
 
-    def flush_cache(self) -> None:
-        self.call("/flush_cache", {})
-
     # -- weight updates (inside begin/end since sglang 0.5.21) -------------------------------------------------
     def begin_weight_update(self) -> None:
         self.call("/begin_weight_update", {})

@@ -62,9 +62,9 @@ class Critic:
 
         for mb, out in zip(microbatches, outs):
             mb.extras["values_old"] = out["values"]
-        mask = stacked("mask")
+        mask, values_old = stacked("mask"), stacked("values_old")
         rewards = torch.cat([mb.extras["rewards"].to(torch.float64) for mb in microbatches])
-        result = compute_token_advantages(algo.advantage, rewards, mask, values=stacked("values_old"),
+        result = compute_token_advantages(algo.advantage, rewards, mask, values=values_old,
                                           process_group=self.trainer.dp_group, **algo.advantage_args)
         start = 0
         for mb in microbatches:
@@ -72,7 +72,7 @@ class Critic:
             mb.extras["advantages"] = result.advantages[start:start + b, :s].to(mb.extras["advantages"].dtype)
             mb.extras["returns"] = result.returns[start:start + b, :s]
             start += b
-        sums = torch.stack([(mask * stacked("values_old")).sum(), (mask * result.returns).sum(),
+        sums = torch.stack([(mask * values_old).sum(), (mask * result.returns).sum(),
                             mask.sum()]).to(torch.float64)
         all_reduce_(sums, group=self.trainer.dp_group)
         return {"critic/values_old_mean": (sums[0] / sums[2].clamp(min=1)).item(),
