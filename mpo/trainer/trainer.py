@@ -196,7 +196,8 @@ class Trainer:
         if results:  # empty only when dynamic sampling found no varied group
             # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
             advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups,
-                                                        [len(r.output_ids) for r in results])
+                                                        [len(r.output_ids) for r in results],
+                                                        [r.meta.get("loss_mask") for r in results])
             if cfg.algorithm.filter_zero_variance:
                 keep = ~zero_variance  # per response: its group's rewards were all equal
         if cfg.algorithm.overlong_filter:  # DAPO: a truncated response gets no loss (it still counts in its group)
@@ -204,6 +205,7 @@ class Trainer:
         samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
+                          loss_mask=r.meta.get("loss_mask"),
                           versions=[version_number(v, version) for v in
                                     r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
                    for i, r in enumerate(results) if keep[i]]
@@ -223,6 +225,8 @@ class Trainer:
             "reward_errors": float(drawn.errors),
             "truncated_frac": sum(all_truncated) / len(all_truncated),
         }
+        if drawn.env is not None:
+            metrics.update(drawn.env.metrics())
         if cfg.algorithm.dynamic_sampling:
             metrics.update(sampling_rounds=float(outcome.rounds), sampling_groups_drawn=float(len(drawn)),
                            sampling_exhausted=float(outcome.exhausted))
@@ -236,8 +240,9 @@ class Trainer:
 
     def _draw_round(self, step: int, round_: int, count: int):
         """Draw `count` prompt groups (round `round_` of the step: its own prompts and sampling seeds), generate G
-        responses each and score them; prompt retirement sees every drawn group."""
-        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+        responses each (multi-turn episodes under rollout.env) and score them; prompt retirement sees every drawn
+        group."""
+
         from mpo.trainer.dynamic_sampling import Drawn
 
         cfg = self.config
@@ -247,30 +252,54 @@ class Trainer:
         budget = cfg.rollout.max_new_tokens
         if self.task.max_answer_tokens is not None:
             budget = min(budget, self.task.max_answer_tokens)
-        requests = []
-        for p_index, prompt in enumerate(prompts):
-            for g in range(G):
-                sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                          max_new_tokens=budget, stop_token_ids=self.task.stop_token_ids,
-                                          sampling_seed=_sampling_seed(cfg.seed, step, p_index * G + g, round_))
-                requests.append(GenerateRequest(list(prompt.ids), sampling, return_routed_experts=want_routes))
+        seeds = [_sampling_seed(cfg.seed, step, i, round_) for i in range(len(prompts) * G)]
         started = time.perf_counter()
-        # One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
-        # function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit.
+        if cfg.rollout.env is not None:  # multi-turn episodes with an environment (mpo.envs.rollout)
+            drawn = self._draw_episodes(prompts, seeds, want_routes)
+        else:
+            requests = [GenerateRequest(list(prompts[i // G].ids), SamplingParams(
+                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=budget,
+                stop_token_ids=self.task.stop_token_ids, sampling_seed=seed), return_routed_experts=want_routes)
+                for i, seed in enumerate(seeds)]
+            results, restarts = self._generate(requests)
+            rollout_s = time.perf_counter() - started
+            scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
+            penalties = self._overlong_penalties(results)
+            rewards = [r + p for r, p in zip(scored.rewards, penalties)]
+            drawn = Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
+                          restarts)
+        if self.retirement is not None:
+            self.retirement.observe(prompts, [sum(r == 1.0 for r in drawn.rewards[p * G:(p + 1) * G]) / G
+                                              for p in range(len(prompts))])
+        return drawn
+
+    def _generate(self, requests: list[GenerateRequest]) -> tuple[list, int]:
+        """One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
+        function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit. Returns the
+        results in request order and the engine restarts it took."""
+        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+
         per_engine = -(-len(requests) // len(self.engines))
         pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in self.engines],
-                           PoolConfig(request_timeout_s=cfg.rollout.request_timeout_s, max_concurrency_per_engine=1,
-                                      requests_per_call=per_engine))
-        results = pool.generate(requests)
-        rollout_s = time.perf_counter() - started
-        scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
-        penalties = self._overlong_penalties(results)
-        rewards = [r + p for r, p in zip(scored.rewards, penalties)]
-        if self.retirement is not None:
-            self.retirement.observe(prompts, [sum(r == 1.0 for r in rewards[p * G:(p + 1) * G]) / G
-                                              for p in range(len(prompts))])
-        return Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
-                     sum(h.restarts for h in pool.engines))
+                           PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
+                                      max_concurrency_per_engine=1, requests_per_call=per_engine))
+        return pool.generate(requests), sum(h.restarts for h in pool.engines)
+
+    def _draw_episodes(self, prompts: list, seeds: list[int], want_routes: bool):
+        from mpo.envs.rollout import run_episodes
+        from mpo.trainer.dynamic_sampling import Drawn
+
+        r, G = self.config.rollout, self.config.rollout.samples_per_prompt
+        started = time.perf_counter()
+        pool, renderer = self.task.env
+        turn = SamplingParams(temperature=r.temperature, top_p=r.top_p, stop_token_ids=self.task.stop_token_ids,
+                              max_new_tokens=r.max_tokens_per_turn or r.max_new_tokens)
+        results, rewards, stats, restarts = run_episodes(
+            prompts, G, pool=pool, renderer=renderer, generate=self._generate, sampling=turn, seeds=seeds,
+            max_turns=r.max_turns, context_length=self.model_cfg.max_position_embeddings, want_routes=want_routes)
+        texts = [renderer.encoder.tokenizer.decode(x.output_ids, skip_special_tokens=False) for x in results]
+        return Drawn(G, list(prompts), results, rewards, [0.0] * len(results), texts, 0,
+                     time.perf_counter() - started, restarts, env=stats)
 
     def _overlong_penalties(self, results: list) -> list[float]:
         """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""
