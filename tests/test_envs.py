@@ -234,3 +234,38 @@ def test_env_mpo_train_keeps_going_when_the_environment_fails(tokenizer_dir, tmp
                   "schedule.mode=one_step_off")
     assert [r["step"] for r in rows] == [0, 1]
     assert sum(r["env_errors"] for r in rows) > 0
+
+
+def test_env_readme_example_is_complete_and_runs(tokenizer, tmp_path, monkeypatch):
+    """The README's environment, as printed there (under 30 lines), runs episodes through the pool's workers."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("  ```python\n", 1)[1].split("\n  ```\n", 1)[0]
+    source = "\n".join(line[2:] for line in block.splitlines())
+    assert len(source.splitlines()) < 30
+    (tmp_path / "my_env.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers get this process's sys.path
+    five = [int(t) for t in tokenizer("5", add_special_tokens=False)["input_ids"]]
+    results, rewards, stats, _, _ = _episodes(tokenizer, "my_env:Guess", [{"prompt": "Guess.", "answer": "5"},
+                                                                         {"prompt": "Guess.", "answer": "7"}],
+                                              [five, five, five], max_turns=3)
+    assert stats.errors == 0 and rewards[0] == 1.0 and abs(rewards[1] + 0.3) < 1e-12
+    assert [r.meta["env_turns"] for r in results] == [1, 3]
+
+
+def test_env_per_token_advantages_skip_observation_tokens():
+    """A multi-turn row's per-token advantages equal those of the same row with its observation tokens removed
+    (reinforce_pp: the next generated token is a token's successor; whitening over generated tokens only), and are
+    0 at the observation."""
+    import torch
+
+    from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
+
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1])
+    masks = [[1, 1, 0, 0, 0, 1], [1, 0, 1, 1], [1, 1, 1]]
+    for name, args in (("reinforce_pp", {"gamma": 0.9}), ("reinforce_pp_baseline", {})):
+        estimator = StepAdvantages(AdvantageConfig(name, args))
+        holey, _ = estimator(rewards, groups, [len(m) for m in masks], [[float(x) for x in m] for m in masks])
+        compact, _ = estimator(rewards, groups, [sum(m) for m in masks])
+        for row, mask, ref in zip(holey, masks, compact):
+            assert [a for a, m in zip(row, mask) if not m] == [0.0] * (len(mask) - sum(mask))
+            assert np.allclose([a for a, m in zip(row, mask) if m], ref, rtol=0, atol=1e-12), (name, row, ref)

@@ -181,3 +181,22 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
     if errors_seen:
         log.warning("environment %r: %d episode(s) failed; first: %s", pool.fn_name, stats.errors, errors_seen[0])
     return [e.result() for e in episodes], [e.reward for e in episodes], stats, restarts
+
+
+def draw_episodes(config, task, prompts: list, seeds: list[int], want_routes: bool, *, generate: Callable,
+                  context_length: int):
+    """The trainer's draw of one round under rollout.env: `samples_per_prompt` episodes per prompt, as a Drawn
+    (mpo.trainer.dynamic_sampling) whose rows are episodes and whose `env` holds the step's counters."""
+    from mpo.trainer.dynamic_sampling import Drawn
+
+    r, G = config.rollout, config.rollout.samples_per_prompt
+    started = time.perf_counter()
+    pool, renderer = task.env
+    turn = SamplingParams(temperature=r.temperature, top_p=r.top_p, stop_token_ids=task.stop_token_ids,
+                          max_new_tokens=r.max_tokens_per_turn or r.max_new_tokens)
+    results, rewards, stats, restarts = run_episodes(
+        prompts, G, pool=pool, renderer=renderer, generate=generate, sampling=turn, seeds=seeds,
+        max_turns=r.max_turns, context_length=context_length, want_routes=want_routes)
+    texts = [renderer.encoder.tokenizer.decode(x.output_ids, skip_special_tokens=False) for x in results]
+    return Drawn(G, list(prompts), results, rewards, [0.0] * len(results), texts, 0, time.perf_counter() - started,
+                 restarts, env=stats)

@@ -242,7 +242,6 @@ class Trainer:
         """Draw `count` prompt groups (round `round_` of the step: its own prompts and sampling seeds), generate G
         responses each (multi-turn episodes under rollout.env) and score them; prompt retirement sees every drawn
         group."""
-
         from mpo.trainer.dynamic_sampling import Drawn
 
         cfg = self.config
@@ -255,7 +254,10 @@ class Trainer:
         seeds = [_sampling_seed(cfg.seed, step, i, round_) for i in range(len(prompts) * G)]
         started = time.perf_counter()
         if cfg.rollout.env is not None:  # multi-turn episodes with an environment (mpo.envs.rollout)
-            drawn = self._draw_episodes(prompts, seeds, want_routes)
+            from mpo.envs.rollout import draw_episodes
+
+            drawn = draw_episodes(cfg, self.task, prompts, seeds, want_routes, generate=self._generate,
+                                  context_length=self.model_cfg.max_position_embeddings)
         else:
             requests = [GenerateRequest(list(prompts[i // G].ids), SamplingParams(
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=budget,
@@ -284,22 +286,6 @@ class Trainer:
                            PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
                                       max_concurrency_per_engine=1, requests_per_call=per_engine))
         return pool.generate(requests), sum(h.restarts for h in pool.engines)
-
-    def _draw_episodes(self, prompts: list, seeds: list[int], want_routes: bool):
-        from mpo.envs.rollout import run_episodes
-        from mpo.trainer.dynamic_sampling import Drawn
-
-        r, G = self.config.rollout, self.config.rollout.samples_per_prompt
-        started = time.perf_counter()
-        pool, renderer = self.task.env
-        turn = SamplingParams(temperature=r.temperature, top_p=r.top_p, stop_token_ids=self.task.stop_token_ids,
-                              max_new_tokens=r.max_tokens_per_turn or r.max_new_tokens)
-        results, rewards, stats, restarts = run_episodes(
-            prompts, G, pool=pool, renderer=renderer, generate=self._generate, sampling=turn, seeds=seeds,
-            max_turns=r.max_turns, context_length=self.model_cfg.max_position_embeddings, want_routes=want_routes)
-        texts = [renderer.encoder.tokenizer.decode(x.output_ids, skip_special_tokens=False) for x in results]
-        return Drawn(G, list(prompts), results, rewards, [0.0] * len(results), texts, 0,
-                     time.perf_counter() - started, restarts, env=stats)
 
     def _overlong_penalties(self, results: list) -> list[float]:
         """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""
