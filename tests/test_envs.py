@@ -227,6 +227,17 @@ def test_env_mpo_train_with_the_calculator_environment(tokenizer_dir, tmp_path):
         assert r["env_errors"] == 0 and r["env_time_s"] >= 0 and isinstance(r["loss"], float)
 
 
+def test_env_mpo_train_async_with_a_critic(tokenizer_dir, tmp_path):
+    """PPO's GAE critic (values and returns over a loss mask with the observation's hole) in async mode (in-flight
+    weight updates, per-token versions): the steps run with finite losses and the env metrics."""
+    rows = _train(tokenizer_dir, tmp_path / "async_gae", "schedule.mode=async", "algorithm.advantage=gae",
+                  "algorithm.loss=grpo")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["env_turns_mean"] > 1 and 0 < r["loss_token_frac"] < 1, r
+        assert np.isfinite(r["loss"]) and np.isfinite(r["critic/value_loss"]), r
+
+
 def test_env_mpo_train_keeps_going_when_the_environment_fails(tokenizer_dir, tmp_path):
     """FlakyEnv raises, hangs or returns garbage on some turns (by a hash of the text): those episodes score 0 and
     count in env_errors, the run finishes its steps."""
