@@ -508,8 +508,10 @@ def test_hardening_work_of_a_client_that_went_away_is_aborted(engine):
 
 def test_hardening_a_waiting_client_is_answered_when_its_rows_finish(engine):
     """The went-away poll must not block: a request that waits longer than one poll (queued behind a paused
-    scheduler for longer than the idle timeout) is answered right after it finishes, not after the connection's idle timeout (by default 60 s:
-    every multi-turn batch over ~0.25 s of generation was stalled by it; here the poll timed out and aborted it)."""
+    scheduler for longer than the idle timeout) is answered when its rows finish. Before, the poll waited up to the
+    connection's idle timeout for it to become readable and took the timeout for a client gone: a request waiting
+    longer was aborted, a shorter one answered only after the timeout (60 s by default: every multi-turn batch
+    slower than GONE_POLL_S)."""
     import threading
 
     engine.client.pause_generation(mode="in_place")

@@ -213,7 +213,8 @@ def _cli(args: list[str], log: Path, timeout: float = 900) -> None:
 
 def _train(tokenizer_dir: Path, out: Path, *extra: str) -> list[dict]:
     _cli(["-m", "mpo.cli", "train", "--config", str(CALC_RECIPE),
-          f"model.tokenizer_dir={tokenizer_dir}", "schedule.steps=2", f"data.task={RECIPES / 'data' / 'calculator.jsonl'}", f"logging.out_dir={out}",
+          f"model.tokenizer_dir={tokenizer_dir}", "schedule.steps=2",
+          f"data.task={RECIPES / 'data' / 'calculator.jsonl'}", f"logging.out_dir={out}",
           "logging.tensorboard=false", "logging.progress=false", "logging.checkpoint_every=0", *extra],
          out.parent / f"{out.name}.log")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]

@@ -295,7 +295,8 @@ class RewardPool:
                 self._fail(batch, worker, f"timed out after {self.timeout_s:g} s; worker killed and replaced")
                 self._replace(worker)
             elif not worker.ready and now >= worker.started + STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"{self.kind} {self.fn_name!r}: a worker did not start within {STARTUP_TIMEOUT_S:g} s")
+                raise RuntimeError(f"{self.kind} {self.fn_name!r}: a worker did not start within "
+                                   f"{STARTUP_TIMEOUT_S:g} s")
 
     def close(self) -> None:
         self._finalizer()
