@@ -281,3 +281,12 @@ def test_env_per_token_advantages_skip_observation_tokens():
         for row, mask, ref in zip(holey, masks, compact):
             assert [a for a, m in zip(row, mask) if not m] == [0.0] * (len(mask) - sum(mask))
             assert np.allclose([a for a, m in zip(row, mask) if m], ref, rtol=0, atol=1e-12), (name, row, ref)
+
+
+def test_env_mpo_train_survives_every_episode_failing_under_r3(tokenizer_dir, tmp_path):
+    """Environments that cannot even be built: every episode fails before its first turn (reward 0, env_errors),
+    no row has a generated token, and the steps run (nothing to train on; R3 has no routes to ask for)."""
+    rows = _train(tokenizer_dir, tmp_path / "broken", "rollout.env=helpers.scripted_env:BrokenEnv",
+                  "algorithm.replay=r3")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["env_errors"] == 8 and r["env_turns_mean"] == 0 and r["skipped_no_signal"] == 1 for r in rows), rows

@@ -208,7 +208,7 @@ class Trainer:
                           loss_mask=r.meta.get("loss_mask"),
                           versions=[version_number(v, version) for v in
                                     r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
-                   for i, r in enumerate(results) if keep[i]]
+                   for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
         # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
         # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
         all_rewards = drawn.rewards

@@ -56,3 +56,10 @@ class FlakyEnv(ScriptedEnv):
         if mode == "crash":
             os._exit(3)
         return super().step(text)
+
+
+class BrokenEnv(ScriptedEnv):
+    """Every episode fails at construction: no turn is ever generated."""
+
+    def __init__(self, row: dict) -> None:
+        raise RuntimeError("environment bug in __init__")
