@@ -82,6 +82,13 @@ class RolloutSection:
         sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
             sets trainer node 0's host.
+        env: multi-turn episodes (mpo.envs): a registered environment (calculator) or a plug-in "module:Class"
+            built from each data row, whose reset() gives the opening messages and step(assistant_text) answers
+            each turn with (messages, reward, done); the episode's reward is the sum of its turns' rewards, and
+            only generated tokens carry loss. The environment scores: reward.fn must be unset; its workers use
+            reward.timeout_s (per call), reward.workers and reward.max_memory_mb. Text tasks with a chat template.
+        max_turns: assistant turns per episode at most (rollout.env).
+        max_tokens_per_turn: generation budget of one turn (rollout.env); null: rollout.max_new_tokens.
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -98,6 +105,9 @@ class RolloutSection:
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
     tensor_parallel: int = 1
+    env: str | None = None
+    max_turns: int = 4
+    max_tokens_per_turn: int | None = None
     sync_master_address: str | None = None
     colocate: bool = False
     host_shared_memory: bool | None = None
@@ -651,10 +661,32 @@ def _check_data(config: TrainConfig) -> None:
         if (eval_spec.kind == "toy") != (spec.kind == "toy"):
             raise ConfigError(f"eval.task={_show(config.eval.task)} and data.task={_show(d.task)} must both be toy "
                               f"tasks or both text tasks (the evaluation is scored by the run's reward and tokenizer)")
+    if r.env is not None:
+        _check_env(config, spec.kind)
     budget = d.max_response_tokens or r.max_new_tokens
     if a.overlong_buffer >= budget:
         raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below data.max_response_tokens "
                           f"(or rollout.max_new_tokens) = {budget}")
+
+
+def _check_env(config: TrainConfig, task_kind: str) -> None:
+    """rollout.env: an importable environment on a text task, which does the scoring itself."""
+    r = config.rollout
+    if config.reward.fn is not None:
+        raise ConfigError(f"rollout.env={_show(r.env)} and reward.fn={_show(config.reward.fn)} are both set: the "
+                          f"environment's step() rewards are the episode's reward; unset reward.fn")
+    if task_kind == "toy":
+        raise ConfigError(f"rollout.env={_show(r.env)} needs a text task (data.task: a jsonl/parquet file or "
+                          f"reasoning_gym:<task>) and a chat template; got the toy task {_show(config.data.task)}")
+    if config.eval.every:
+        raise ConfigError(f"rollout.env={_show(r.env)} with eval.every={config.eval.every}: held-out evaluation "
+                          f"scores single turns with a reward function; set eval.every=0")
+    from mpo.envs import get_env_class
+
+    try:
+        get_env_class(r.env)  # a plug-in's module is imported here, so a typo fails before any rank starts
+    except ValueError as exc:
+        raise ConfigError(f"rollout.env: {exc}") from None
 
 
 def _check_schedule(config: TrainConfig) -> None:
@@ -696,6 +728,8 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),
     "rollout.bucket_mb": (lambda v: v >= 1, ">= 1"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
+    "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
+    "rollout.max_tokens_per_turn": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     "algorithm.positive_nll_coef": (lambda v: v >= 0, ">= 0 (0 disables VAPO's positive-example NLL)"),
     "algorithm.critic_lr": (lambda v: v > 0, "> 0"),

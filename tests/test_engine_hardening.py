@@ -506,6 +506,30 @@ def test_hardening_work_of_a_client_that_went_away_is_aborted(engine):
     assert left == 0, f"{left} rows of a client that went away were still queued"
 
 
+def test_hardening_a_waiting_client_is_answered_when_its_rows_finish(engine):
+    """The went-away poll must not block: a request that waits longer than one poll (queued behind a paused
+    scheduler for longer than the idle timeout) is answered when its rows finish. Before, the poll waited up to the
+    connection's idle timeout for it to become readable and took the timeout for a client gone: a request waiting
+    longer was aborted, a shorter one answered only after the timeout (60 s by default: every multi-turn batch
+    slower than GONE_POLL_S)."""
+    import threading
+
+    engine.client.pause_generation(mode="in_place")
+    paused_s = IDLE_TIMEOUT_S + 1.0
+    timer = threading.Timer(paused_s, engine.client.continue_generation)
+    timer.start()
+    started = time.monotonic()
+    try:
+        response = _post(engine, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+                         timeout_s=30)
+    finally:
+        timer.join()
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text[:200]
+    assert response.json()["meta_info"]["finish_reason"]["type"] != "abort", response.text[:300]
+    assert elapsed < paused_s + IDLE_TIMEOUT_S, elapsed
+
+
 # -- issue 24, item 8: one line (400), never a traceback (500) or a silent acceptance --------------------------------
 def _norm_numel() -> int:
     from mpo.models.config import PRESETS

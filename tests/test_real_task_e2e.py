@@ -184,6 +184,22 @@ def test_e2e_sglang_trains_on_the_hf_directory(user_checkpoint, sglang_server):
     assert all(r["sync_probe_logprob_maxdiff"] <= 1e-3 for r in rows)  # the server follows the trainer's weights
 
 
+def test_env_sglang_trains_with_the_calculator_environment(user_checkpoint, sglang_server):
+    """Multi-turn episodes (issue #28) through real SGLang on the shared server: the calculator environment, R3 (the
+    last turn's routed experts must cover the whole sequence, observation and earlier turns included, or the
+    response is refused for its row count), every step with more than one turn and loss on a strict part of the
+    response side."""
+    rows = _train(user_checkpoint, user_checkpoint["base"] / "run_sglang_env", "rollout.engine=sglang",
+                  f"rollout.urls=[{sglang_server.url}]", "rollout.env=calculator", "reward.fn=null",
+                  f"data.task={RECIPES / 'data' / 'calculator.jsonl'}", "rollout.max_turns=2",
+                  "rollout.max_tokens_per_turn=6", "algorithm.replay=r3", "schedule.steps=2")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["env_turns_mean"] > 1 and 0 < row["loss_token_frac"] < 1 and row["env_errors"] == 0, row
+        assert row["sync_probe_logprob_maxdiff"] <= 1e-3
+        assert row["routing/old_replay/forced_frac"] >= 0  # R3 replayed the engine's routes
+
+
 RECIPES_BY_ENGINE = {engine: sorted(str(p) for p in RECIPES.glob("*.yaml")
                                     if ("engine: sglang" in p.read_text()) == (engine == "sglang"))
                      for engine in ("mpo", "sglang")}

@@ -61,9 +61,12 @@ class StepAdvantages:
         self.config = config
         self.ema = config.spec.fn(**config.args) if config.spec.level == "running" else None
 
-    def __call__(self, rewards: Tensor, group_ids: Tensor, lengths: list[int]) -> tuple[list[list[float]], Tensor]:
+    def __call__(self, rewards: Tensor, group_ids: Tensor, lengths: list[int],
+                 loss_masks: list | None = None) -> tuple[list[list[float]], Tensor]:
         """Per response, the advantage of each completion token, and ``zero_variance [N]`` (its group's rewards
-        are all equal: no learning signal for group baselines)."""
+        are all equal: no learning signal for group baselines). ``loss_masks``: per response, 1 at the tokens that
+        carry loss (None: all of them); multi-turn observation tokens are 0, so per-token estimators skip them (the
+        next generated token is a token's successor) and whiten over generated tokens only."""
         name, args = self.config.name, self.config.args
         rewards = rewards.to(torch.float64)
         zero_variance = group_stats(rewards, group_ids).std == 0
@@ -76,7 +79,8 @@ class StepAdvantages:
         else:
             mask = torch.zeros(len(lengths), max(lengths, default=0) or 1, dtype=torch.float64)
             for i, n in enumerate(lengths):
-                mask[i, :n] = 1.0
+                given = loss_masks[i] if loss_masks is not None else None
+                mask[i, :n] = 1.0 if given is None else torch.tensor(given, dtype=torch.float64)
             per_token = compute_token_advantages(name, rewards, mask, group_ids=group_ids, **args).advantages
             return [per_token[i, :n].tolist() for i, n in enumerate(lengths)], zero_variance
         return [[float(a)] * n for a, n in zip(scalar, lengths)], zero_variance

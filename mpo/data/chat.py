@@ -108,20 +108,26 @@ class PromptEncoder:
             raise DataError(f"the tokenizer's chat template does not parse: line {e.lineno}: {e.message}") from None
 
     def _render(self, row: Row) -> str:
+        return self.render_messages(self.messages(row), add_generation_prompt=True, where=row.source)
+
+    def render_messages(self, messages: list[dict], *, add_generation_prompt: bool, where: str) -> str:
+        """The chat template's text of `messages` (bounded, mpo.data.template); DataError naming `where`."""
         from .template import TemplateLimit
 
+        if self._template is None:
+            raise DataError(f"{where}: chat messages need the tokenizer's chat template (chat_template is off)")
         variables = {**getattr(self.tokenizer, "special_tokens_map", {}), **self.template_kwargs}
         try:
             return self._template.render(timeout_s=self.template_timeout_s, max_chars=self.template_max_chars,
-                                         messages=self.messages(row), tools=None, documents=None,
-                                         add_generation_prompt=True, **variables)
+                                         messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
         except TemplateLimit as e:
-            raise DataError(f"{row.source}: the chat template {e}") from None
+            raise DataError(f"{where}: the chat template {e}") from None
         except RecursionError:
-            raise DataError(f"{row.source}: the chat template recursed too deeply") from None
+            raise DataError(f"{where}: the chat template recursed too deeply") from None
         except Exception as e:  # noqa: BLE001 - the template's own errors (raise_exception, TypeError, ...)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise DataError(f"{row.source}: the chat template failed: {type(e).__name__}: {first[:200]}") from None
+            raise DataError(f"{where}: the chat template failed: {type(e).__name__}: {first[:200]}") from None
 
     def messages(self, row: Row) -> list[dict]:
         chat = list(row.messages) if row.messages is not None else [{"role": "user", "content": row.prompt}]

@@ -19,6 +19,17 @@ class TextPrompt:
     answer_ids: tuple[int, ...]
     metadata: dict
     source: str
+    fields: dict | None = None  # the row's keys (prompt or messages, answer, the others): an environment's row
+
+
+def _fields(row) -> dict:
+    out = dict(row.metadata)
+    if row.prompt is not None:
+        out["prompt"] = row.prompt
+    if row.messages is not None:
+        out["messages"] = [dict(m) for m in row.messages]
+    out["answer"] = row.answer
+    return out
 
 
 class TextTask:
@@ -54,7 +65,7 @@ class TextTask:
             in_a_row = 0
             out.append(TextPrompt(ids=tuple(ids), answer=row.answer,
                                   answer_ids=tuple(self.encoder.encode_answer(row)),
-                                  metadata=row.metadata, source=row.source))
+                                  metadata=row.metadata, source=row.source, fields=_fields(row)))
         return out
 
     def state_dict(self) -> dict:

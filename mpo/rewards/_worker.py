@@ -107,7 +107,11 @@ def _limit_memory(max_memory_mb: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
-def main(argv: list[str]) -> None:
+def serve(argv: list[str], load, handle) -> None:
+    """The worker's life under the containment above: `load(name)` once (its failure is reported as ("fatal", ...)),
+    then for each (task_id, *payload) frame, (task_id, True, handle(loaded, *payload)) or (task_id, False, "Error:
+    message"). `handle` must return plain data (the parent unpickles it): the reward pool's floats, the environment
+    pool's validated messages. Shared by mpo.rewards and mpo.envs, whose workers differ only in what they load."""
     name, parent_pid = argv[0], int(argv[1])
     max_memory_mb = int(argv[2]) if len(argv) > 2 else 0
     _die_with_parent(parent_pid)
@@ -131,10 +135,7 @@ def main(argv: list[str]) -> None:
     os.register_at_fork(after_in_child=lose_protocol)
     _limit_memory(max_memory_mb)
     try:
-        from mpo.rewards.registry import get_reward, warm_up
-
-        fn = get_reward(name)
-        warm_up(name)
+        loaded = load(name)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         write_frame(out, ("fatal", f"{type(e).__name__}: {e}"))
         return
@@ -143,14 +144,30 @@ def main(argv: list[str]) -> None:
         message = read_frame(inp)
         if message is None:
             return
-        task_id, completion, answer, metadata = message
+        task_id, payload = message[0], message[1:]
         try:
-            reply = (task_id, True, check_reward(float(fn(completion, answer, metadata))))
-        except BaseException as e:  # noqa: BLE001 - any failure of the reward is a 0.0 and a counted error
+            reply = (task_id, True, handle(loaded, *payload))
+        except BaseException as e:  # noqa: BLE001 - any failure of the plug-in is a counted error
             reply = (task_id, False, f"{type(e).__name__}: {str(e)[:500]}")
-        if os.getpid() != me:  # the child of a fork in the reward came back here: only the worker answers
+        if os.getpid() != me:  # the child of a fork in the plug-in came back here: only the worker answers
             os._exit(0)
         write_frame(out, reply)
+
+
+def _load_reward(name: str):
+    from mpo.rewards.registry import get_reward, warm_up
+
+    fn = get_reward(name)
+    warm_up(name)
+    return fn
+
+
+def _score(fn, completion, answer, metadata) -> float:
+    return check_reward(float(fn(completion, answer, metadata)))
+
+
+def main(argv: list[str]) -> None:
+    serve(argv, _load_reward, _score)
 
 
 if __name__ == "__main__":

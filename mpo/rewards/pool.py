@@ -97,11 +97,10 @@ def _shutdown(workers: list[_Worker]) -> None:
 
 @dataclass
 class _Batch:
-    completions: list
-    answers: list
-    metadatas: list
-    rewards: list[float] = field(default_factory=list)
+    items: list  # one tuple of call arguments per task (the worker gets (task_id, *item))
+    results: list = field(default_factory=list)  # a failed task's entry is the pool's failure value
     errors: int = 0
+    failed: set[int] = field(default_factory=set)
 
 
 class RewardPool:
@@ -115,6 +114,9 @@ class RewardPool:
     creating *thread* exits, so create the pool on a long-lived thread).
     """
 
+    worker_module = "mpo.rewards._worker"  # what each worker runs (mpo.envs.pool.EnvPool runs its own)
+    kind = "reward"  # in messages
+
     def __init__(self, fn_name: str, *, timeout_s: float, workers: int,
                  max_memory_mb: int | None = DEFAULT_MAX_MEMORY_MB) -> None:
         if timeout_s <= 0:
@@ -123,7 +125,7 @@ class RewardPool:
             raise ValueError(f"reward workers={workers} must be >= 1")
         if max_memory_mb is not None and max_memory_mb < 64:
             raise ValueError(f"reward max_memory_mb={max_memory_mb} must be >= 64 (or None: no cap)")
-        get_reward(fn_name)  # a bad name or plug-in fails here, with one line, not in the workers
+        self._check_name(fn_name)  # a bad name or plug-in fails here, with one line, not in the workers
         self.fn_name = fn_name
         self.timeout_s = float(timeout_s)
         self.n_workers = workers
@@ -139,6 +141,10 @@ class RewardPool:
             self._workers.append(self._start())
 
     @staticmethod
+    def _check_name(fn_name: str) -> None:
+        get_reward(fn_name)
+
+    @staticmethod
     def _worker_env() -> dict[str, str]:
         # The worker must import what this process can (plug-ins named module:function): give it our sys.path.
         env = dict(os.environ)
@@ -147,7 +153,7 @@ class RewardPool:
         return env
 
     def _start(self) -> _Worker:
-        proc = subprocess.Popen([sys.executable, "-m", "mpo.rewards._worker", self.fn_name, str(os.getpid()),
+        proc = subprocess.Popen([sys.executable, "-m", self.worker_module, self.fn_name, str(os.getpid()),
                                  str(self.max_memory_mb)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                                 env=self._env, start_new_session=True)
@@ -164,7 +170,7 @@ class RewardPool:
         keep = chunk[:max(0, self._output_left)]
         dropped = len(chunk) - len(keep)
         if dropped and self._output_left > 0:
-            keep += (f"\nmpo: reward {self.fn_name!r}: workers wrote over {MAX_OUTPUT_BYTES >> 10} KiB to stderr "
+            keep += (f"\nmpo: {self.kind} {self.fn_name!r}: workers wrote over {MAX_OUTPUT_BYTES >> 10} KiB to stderr "
                      "in this batch; the rest of it is dropped\n").encode()
         self._output_left -= len(chunk)
         self.dropped_output_bytes += dropped
@@ -179,7 +185,8 @@ class RewardPool:
 
     def _fail(self, batch: _Batch, worker: _Worker, message: str) -> None:
         assert worker.task is not None
-        batch.rewards[worker.task] = 0.0
+        batch.results[worker.task] = self._failed_value
+        batch.failed.add(worker.task)
         batch.errors += 1
         if len(self.last_errors) < 8:
             self.last_errors.append(f"item {worker.task}: {message}")
@@ -195,24 +202,24 @@ class RewardPool:
     def _on_message(self, batch: _Batch, worker: _Worker, message) -> None:
         if message is None:  # the worker died
             if worker.task is not None:
-                self._fail(batch, worker, f"reward worker died (exit code {self._exit_code(worker)})")
+                self._fail(batch, worker, f"{self.kind} worker died (exit code {self._exit_code(worker)})")
             elif not worker.ready:
                 self._start_failures += 1
                 if self._start_failures >= MAX_START_FAILURES:
-                    raise RuntimeError(f"reward {self.fn_name!r}: {self._start_failures} workers in a row died "
+                    raise RuntimeError(f"{self.kind} {self.fn_name!r}: {self._start_failures} workers in a row died "
                                        f"while starting (last exit code {self._exit_code(worker)}); see stderr")
             self._replace(worker)
         elif message[0] == "ready":
             worker.ready = True
             self._start_failures = 0
         elif message[0] == "fatal":
-            raise RuntimeError(f"reward {self.fn_name!r}: worker cannot load it: {message[1]}")
+            raise RuntimeError(f"{self.kind} {self.fn_name!r}: worker cannot load it: {message[1]}")
         else:
             task_id, ok, value = message
             if task_id != worker.task:  # cannot happen with one task per worker; guards against a protocol bug
-                raise RuntimeError(f"reward worker answered item {task_id}, expected {worker.task}")
+                raise RuntimeError(f"{self.kind} worker answered item {task_id}, expected {worker.task}")
             if ok:
-                batch.rewards[task_id] = value
+                batch.results[task_id] = value
                 worker.task = None
             else:
                 self._fail(batch, worker, value)
@@ -223,15 +230,26 @@ class RewardPool:
                              f"{len(metadatas)} metadatas: the lists must have one entry each")
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
-        batch = _Batch(completions, answers, metadatas, rewards=[0.0] * len(completions))
+        batch = self.run(list(zip(completions, answers, metadatas)), 0.0)
+        return batch.results, batch.errors
+
+    _failed_value = 0.0
+
+    def run(self, items: list[tuple], failed_value=None) -> _Batch:
+        """Call the workers' plug-in once per item (a tuple of arguments); results in input order, `failed_value`
+        where the call raised, timed out or crashed its worker (their indices in `failed`)."""
+        if not self._workers:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        self._failed_value = failed_value
+        batch = _Batch(list(items), results=[failed_value] * len(items))
         self.last_errors = []
         self._output_left = MAX_OUTPUT_BYTES
-        pending = collections.deque(range(len(completions)))
+        pending = collections.deque(range(len(items)))
         while pending or any(w.task is not None for w in self._workers):
             self._dispatch(batch, pending)
             self._wait(batch)
             self._expire(batch)
-        return batch.rewards, batch.errors
+        return batch
 
     def _dispatch(self, batch: _Batch, pending: collections.deque) -> None:
         for worker in list(self._workers):
@@ -241,7 +259,7 @@ class RewardPool:
                 continue
             i = pending.popleft()
             try:
-                write_frame(worker.stdin, (i, batch.completions[i], batch.answers[i], batch.metadatas[i]))
+                write_frame(worker.stdin, (i, *batch.items[i]))
             except OSError:  # died while idle: the item never ran, so it goes back to the queue
                 pending.appendleft(i)
                 self._replace(worker)
@@ -277,7 +295,8 @@ class RewardPool:
                 self._fail(batch, worker, f"timed out after {self.timeout_s:g} s; worker killed and replaced")
                 self._replace(worker)
             elif not worker.ready and now >= worker.started + STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"reward {self.fn_name!r}: a worker did not start within {STARTUP_TIMEOUT_S:g} s")
+                raise RuntimeError(f"{self.kind} {self.fn_name!r}: a worker did not start within "
+                                   f"{STARTUP_TIMEOUT_S:g} s")
 
     def close(self) -> None:
         self._finalizer()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ class Drawn:
         errors: responses the verifier failed on.
         rollout_s: generation wall time.
         restarts: engine restarts while generating.
+        env: multi-turn episodes' counters (mpo.envs.rollout.EnvStats), None for single turns.
     """
 
     group_size: int
@@ -45,6 +46,7 @@ class Drawn:
     errors: int = 0
     rollout_s: float = 0.0
     restarts: int = 0
+    env: Any = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -58,6 +60,12 @@ class Drawn:
         self.penalties += other.penalties
         self.errors += other.errors
         self.rollout_s += other.rollout_s
+        if other.env is not None:
+            if self.env is None:
+                from mpo.envs.rollout import EnvStats
+
+                self.env = EnvStats()
+            self.env.add(other.env)
         self.restarts += other.restarts
 
     def groups(self, indices: Sequence[int]) -> Drawn:

@@ -23,6 +23,8 @@ class Sample:
         rollout_logprobs: the engine's log-probs of the completion tokens.
         routes: the engine's routed experts [len(ids)-1, layers, top_k] (R3), or None.
         versions: the policy version (weights after that many RL steps) each completion token was sampled under.
+        loss_mask: per completion token, 1 where it carries loss (None: every one); multi-turn episodes (mpo.envs)
+            have 0 at the environment's observation tokens.
     """
 
     ids: list[int]
@@ -33,6 +35,7 @@ class Sample:
     rollout_logprobs: list[float] | None = None
     routes: np.ndarray | None = None
     versions: list[int] | None = None
+    loss_mask: list[float] | None = None
 
 
 def _pad_sample(length: int) -> Sample:
@@ -71,7 +74,8 @@ def sample_extras(rows: list[Sample], n_real: int, width: int) -> dict:
     rollout_lp = torch.zeros(b, width)
     for i, s in enumerate(rows):
         n = len(s.ids)
-        mask[i, s.prompt_len : n] = 1.0
+        # multi-turn rows (mpo.envs): loss only on the model's own tokens, not the environment's
+        mask[i, s.prompt_len : n] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
         adv[i, s.prompt_len : n] = torch.as_tensor(s.advantage, dtype=adv.dtype)
         if s.rollout_logprobs is not None:
             rollout_lp[i, s.prompt_len : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)

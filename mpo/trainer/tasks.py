@@ -141,6 +141,16 @@ class TextRun:
         self.data = TextTask(RowStream(source, config.seed), self.encoder, max_prompt_tokens=limit)
         # The warm start reads its own order of the same rows, so it never moves the RL stream's position.
         self.warm_data = TextTask(RowStream(source, config.seed + 7919), self.encoder, max_prompt_tokens=limit)
+        self.env = None  # rollout.env: (EnvPool, TurnRenderer); the environments score, no reward pool
+        if config.rollout.env is not None:
+            from mpo.envs.pool import EnvPool
+            from mpo.envs.render import TurnRenderer
+
+            self.reward_name = None
+            self.pool = EnvPool(config.rollout.env, timeout_s=config.reward.timeout_s, workers=config.reward.workers,
+                                max_memory_mb=config.reward.max_memory_mb)
+            self.env = (self.pool, TurnRenderer(self.encoder, self.stop_token_ids))
+            return
         self.reward_name = config.reward.fn or default_reward(self.spec.kind)
         from mpo.rewards import RewardPool
 

@@ -205,7 +205,8 @@ class Trainer:
         if results:  # empty only when dynamic sampling found no varied group
             # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
             advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups,
-                                                        [len(r.output_ids) for r in results])
+                                                        [len(r.output_ids) for r in results],
+                                                        [r.meta.get("loss_mask") for r in results])
             if cfg.algorithm.filter_zero_variance:
                 keep = ~zero_variance  # per response: its group's rewards were all equal
         if cfg.algorithm.overlong_filter:  # DAPO: a truncated response gets no loss (it still counts in its group)
@@ -213,9 +214,10 @@ class Trainer:
         samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
+                          loss_mask=r.meta.get("loss_mask"),
                           versions=[version_number(v, version) for v in
                                     r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
-                   for i, r in enumerate(results) if keep[i]]
+                   for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
         # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
         # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
         all_rewards = drawn.rewards
@@ -232,6 +234,8 @@ class Trainer:
             "reward_errors": float(drawn.errors),
             "truncated_frac": sum(all_truncated) / len(all_truncated),
         }
+        if drawn.env is not None:
+            metrics.update(drawn.env.metrics())
         if cfg.algorithm.dynamic_sampling:
             metrics.update(sampling_rounds=float(outcome.rounds), sampling_groups_drawn=float(len(drawn)),
                            sampling_exhausted=float(outcome.exhausted))
@@ -245,8 +249,8 @@ class Trainer:
 
     def _draw_round(self, step: int, round_: int, count: int):
         """Draw `count` prompt groups (round `round_` of the step: its own prompts and sampling seeds), generate G
-        responses each and score them; prompt retirement sees every drawn group."""
-        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+        responses each (multi-turn episodes under rollout.env) and score them; prompt retirement sees every drawn
+        group."""
         from mpo.trainer.dynamic_sampling import Drawn
 
         cfg = self.config
@@ -257,37 +261,51 @@ class Trainer:
         budget = cfg.rollout.max_new_tokens
         if self.task.max_answer_tokens is not None:
             budget = min(budget, self.task.max_answer_tokens)
-        requests = []
-        with self.clock("request_build"):
-            for p_index, prompt in enumerate(prompts):
-                for g in range(G):
-                    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                              max_new_tokens=budget, stop_token_ids=self.task.stop_token_ids,
-                                              sampling_seed=_sampling_seed(cfg.seed, step, p_index * G + g, round_))
-                    requests.append(GenerateRequest(list(prompt.ids), sampling, return_routed_experts=want_routes))
+        seeds = [_sampling_seed(cfg.seed, step, i, round_) for i in range(len(prompts) * G)]
         started = time.perf_counter()
-        # One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
-        # function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit.
+        if cfg.rollout.env is not None:  # multi-turn episodes with an environment (mpo.envs.rollout)
+            from mpo.envs.rollout import draw_episodes
+
+            drawn = draw_episodes(cfg, self.task, prompts, seeds, want_routes, generate=self._generate,
+                                  context_length=self.model_cfg.max_position_embeddings)
+        else:
+            with self.clock("request_build"):
+                requests = [GenerateRequest(list(prompts[i // G].ids), SamplingParams(
+                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=budget,
+                    stop_token_ids=self.task.stop_token_ids, sampling_seed=seed), return_routed_experts=want_routes)
+                    for i, seed in enumerate(seeds)]
+            results, restarts = self._generate(requests)
+            rollout_s = time.perf_counter() - started
+            with self.clock("scoring"):
+                scored = self.task.score([prompts[i // G] for i in range(len(results))],
+                                         [r.output_ids for r in results])
+            penalties = self._overlong_penalties(results)
+            rewards = [r + p for r, p in zip(scored.rewards, penalties)]
+            drawn = Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
+                          restarts)
+        if self.retirement is not None:
+            self.retirement.observe(prompts, [sum(r == 1.0 for r in drawn.rewards[p * G:(p + 1) * G]) / G
+                                              for p in range(len(prompts))])
+        return drawn
+
+    def _generate(self, requests: list[GenerateRequest]) -> tuple[list, int]:
+        """One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
+        function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit. Returns the
+        results in request order and the engine restarts it took."""
+        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
+
         per_engine = -(-len(requests) // len(self.engines))
         pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in self.engines],
-                           PoolConfig(request_timeout_s=cfg.rollout.request_timeout_s, max_concurrency_per_engine=1,
-                                      requests_per_call=per_engine))
+                           PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
+                                      max_concurrency_per_engine=1, requests_per_call=per_engine))
+        started = time.perf_counter()
         results = pool.generate(requests)
-        rollout_s = time.perf_counter() - started
         # The engine's own time: from its receipt of the batch to the last response (e2e_latency, its clock); the rest
-        # of the rollout is the client's (HTTP, JSON, decoding the arrays).
+        # of the call is the client's (HTTP, JSON, decoding the arrays).
         engine_s = max((r.meta.get("e2e_latency") or 0.0 for r in results), default=0.0)
         self.clock.add("engine", engine_s)
-        self.clock.add("http_and_decode", max(rollout_s - engine_s, 0.0))
-        with self.clock("scoring"):
-            scored = self.task.score([prompts[i // G] for i in range(len(results))], [r.output_ids for r in results])
-        penalties = self._overlong_penalties(results)
-        rewards = [r + p for r, p in zip(scored.rewards, penalties)]
-        if self.retirement is not None:
-            self.retirement.observe(prompts, [sum(r == 1.0 for r in rewards[p * G:(p + 1) * G]) / G
-                                              for p in range(len(prompts))])
-        return Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
-                     sum(h.restarts for h in pool.engines))
+        self.clock.add("http_and_decode", max(time.perf_counter() - started - engine_s, 0.0))
+        return results, sum(h.restarts for h in pool.engines)
 
     def _overlong_penalties(self, results: list) -> list[float]:
         """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""

@@ -16,6 +16,7 @@ import hmac
 import io
 import json
 import logging
+import select
 import socket
 import threading
 from dataclasses import dataclass
@@ -302,12 +303,19 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
             return ok
 
         def _client_gone(self) -> bool:
-            """The client closed or reset its connection (a pending request then has no one to answer)."""
+            """The client closed or reset its connection (a pending request then has no one to answer).
+
+            select() first: the connection has a timeout (RequestReader sets the idle timeout), and Python waits
+            that long for a timed socket to be readable before any recv, MSG_DONTWAIT or not; every poll of a
+            generation slower than GONE_POLL_S then stalled the answer by idle_timeout_s (60 s)."""
             try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                if not readable:
+                    return False  # nothing to read: still there
                 return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
             except BlockingIOError:
-                return False  # nothing to read: still there
-            except OSError:
+                return False
+            except (OSError, ValueError):
                 return True
 
         def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr

@@ -1,0 +1,55 @@
+"""Per-rank body of the multi-turn test: the real Trainer with a real local mpo engine (fp32) and the scripted
+two-turn environment; records every engine call, the samples collect() built and the old forward under R3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def two_turn(out_dir: str, overrides: list[str]) -> None:
+    from mpo.cli import RECIPES
+    from mpo.config import load_config
+    from mpo.trainer.loop import EngineSet, _sync
+    from mpo.trainer.rows import rank_microbatches
+    from mpo.trainer.trainer import Trainer
+
+    config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", *overrides])
+    trainer = Trainer(config)
+    engines = EngineSet(config, Path(out_dir))
+    trainer.engines = engines.handles
+    calls = []
+    try:
+        _sync(trainer, engines, "v0")
+        generate = trainer._generate
+
+        def recorded(requests):
+            results, restarts = generate(requests)
+            calls.append([{"input": list(q.input_ids), "output": r.output_ids, "logprobs": r.output_logprobs,
+                           "routes": r.routed_experts.tolist() if r.routed_experts is not None else None}
+                          for q, r in zip(requests, results)])
+            return results, restarts
+
+        trainer._generate = recorded
+        samples, metrics = trainer.collect(0)
+        mbs = rank_microbatches(samples, dp_rank=0, dp_size=1, micro_batch_size=len(samples))
+        records, old_metrics = trainer._old_forward(mbs)
+        mb, record = mbs[0], records[0]
+        rows = []
+        for i, s in enumerate(samples):
+            n = len(s.ids)
+            rows.append({"ids": s.ids, "prompt_len": s.prompt_len, "loss_mask": s.loss_mask,
+                         "rollout_logprobs": s.rollout_logprobs, "reward": s.reward, "versions": s.versions,
+                         "trainer_logprobs": mb.extras["logp_old"][i, s.prompt_len:n].tolist(),
+                         "batch_mask": mb.extras["mask"][i, s.prompt_len:n].tolist(),
+                         "engine_routes": s.routes.tolist(),
+                         "replayed": record.indices[i, :n - 1].to(torch.int64).tolist(),
+                         "natural": record.natural_choice().indices[i, :n - 1].to(torch.int64).tolist()})
+        Path(out_dir, "two_turn.json").write_text(json.dumps({"calls": calls, "rows": rows, "metrics": metrics,
+                                                             "old_metrics": old_metrics}))
+    finally:
+        engines.stop()
+        trainer.task.close()
+    torch.distributed.destroy_process_group()
