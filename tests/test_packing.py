@@ -121,3 +121,20 @@ def test_packed_plan_accounts_activations_by_the_token_budget():
     padded = activations("schedule.micro_batch_size=4")
     assert activations(f"schedule.max_tokens_per_microbatch={4 * seq}") == pytest.approx(padded, rel=1e-9)
     assert activations(f"schedule.max_tokens_per_microbatch={2 * seq}") == pytest.approx(padded / 2, rel=1e-9)
+
+
+def test_packed_rows_keep_a_multi_turn_loss_mask():
+    """A multi-turn row (mpo.envs) carries loss only on the model's tokens; packed, its mask in the sample layout is
+    the same as padded: observation tokens (loss_mask 0) stay out of the loss."""
+    from mpo.trainer.rows import rank_microbatches
+
+    turn = Sample(ids=[5, 6, 7, 8, 9, 10, 11], prompt_len=2, group=0, reward=1.0, advantage=1.0,
+                  loss_mask=[1.0, 1.0, 0.0, 0.0, 1.0])
+    plain = Sample(ids=[5, 6, 7], prompt_len=1, group=0, reward=0.0, advantage=-1.0)
+    packed = pack_pass([[turn, plain]], dp_rank=0, dp_size=1, max_tokens=16, max_rows=4)[0]
+    padded = rank_microbatches([turn, plain], dp_rank=0, dp_size=1, micro_batch_size=4)
+    assert len(packed) == 1 and len(padded) == 1
+    masks = {id(s): packed[0].extras["mask"][j] for j, s in enumerate(packed[0].extras["samples"])}
+    assert masks[id(turn)][:7].tolist() == [0, 0, 1, 1, 0, 0, 1]
+    assert masks[id(plain)][:3].tolist() == [0, 1, 1]
+    assert padded[0].extras["mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 1]
