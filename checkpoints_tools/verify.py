@@ -153,16 +153,24 @@ def run_mcore(mcore_dir: str | Path, prompts: list[list[int]], *, tp: int = 1, e
     world = world_size_for(tp, ep, pp, etp)
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "mcore.pt")
-        try:
-            mp.start_processes(_rank_entry, args=(world, free_port(), (str(mcore_dir), prompts, layout, out_file,
-                                                                       str(resave_dir) if resave_dir else None)),
-                               nprocs=world, join=True, start_method="spawn")
-        except (ProcessExitedException, ProcessRaisedException) as exc:
-            errors = sorted(Path(tmp).glob("mcore.pt.error-rank*"))
-            if errors:
-                raise ConversionError(errors[0].read_text().strip(), file=str(mcore_dir)) from None
-            raise ConversionError(f"a megatron rank failed: {str(exc).strip().splitlines()[0]}",
-                                  file=str(mcore_dir)) from None
+        for attempt in range(3):
+            try:
+                mp.start_processes(_rank_entry, args=(world, free_port(), (str(mcore_dir), prompts, layout, out_file,
+                                                                           str(resave_dir) if resave_dir else None)),
+                                   nprocs=world, join=True, start_method="spawn")
+                break
+            except (ProcessExitedException, ProcessRaisedException) as exc:
+                errors = sorted(Path(tmp).glob("mcore.pt.error-rank*"))
+                message = errors[0].read_text().strip() if errors else ""
+                for error in errors:
+                    error.unlink()
+                # the port free_port saw free was taken before rank 0 bound it (another job on the host): new port
+                if "EADDRINUSE" in message and attempt < 2:
+                    continue
+                if message:
+                    raise ConversionError(message, file=str(mcore_dir)) from None
+                raise ConversionError(f"a megatron rank failed: {str(exc).strip().splitlines()[0]}",
+                                      file=str(mcore_dir)) from None
         return torch.load(out_file, weights_only=True)
 
 

@@ -107,3 +107,25 @@ def test_megatron_resave_at_tp2_matches(ckpts, tp2_run):
     assert pairs.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(pairs[name], tensor), name
+
+
+def test_a_port_taken_before_rank_0_binds_it_costs_a_retry_not_the_run(ckpts, monkeypatch):
+    """free_port can report a port that another job on the host takes before megatron's rank 0 binds it (a CI run
+    beside other test sessions lost four tests to EADDRINUSE): the run retries on a new port."""
+    import socket
+
+    import checkpoints_tools.verify as verify
+    from mpo.parallel.ports import free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    handed: list[int] = []
+    monkeypatch.setattr(verify, "free_port", lambda: handed.append(free_port() if handed else taken.getsockname()[1])
+                        or handed[-1])
+    try:
+        got = run_mcore(ckpts["mc"], ckpts["prompts"])
+    finally:
+        taken.close()
+    assert len(handed) == 2  # the taken port, then a new one
+    assert compare(ckpts["ref"], got, {"tp": 1}, tolerance=TOL).max_logprob_diff <= TOL

@@ -12,6 +12,7 @@ bit-exact, its W&B run holding the rows) is tests/test_demo.py::test_killed_run_
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,11 @@ def test_hardening_27_wandb_offline_run_holds_every_metrics_row(tmp_path, monkey
         log.log(step, row)
     log.close()
     (run_dir,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    # wandb-core (its own process) may still be flushing the run file when finish() returns on a loaded machine (a
+    # CI run under load 10 read an empty history once): wait for the rows, up to 60 s
+    deadline = time.monotonic() + 60
+    while wandb_history(run_dir) != rows and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert wandb_history(run_dir) == rows
 
 
