@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from mpo.plugins import resolve_plugin
 
 # Built-in environments, imported lazily by name.
 ENV_REGISTRY: dict[str, str] = {
@@ -21,15 +21,7 @@ def get_env_class(name: str) -> type:
     if not module_name or not attr:
         raise ValueError(f"unknown environment {name!r}; known environments: {', '.join(sorted(ENV_REGISTRY))}, "
                          "or 'module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"environment {name!r}: cannot import module {module_name!r}: {e}") from None
-    cls = module
-    for part in attr.split("."):
-        if not hasattr(cls, part):
-            raise ValueError(f"environment {name!r}: module {module_name!r} has no attribute {attr!r}")
-        cls = getattr(cls, part)
+    cls = resolve_plugin("environment", name, target)
     if not isinstance(cls, type):
         raise ValueError(f"environment {name!r}: {attr!r} is a {type(cls).__name__}, not a class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
+
+from mpo.plugins import resolve_plugin
 
 RewardFn = Callable[[str, Any, dict], float]
 
@@ -41,20 +42,11 @@ def reward_names() -> list[str]:
 
 
 def _load_plugin(name: str) -> RewardFn:
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
+    if not all(name.partition(":")[::2]):
         raise ValueError(f"reward {name!r}: a plug-in is named 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
+    fn = resolve_plugin("reward", name, name)
     if not callable(fn):
-        raise ValueError(f"reward {name!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"reward {name!r}: {name.partition(':')[2]!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
