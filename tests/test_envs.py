@@ -165,7 +165,8 @@ def test_env_two_turn_sequence_mask_logprobs_and_routes_through_the_trainer(two_
     """mpo's engine (fp32) and the Trainer: the trained row is prompt + turn 1 + rendered observation + turn 2 as
     generated; the loss mask is exactly the generated tokens; turn 2's engine log-probs (sampled with the
     observation in context) equal the trainer's old forward; R3 replays the engine's routes at every position, the
-    observation's included, and those are the routes the trainer's own router picks too (fp32)."""
+    observation's included, and those are the routes the trainer's own router picks too (fp32); packed rows
+    give the same mask and log-probs (<= 1e-5)."""
     calls, rows = two_turn["calls"], two_turn["rows"]
     assert len(calls) == 2 and len(rows) == 4
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -178,6 +179,9 @@ def test_env_two_turn_sequence_mask_logprobs_and_routes_through_the_trainer(two_
         assert row["ids"] == first["input"] + turn1 + obs + turn2 and row["prompt_len"] == len(first["input"])
         mask = [1.0] * len(turn1) + [0.0] * len(obs) + [1.0] * len(turn2)
         assert row["loss_mask"] == mask and row["batch_mask"] == mask
+        # sequence packing keeps the mask and the log-probs of every token (the same rows packed end to end)
+        assert row["packed_mask"] == mask
+        assert np.abs(np.array(row["packed_logprobs"]) - np.array(row["trainer_logprobs"])).max() <= 1e-5
         assert row["reward"] == 0.75
         # turn 2's engine log-probs vs the trainer's (fp32), with the observation in the context
         t2 = slice(len(turn1) + len(obs), None)

@@ -1,5 +1,6 @@
 """Per-rank body of the multi-turn test: the real Trainer with a real local mpo engine (fp32) and the scripted
-two-turn environment; records every engine call, the samples collect() built and the old forward under R3."""
+two-turn environment; records every engine call, the samples collect() built and the old forward under R3, padded
+and packed."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
         mbs = rank_microbatches(samples, dp_rank=0, dp_size=1, micro_batch_size=len(samples))
         records, old_metrics = trainer._old_forward(mbs)
         mb, record = mbs[0], records[0]
+        # the same samples packed (sequence packing, block-diagonal mask on the local spec), under the same R3 replay
+        from dataclasses import replace
+
+        trainer.config = replace(config, schedule=replace(config.schedule, max_tokens_per_microbatch=512))
+        packed = trainer.pass_microbatches([samples])[0]
+        trainer._old_forward(packed)
+        trainer.config = config
+        by_sample = {id(ps): (pmb, j) for pmb in packed for j, ps in enumerate(pmb.extras["samples"])}
         rows = []
         for i, s in enumerate(samples):
             n = len(s.ids)
@@ -44,6 +53,9 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
                          "rollout_logprobs": s.rollout_logprobs, "reward": s.reward, "versions": s.versions,
                          "trainer_logprobs": mb.extras["logp_old"][i, s.prompt_len:n].tolist(),
                          "batch_mask": mb.extras["mask"][i, s.prompt_len:n].tolist(),
+                         "packed_logprobs": by_sample[id(s)][0].extras["logp_old"][by_sample[id(s)][1],
+                                                                                  s.prompt_len:n].tolist(),
+                         "packed_mask": by_sample[id(s)][0].extras["mask"][by_sample[id(s)][1], s.prompt_len:n].tolist(),
                          "engine_routes": s.routes.tolist(),
                          "replayed": record.indices[i, :n - 1].to(torch.int64).tolist(),
                          "natural": record.natural_choice().indices[i, :n - 1].to(torch.int64).tolist()})
