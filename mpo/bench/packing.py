@@ -60,6 +60,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     torch.set_num_threads(1)
     from mpo.cli import RECIPES
     from mpo.config import load_config
+    from mpo.parallel.collectives import all_reduce_
     from mpo.trainer.trainer import Trainer
 
     config = load_config(RECIPES / "demo_cpu.yaml", [
@@ -96,9 +97,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
             trainer._update(mbs, records, config.data.prompts_per_step, None)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            # on the trainer's device: NCCL reduces device tensors only
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=trainer.device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            all_reduce_(elapsed, op=dist.ReduceOp.MAX)  # on the backend's device (NCCL reduces device tensors only)
             if repeat:
                 timings[name].append(float(elapsed))
     gathered: list = [None] * world
