@@ -9,7 +9,6 @@ learning signal; they are reported in ``zero_variance`` so the trainer can drop 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

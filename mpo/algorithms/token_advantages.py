@@ -11,7 +11,7 @@ t; their padded entries may hold garbage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
