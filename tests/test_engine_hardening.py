@@ -28,7 +28,7 @@ import torch
 from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient, EngineError
 from mpo.rollout.local_engine import LocalEngineProcess
-from mpo.rollout.mpo_engine.generator import MpoGenerator
+from mpo.engine.generator import MpoGenerator
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
 
 KEY = "k"

@@ -79,7 +79,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
 # reductions (their tensors are made from the logits, on the compute device); mpo's engine receiving into its own
 # buffers on its own gloo weight-update group.
 DIRECT_COLLECTIVES_ALLOWED = {"mpo/parallel/collectives.py", "mpo/models/logprobs.py",
-                              "mpo/rollout/mpo_engine/weight_routes.py"}
+                              "mpo/engine/weight_routes.py"}
 
 
 def test_no_tensor_collective_outside_the_device_aware_helper():
@@ -140,7 +140,7 @@ class _MetaModel(torch.nn.Module):
 
 def _engine(vocab: int = 16):
     from mpo.models.config import preset
-    from mpo.rollout.mpo_engine.model_runner import EngineModel
+    from mpo.engine.model import EngineModel
 
     model = _MetaModel(vocab)
     return EngineModel(model, preset("tiny-2layer").with_overrides(vocab_size=vocab)), model

@@ -63,7 +63,7 @@ def _roles(run_id: str) -> tuple[list[int], list[int]]:
     procs = live_processes_with_env(MARKER, run_id)
     ranks = [pid for pid, cmd in procs.items()
              if "-m mpo.trainer" in cmd and not any(launcher in cmd for launcher in ("torchrun", "distributed.run"))]
-    engines = [pid for pid, cmd in procs.items() if "-m mpo.rollout.mpo_engine" in cmd]
+    engines = [pid for pid, cmd in procs.items() if "-m mpo.engine" in cmd]
     return ranks, engines
 
 

@@ -112,7 +112,7 @@ def test_cpu_demo_on_two_nodes_is_colocated_with_engine_on_last_node():
     assert "--nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr n1" in " ".join(trainer.argv)
     assert trainer.env["OMP_NUM_THREADS"] == "1"
     engine = plan.nodes[1].processes[1]
-    assert engine.argv[:3] == ("SGPY", "-m", "mpo.rollout.mpo_engine") and engine.url == "http://n2:30000"
+    assert engine.argv[:3] == ("SGPY", "-m", "mpo.engine") and engine.url == "http://n2:30000"
     assert "--enable-return-routed-experts" in engine.argv and "--fp32-lm-head" in engine.argv
 
 

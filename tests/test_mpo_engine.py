@@ -119,7 +119,7 @@ def test_hardening_api_key_reaches_the_engine_by_environment_not_argv(engines):
 
 
 def test_hardening_engine_cli_refuses_key_on_argv_and_reads_key_file(tmp_path, capsys):
-    from mpo.rollout.mpo_engine.__main__ import api_key, main, parse_args
+    from mpo.engine.__main__ import api_key, main, parse_args
 
     assert main(["--port", "1", "--api-key", "K3y"]) == 2
     err = capsys.readouterr().err.strip()
@@ -140,11 +140,11 @@ def test_hardening_engine_cli_refuses_key_on_argv_and_reads_key_file(tmp_path, c
     ("0.0.0.0", "K3y", "Bearer K3z", 401),   # same length, wrong key
 ])
 def test_hardening_keyless_engine_serves_weight_routes_only_on_loopback(host, key, header, status):
-    """The HTTP layer alone (mpo_engine.server): the generator is not needed for these routes (None), and the disk
+    """The HTTP layer alone (mpo.engine.server): the generator is not needed for these routes (None), and the disk
     route is a stand-in that records it was reached."""
     import httpx
 
-    from mpo.rollout.mpo_engine.server import EngineApp, serve
+    from mpo.engine.server import EngineApp, serve
 
     app = EngineApp(None, info={})
     reached = []

@@ -20,8 +20,8 @@ NEW_TOKENS = 8
 
 def _partial_rollout(out_file: str) -> None:
     from mpo.parallel.ports import free_port
-    from mpo.rollout.mpo_engine.generator import MpoGenerator
-    from mpo.rollout.mpo_engine.model_runner import EngineModel
+    from mpo.engine.generator import MpoGenerator
+    from mpo.engine.model import EngineModel
     from mpo.rollout.protocol import SamplingParams
 
     engine = EngineModel.create(preset="tiny", mcore_dir=None, seed=3, dtype="fp32", fp32_lm_head=True,
@@ -51,7 +51,7 @@ def _partial_rollout(out_file: str) -> None:
         time.sleep(0.01)
     time.sleep(0.2)  # the scheduler is parked in its paused wait (it would have taken a 4th step by now otherwise)
     assert len(generator._active[0].output) == PAUSE_AFTER
-    with generator.model_lock:  # what a weight update does (mpo_engine.weight_routes.WeightRoutes.apply)
+    with generator.model_lock:  # what a weight update does (mpo.engine.weight_routes.WeightRoutes.apply)
         engine.load_hf(new)
         generator.weight_version = "v1"
     generator.resume()

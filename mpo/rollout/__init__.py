@@ -1,1 +1,2 @@
-"""Rollouts through SGLang's HTTP API: the client, a pool of engines, mpo's own engine, and weight sync."""
+"""Rollouts through SGLang's HTTP API, the client side: requests, a pool of engines, engine processes, and weight sync
+(mpo's own engine is `mpo.engine`)."""

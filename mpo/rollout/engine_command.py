@@ -123,7 +123,7 @@ def engine_command(settings: EngineSettings, *, python: str, host: str, port: in
         if s.memory_saver:
             argv.append("--enable-memory-saver")
         return EngineCommand(tuple(argv), env, host, port)
-    argv = [python, "-m", "mpo.rollout.mpo_engine", "--host", host, "--port", str(port), "--preset", s.preset,
+    argv = [python, "-m", "mpo.engine", "--host", host, "--port", str(port), "--preset", s.preset,
             "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--enable-return-routed-experts",
             "--fp32-lm-head" if s.fp32_lm_head else "--no-fp32-lm-head", "--seed", str(s.seed),
             "--max-body-mb", str(s.max_body_mb)]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpo.rollout.mpo_engine.server import EngineApp, RequestError
+from mpo.engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
 from mpo.rollout.shared_memory import WEIGHT_DTYPES
 from mpo.rollout.sglang_wire import dtype_from_name, join_weight_update_group

@@ -4,7 +4,7 @@ Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
 
 One request harms no one else (ServerLimits): a connection gets a slot (a thread; 503 beyond) only once its request
-headers arrived whole within a total deadline (mpo_engine.admission: trickling clients hold no slot), the API key and
+headers arrived whole within a total deadline (mpo.engine.admission: trickling clients hold no slot), the API key and
 the declared body size are checked from the headers before the body is read (401, 413), idle connections time out,
 every /generate field and its row count are validated before anything is queued (400 naming the field), a request
 whose client went away is aborted, and the generator isolates a failure to the request it belongs to.
@@ -26,8 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from mpo.parallel.ports import is_loopback
-from mpo.rollout.mpo_engine.admission import HeaderGate, RequestReader
-from mpo.rollout.mpo_engine.generator import MpoGenerator
+from mpo.engine.admission import HeaderGate, RequestReader
+from mpo.engine.generator import MpoGenerator
 from mpo.rollout.protocol import SamplingParams, parse_generate_request
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EngineUnhealthy(Exception):
 
 
 class EngineApp:
-    """The route table; weight-update routes are added by the owner of the model (see mpo_engine.main)."""
+    """The route table; weight-update routes are added by the owner of the model (see mpo.engine.main)."""
 
     def __init__(self, generator: MpoGenerator, *, info: dict[str, Any], max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.generator = generator
@@ -201,7 +201,7 @@ class ServerLimits:
             bounds a stalled body upload between two reads).
         header_timeout_s: a request's line and headers must arrive whole within this long of the connection (of the
             request's first byte, on a kept-alive connection), however they trickle in; the connection is closed
-            otherwise (408). Until then a new connection holds no slot (mpo_engine.admission).
+            otherwise (408). Until then a new connection holds no slot (mpo.engine.admission).
         max_connections: connections served at once, one thread each, taken once a request's headers are complete.
             One more is answered 503 and closed, so clients cannot make the engine grow threads without bound.
         max_pending_connections: new connections waiting for their headers (no thread each); beyond it the oldest
@@ -417,7 +417,7 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
 
 class EngineHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with a bounded number of connection threads, taken only by connections whose request
-    headers arrived whole in time (mpo_engine.admission), and a listen backlog sized by ServerLimits."""
+    headers arrived whole in time (mpo.engine.admission), and a listen backlog sized by ServerLimits."""
 
     daemon_threads = True
 

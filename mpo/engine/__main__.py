@@ -1,4 +1,4 @@
-"""`python -m mpo.rollout.mpo_engine`: serve the mpo model behind SGLang's HTTP API (CPU rollouts, tests, demo)."""
+"""`python -m mpo.engine`: serve the mpo model behind SGLang's HTTP API (CPU rollouts, tests, demo)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from mpo.rollout.engine_command import API_KEY_ENV
-from mpo.rollout.mpo_engine.server import DEFAULT_MAX_ROWS, ServerLimits
+from mpo.engine.server import DEFAULT_MAX_ROWS, ServerLimits
 
 
 def _positive(kind: type) -> Callable[[str], Any]:
@@ -37,7 +37,7 @@ def _positive(kind: type) -> Callable[[str], Any]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mpo.rollout.mpo_engine", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mpo.engine", description=__doc__)
     parser.add_argument("--preset", default="tiny", help="model preset (mpo.models.config.PRESETS)")
     parser.add_argument("--mcore-dir", default=None, help="torch_dist checkpoint to load (default: seeded init)")
     parser.add_argument("--model-path", default=None,
@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mpo-engine %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    from mpo.rollout.mpo_engine.model_runner import EngineModel
-    from mpo.rollout.mpo_engine.server import EngineApp, serve
-    from mpo.rollout.mpo_engine.generator import MpoGenerator
+    from mpo.engine.model import EngineModel
+    from mpo.engine.server import EngineApp, serve
+    from mpo.engine.generator import MpoGenerator
 
     runner = EngineModel.create(preset=args.preset, mcore_dir=args.mcore_dir, seed=args.seed, dtype=args.dtype,
                                 fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port, hf_dir=args.model_path)

@@ -189,7 +189,7 @@ class EngineModel:
                 rows.zero_()
 
     def add_weight_routes(self, app: Any, *, group_init_timeout_s: float = 60.0) -> None:
-        """SGLang's weight-update endpoints, tensor, distributed and disk paths (mpo_engine.weight_routes)."""
-        from mpo.rollout.mpo_engine.weight_routes import WeightRoutes
+        """SGLang's weight-update endpoints, tensor, distributed and disk paths (mpo.engine.weight_routes)."""
+        from mpo.engine.weight_routes import WeightRoutes
 
         WeightRoutes(self, app, group_init_timeout_s=group_init_timeout_s).install()
