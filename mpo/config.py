@@ -130,9 +130,10 @@ class AlgorithmSection:
         kl_estimator: k1 | k2 | k3 | k3_unbiased (k3 times pi/pi_old, TRL's bias-corrected KL).
         rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq | decoupled_token | decoupled_seq:
             importance weights / masks for the engine-vs-trainer log-prob mismatch (the mismatch metrics are logged
-            every step either way). null (the default): none in schedule.mode=sync, decoupled_seq (AReaL's
-            decoupled PPO, one weight per response) in one_step_off and async, whose samples come from older policies; an explicit none
-            there is an error (nothing would correct them).
+            every step either way). null (the default): none in schedule.mode=sync; in one_step_off and async,
+            whose samples come from older policies, tis_token: the decoupled objective (trust region around the
+            trainer's proximal forward) with the behaviour weight pi_prox / pi_behav truncated at 2
+            (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says why); an explicit none there is an error.
         rollout_correction_args: its bounds ({cap}, {lower, upper}); unset ones take the kind's defaults.
         positive_nll_coef: VAPO's positive-example LM loss weight (0 disables it); positive_nll_threshold is the
             reward at which a response counts as positive.
@@ -140,7 +141,10 @@ class AlgorithmSection:
             layout, initialised from it): its Adam learning rate, the value-loss clip c, and the first RL steps that
             train only the critic (VAPO's value pre-training).
         replay: routing replay: "none", "r2" (old-forward routes replayed in updates) or "r3" (engine routes
-            replayed in the old forward and the updates).
+            replayed in the old forward and the updates). null (the default): none in schedule.mode=sync; r3 in
+            one_step_off and async (r2 behind rollout.router_in_front, which drops the engines' routes): a stale
+            sample replays the routes it was generated with, so a router that moved since cannot swing its
+            log-probs (issue #25: without replay the demo's off-policy runs collapsed late, with it they learn).
         filter_zero_variance: drop prompt groups whose rewards are all equal (DAPO dynamic sampling).
         dynamic_sampling: DAPO's dynamic sampling: after the step's first draw, keep drawing prompt groups (more
             rounds, each with its own prompts and sampling seeds) until data.prompts_per_step groups have non-zero
@@ -169,7 +173,7 @@ class AlgorithmSection:
     critic_lr: float = 1e-3
     value_clip: float = 0.5
     critic_warmup_steps: int = 0
-    replay: Literal["none", "r2", "r3"] = "none"
+    replay: Literal["none", "r2", "r3"] | None = None
     filter_zero_variance: bool = True
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 10
@@ -422,9 +426,10 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # X | None: X's own message (a Literal's valid values, say)
+            return _coerce(value, options[0], name)
+        for arg in options:
             try:
                 return _coerce(value, arg, name)
             except ConfigError:
@@ -518,13 +523,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     if config.algorithm.rollout_correction is None:  # resolved here, so check-config prints what the run uses
         kind = resolve_rollout_correction(None, config.schedule.mode)
         config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, rollout_correction=kind))
+    if config.algorithm.replay is None:
+        replay = resolve_replay(config.schedule.mode, config.rollout.router_in_front)
+        config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, replay=replay))
     validate(config)
     return config
 
 
+def resolve_replay(mode: str, router_in_front: bool) -> str:
+    """algorithm.replay as a run uses it when unset: none on-policy; off-policy the routes a sample was generated with
+    (r3), or the old forward's (r2) where a router in front of the engines drops them."""
+    if mode == "sync":
+        return "none"
+    return "r2" if router_in_front else "r3"
+
+
 def resolve_rollout_correction(kind: str | None, mode: str) -> str:
-    """algorithm.rollout_correction as a run uses it: unset means none on-policy (schedule.mode=sync) and AReaL's
-    decoupled objective off-policy (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT)."""
+    """algorithm.rollout_correction as a run uses it: unset means none on-policy (schedule.mode=sync) and the decoupled
+    objective with a truncated behaviour weight off-policy (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT)."""
     from mpo.algorithms.rollout_correction import OFF_POLICY_DEFAULT
 
     if kind is not None:
@@ -602,7 +618,7 @@ def validate(config: TrainConfig) -> None:
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
         raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
                           f"samples come from older policies and nothing would correct them; leave it unset "
-                          f"(decoupled_seq) or choose decoupled_token, tis_token, tis_seq, icepop_token or mis_seq")
+                          f"(tis_token) or choose tis_seq, decoupled_token, decoupled_seq, icepop_token or mis_seq")
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")

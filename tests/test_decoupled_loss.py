@@ -6,8 +6,10 @@ sampled by a behaviour policy of whatever version, is weighted by the stop-gradi
 
     L = agg_t [ w_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) ],   r_t = pi_theta / pi_prox
 
-decoupled_seq uses one w per row: the product of the row's token ratios. Value and gradient within 1e-10, with
-proximal != behaviour (tokens on both sides of the cap), and the cap dropping tokens and whole rows.
+decoupled_seq uses one w per row: the product of the row's token ratios. tis_token / tis_seq are the same objective
+with the weight truncated at the cap, w = min(pi_prox / pi_behav, cap), instead of zeroed above it (mpo's logp_old is
+always the proximal forward); tis_token is the off-policy modes' default. Value and gradient within 1e-10, with
+proximal != behaviour (tokens on both sides of the cap), and the cap dropping or truncating tokens and whole rows.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ def _batch(seed: int = 0):
     return logp_new, logp_prox, logp_behav, adv, mask
 
 
-def _reference(logp_new, logp_prox, logp_behav, adv, mask, *, level, cap, eps_low, eps_high, agg):
+def _reference(logp_new, logp_prox, logp_behav, adv, mask, *, level, cap, eps_low, eps_high, agg, above_cap="drop"):
     valid = mask.bool()
     d = torch.where(valid, logp_prox - logp_behav, torch.zeros_like(logp_prox))
     if level == "token":
         ratio_b = torch.exp(d)
     else:
         ratio_b = torch.exp(d.sum(-1, keepdim=True)).expand_as(d)
-    w = torch.where(ratio_b <= cap, ratio_b, torch.zeros_like(ratio_b)).detach()
+    above = torch.zeros_like(ratio_b) if above_cap == "drop" else torch.full_like(ratio_b, cap)
+    w = torch.where(ratio_b <= cap, ratio_b, above).detach()
     r = torch.exp(logp_new - logp_prox)
     objective = torch.minimum(r * adv, torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv)
     per_token = torch.where(valid, w * -objective, torch.zeros_like(r))
@@ -51,22 +54,24 @@ def _reference(logp_new, logp_prox, logp_behav, adv, mask, *, level, cap, eps_lo
     return (per_token.sum(-1)[rows] / valid.sum(-1)[rows]).sum() / rows.sum()
 
 
-@pytest.mark.parametrize("loss, agg, level, cap", [("dapo", "token-mean", "token", 5.0),
-                                                   ("grpo", "seq-mean-token-mean", "token", 2.0),
-                                                   ("grpo", "seq-mean-token-mean", "seq", 5.0),
-                                                   ("dapo", "token-mean", "seq", 1e6)])
-def test_decoupled_loss_value_and_gradient_equal_the_formula(loss, agg, level, cap):
+@pytest.mark.parametrize("loss, agg, level, cap, kind", [("dapo", "token-mean", "token", 5.0, "decoupled"),
+                                                         ("grpo", "seq-mean-token-mean", "token", 2.0, "decoupled"),
+                                                         ("grpo", "seq-mean-token-mean", "seq", 5.0, "decoupled"),
+                                                         ("dapo", "token-mean", "seq", 1e6, "decoupled"),
+                                                         ("grpo", "seq-mean-token-mean", "token", 2.0, "tis"),
+                                                         ("dapo", "token-mean", "seq", 5.0, "tis")])
+def test_decoupled_loss_value_and_gradient_equal_the_formula(loss, agg, level, cap, kind):
     logp_new, logp_prox, logp_behav, adv, mask = _batch()
     assert not torch.allclose(logp_prox, logp_behav)  # proximal != behaviour
     cfg = make_loss_config(loss)
     new = logp_new.clone().requires_grad_(True)
     out = compute_policy_loss(loss, PolicyBatch(logp_new=new, logp_old=logp_prox, advantages=adv, mask=mask,
                                                 group_ids=torch.arange(6), logp_rollout=logp_behav), cfg,
-                              correction=CorrectionConfig(f"decoupled_{level}", cap=cap))
+                              correction=CorrectionConfig(f"{kind}_{level}", cap=cap))
     out.loss.backward()
     ref_new = logp_new.clone().requires_grad_(True)
     reference = _reference(ref_new, logp_prox, logp_behav, adv, mask, level=level, cap=cap, eps_low=cfg.eps_low,
-                           eps_high=cfg.eps_high, agg=agg)
+                           eps_high=cfg.eps_high, agg=agg, above_cap="drop" if kind == "decoupled" else "truncate")
     reference.backward()
     assert abs(out.loss.item() - reference.item()) <= TOL
     assert (new.grad - ref_new.grad).abs().max().item() <= TOL
@@ -74,7 +79,7 @@ def test_decoupled_loss_value_and_gradient_equal_the_formula(loss, agg, level, c
     w = torch.exp(logp_prox - logp_behav)[mask.bool()]
     if level == "token":
         assert (w > cap).any() and ((w < 0.5) | ((w > 1.5) & (w <= cap))).any()
-        assert out.metrics["rollout_masked_frac"].item() > 0
+        assert (out.metrics["rollout_masked_frac"].item() > 0) == (kind == "decoupled")  # truncation drops none
 
 
 def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal():
@@ -88,16 +93,22 @@ def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal():
     assert abs(plain.loss.item() - decoupled.loss.item()) <= TOL
 
 
-def test_off_policy_modes_default_to_the_decoupled_objective_and_refuse_no_correction():
+def test_off_policy_modes_default_to_the_decoupled_objective_with_replay_and_refuse_no_correction():
     import re
 
     from mpo.cli import RECIPES
     from mpo.config import ConfigError, load_config
 
-    assert load_config(RECIPES / "demo_cpu.yaml").algorithm.rollout_correction == "none"
+    from mpo.config import resolve_replay
+
+    sync = load_config(RECIPES / "demo_cpu.yaml")
+    assert (sync.algorithm.rollout_correction, sync.algorithm.replay) == ("none", "none")
     for mode in ("one_step_off", "async"):
         config = load_config(RECIPES / "demo_cpu.yaml", [f"schedule.mode={mode}"])
-        assert config.algorithm.rollout_correction == "decoupled_seq"
+        assert (config.algorithm.rollout_correction, config.algorithm.replay) == ("tis_token", "r3")
+        assert resolve_replay(mode, router_in_front=True) == "r2"  # the router drops the engines' routes
+        assert load_config(RECIPES / "demo_cpu.yaml", [f"schedule.mode={mode}", "algorithm.replay=none"]
+                           ).algorithm.replay == "none"  # allowed: less stable, not incorrect
         assert load_config(RECIPES / "demo_cpu.yaml", [f"schedule.mode={mode}", "algorithm.rollout_correction=tis_seq"]
                            ).algorithm.rollout_correction == "tis_seq"
         with pytest.raises(ConfigError, match=re.escape(f"algorithm.rollout_correction='none' with schedule.mode="

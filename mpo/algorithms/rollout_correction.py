@@ -32,12 +32,17 @@ CORRECTION_DEFAULTS: dict[str, dict[str, float]] = {
     "decoupled_token": {"cap": 5.0},
     "decoupled_seq": {"cap": 5.0},
 }
-# The off-policy schedules' default (schedule.mode one_step_off / async with rollout_correction unset). Sequence level:
-# the rewards and GRPO's advantages are per response, and a response's probability is the product of its tokens'.
-# Measured on the demo at async k=2 (one run each, exact answers of the last 5 of 100 steps): decoupled_seq 0.969,
-# decoupled_token 0.423 (cap 5) and 0.600 (cap 2), decoupled_token at half the lr 0.620, no correction 0.733 with
-# gradient-norm spikes to 113 (the issue's run: 0.075); sync 0.961.
-OFF_POLICY_DEFAULT = "decoupled_seq"
+# The off-policy schedules' default (schedule.mode one_step_off / async with rollout_correction unset): the decoupled
+# objective with a truncated behaviour weight. mpo's logp_old is always the proximal policy (the trainer's forward at
+# the current version), so tis_token is L = min(pi_prox / pi_behav, 2) * PPO-clip(pi_theta / pi_prox): AReaL's
+# objective, its weight truncated at the cap instead of zeroed above it. Zeroing (decoupled_token / decoupled_seq)
+# removes exactly the tokens whose probability rose most since they were sampled; late in a run those are the few
+# wrong answers a bad update made likelier, so the gradient that would undo the update is dropped and the run
+# collapses. Measured on the demo (issue #25; 100 steps, seed 1234, exact answers of the last 5 steps; one_step_off is
+# deterministic): one_step_off decoupled_seq 0.492 (0.94 at step 70, then a one-step policy move of 0.21 nats/token
+# it never recovered from), no correction 0.892 (gradient-norm spikes to 72), tis_token 0.925; async k=2
+# decoupled_seq 0.156 and 0.592, tis_token 0.933; sync 0.952.
+OFF_POLICY_DEFAULT = "tis_token"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The demo config in the three schedule modes (sync, one_step_off, async), one after the other in one run:
 RL steps/s (wall time of the RL steps, from the first step's end to the last's, so start-up and the warm start are
 excluded), the rollout engines' busy fraction (mean of engine_busy_frac), the mean staleness, and the final reward
-(mean reward and exact-answer fraction of the last 5 steps). The off-policy modes run with their default rollout
-correction (AReaL's decoupled objective, algorithm.rollout_correction unset).
+(mean reward and exact-answer fraction of the last 5 steps). The off-policy modes run with their defaults
+(algorithm.rollout_correction and algorithm.replay unset: the decoupled objective with a truncated behaviour weight,
+tis_token, and the engine's routes replayed, r3).
 
 Last line: `rl-modes sync_exact=<a> one_step_off_exact=<b> async_exact=<c> async_steps_per_s_vs_sync=<d>` (exact:
 mean reward_exact_frac of the last 5 steps; d: async RL steps/s over sync's, both measured in this run).

@@ -21,9 +21,12 @@ Rank 0 writes every consumed sample's per-token versions to versions.jsonl.
 The engine log-probs of a stale sample come from an older policy (the behaviour policy, per token: mpo's engine keeps
 each token's log-prob from when it was sampled, also across an in-flight update) than the trainer's old-logprob
 forward (the proximal policy, at the current version). Off-policy modes therefore train with AReaL's decoupled
-objective by default (algorithm.rollout_correction unset -> decoupled_seq: the trust region around the proximal
-policy, each response weighted by pi_prox / pi_behav, dropped above the cap); an explicit `none` is a config error
-(mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says what the alternatives measured).
+objective by default (algorithm.rollout_correction unset -> tis_token: the trust region around the proximal policy,
+each token weighted by min(pi_prox / pi_behav, 2)); an explicit `none` is a config error
+(mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says what the alternatives measured, and why AReaL's zeroing
+of weights above the cap, decoupled_token / decoupled_seq, collapses late in a run). They also replay the routes each
+sample was generated with (algorithm.replay unset -> r3): on the demo's MoE, one_step_off without replay collapsed
+late at seed 1 (exact 0.91 -> 0.11) and learned with it (0.85; sync 0.86).
 Measured on the demo before it (python -m mpo.bench rl_modes's async run, k=2, no correction): the mismatch
 rollout_mismatch_k1 between the two policies grew from 0.03 to spikes of 1.1 nats as the policy sharpened, stale
 negative-advantage tokens the current policy had all but ruled out entered the loss at full weight, the gradient
