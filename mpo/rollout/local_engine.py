@@ -35,8 +35,8 @@ class LocalEngineProcess:
 
     def __init__(self, command: list[str], *, port: int, log_path: Path, api_key: str | None = None,
                  startup_timeout_s: float = 300.0, env: dict[str, str] | None = None,
-                 num_layers: int | None = None, topk: int | None = None) -> None:
-        self.command, self.port, self.log_path = command, port, Path(log_path)
+                 num_layers: int | None = None, topk: int | None = None, nice: int = 0) -> None:
+        self.command, self.port, self.log_path, self.nice = command, port, Path(log_path), nice
         self.startup_timeout_s = startup_timeout_s
         self.env = engine_environment(env)
         self.client = EngineClient(f"http://127.0.0.1:{port}", api_key=api_key, num_layers=num_layers, topk=topk)
@@ -45,15 +45,16 @@ class LocalEngineProcess:
     @classmethod
     def mpo_engine(cls, *, log_path: Path, settings: EngineSettings | None = None, port: int | None = None,
                    api_key: str | None = None, extra_args: list[str] = (), num_layers: int | None = None,
-                   topk: int | None = None) -> "LocalEngineProcess":
+                   topk: int | None = None, nice: int = 0) -> "LocalEngineProcess":
         """mpo's engine on this host, with the command the launcher would give it (mpo.rollout.engine_command);
-        `api_key` overrides the settings' key, `extra_args` are appended (argparse: the last value wins)."""
+        `api_key` overrides the settings' key, `extra_args` are appended (argparse: the last value wins); `nice`
+        lowers its CPU priority (os.setpriority) below the trainer ranks it shares the cores with."""
         settings = settings or EngineSettings()
         if api_key:
             settings = dataclasses.replace(settings, api_key=api_key)
         command = engine_command(settings, python=sys.executable, host="127.0.0.1", port=port or free_port())
         return cls([*command.argv, *extra_args], port=command.port, log_path=log_path, api_key=settings.api_key,
-                   num_layers=num_layers, topk=topk,
+                   num_layers=num_layers, topk=topk, nice=nice,
                    env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **command.env})
 
     @property
@@ -66,6 +67,8 @@ class LocalEngineProcess:
             # Own session: stop() signals the group. MPO_PARENT: the engine dies with this process (--exit-with-parent).
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             env={**self.env, **child_env()}, start_new_session=True)
+        if self.nice:  # its own process group (the new session): the engine and anything it starts
+            os.setpriority(os.PRIO_PGRP, self.process.pid, self.nice)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

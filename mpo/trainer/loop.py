@@ -20,6 +20,8 @@ from mpo.trainer.schedule import RolloutSchedule
 from mpo.trainer.trainer import Trainer, _broadcast_object
 
 log = logging.getLogger(__name__)
+# The CPU priority (nice) of local engines in the off-policy modes (see EngineSet.local_processes).
+LOCAL_ENGINE_NICE = 10
 
 
 class EngineSet:
@@ -65,8 +67,11 @@ class EngineSet:
 
         model = model_config(config)
         settings = EngineSettings.from_config(config)
+        # Off-policy, a local engine generates while the ranks train on the same cores: at a lower priority it takes
+        # the cycles the ranks leave idle instead of slowing them (EP/TP ranks wait for their slowest peer).
+        nice = LOCAL_ENGINE_NICE if config.schedule.mode != "sync" else 0
         return [LocalEngineProcess.mpo_engine(log_path=out_dir / "logs" / f"engine{i}.log", settings=settings,
-                                              num_layers=model.num_layers, topk=model.router_topk)
+                                              num_layers=model.num_layers, topk=model.router_topk, nice=nice)
                 for i in range(config.rollout.num_engines)]
 
     def _restart(self, process) -> None:
