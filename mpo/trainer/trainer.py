@@ -545,10 +545,20 @@ class Trainer:
             self.nonfinite_total += 1
         return metrics
 
+    def step_batch(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s samples on every rank (rank 0 collects them) and the rollout metrics (rank 0's)."""
+        source = self.rollout_source or self.collect
+        with self.clock("collect"):
+            samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
+        # Every other rank waits here while rank 0 generates: on the gloo object group
+        # (parallel.distributed_timeout_s), which holds none of the offloaded storages
+        with self.clock("broadcast"):
+            samples = _broadcast_object(samples, group=self.ctx.object_group)
+        return samples, rollout_metrics
+
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
         cfg = self.config
-        source = self.rollout_source or self.collect
         # Colocated engines: every rank's trainer memory is on the host while rank 0's engines generate (they share
         # every rank's GPU); the engines release theirs when the batch is done (RolloutSchedule.take), then the
         # trainer takes its back. The weight sync after this step reads the parameters resident.
@@ -556,12 +566,7 @@ class Trainer:
         if offload is not None:
             offload.offload()
         try:
-            with self.clock("collect"):
-                samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
-            # Every other rank waits here while rank 0 generates: on the gloo object group
-            # (parallel.distributed_timeout_s), which holds none of the offloaded storages
-            with self.clock("broadcast"):
-                samples = _broadcast_object(samples, group=self.ctx.object_group)
+            samples, rollout_metrics = self.step_batch(step)
         finally:
             if offload is not None:
                 offload.reload()
