@@ -54,9 +54,9 @@ def stub_row(prompt: list[int], seed: int, *, min_len: int, max_len: int, num_la
     return output, logprobs, [version] * n, routes
 
 
-def _stub_response(prompt: list[int], params: dict, args) -> tuple[dict, int]:
-    """The body mpo's engine answers for one row (mpo.engine.generator's response fields)."""
-    from mpo.rollout.protocol import encode_routed_experts
+def _stub_response(prompt: list[int], params: dict, args) -> dict:
+    """The answer mpo's engine gives for one row (mpo.engine.generator's fields; routes compact, as it keeps them)."""
+    from mpo.rollout.protocol import compact_routes
 
     output, logprobs, versions, routes = stub_row(prompt, params["sampling_seed"], min_len=args.min_len,
                                                   max_len=args.max_len, num_layers=args.layers, topk=args.topk,
@@ -65,8 +65,8 @@ def _stub_response(prompt: list[int], params: dict, args) -> tuple[dict, int]:
             "completion_tokens": len(output), "cached_tokens": 0, "weight_version": "0", "e2e_latency": 0.0,
             "output_token_logprobs": [[float(lp), int(t), None] for lp, t in zip(logprobs, output)],
             "output_token_logprobs_length": len(output), "output_token_weight_versions": versions,
-            "input_token_logprobs": [], "routed_experts": encode_routed_experts(routes)}
-    return {"text": "", "output_ids": output.tolist(), "meta_info": meta}, len(meta["routed_experts"])
+            "input_token_logprobs": [], "routed_experts": compact_routes(routes, args.experts)}
+    return {"text": "", "output_ids": output.tolist(), "meta_info": meta}
 
 
 def _serve(port: int, args, stats: str) -> None:
@@ -77,10 +77,22 @@ def _serve(port: int, args, stats: str) -> None:
         def log_message(self, *a) -> None:
             pass
 
-        def _reply(self, payload) -> None:
-            data = json.dumps(payload).encode()
+        def _reply(self, payload, routes: list | None = None) -> None:
+            # as mpo's engine server answers (mpo.engine.server: _reply), or SGLang's JSON with --wire sglang
+            from mpo.rollout.frames import CONTENT_TYPE, encode_frames, frames_answer, sglang_json, wants_frames
+            from mpo.rollout.protocol import encode_routed_experts
+
+            if args.wire == "mpo" and wants_frames(self.headers.get("Accept")):
+                data, content_type = encode_frames(frames_answer(payload)), CONTENT_TYPE
+                route_bytes = sum(r.nbytes for r in routes or [])
+            else:
+                data, content_type = json.dumps(sglang_json(payload)).encode(), "application/json"
+                route_bytes = sum(len(encode_routed_experts(r)) for r in routes or [])
+            if routes:
+                with open(stats, "a") as f:
+                    f.write(json.dumps({"route_bytes": route_bytes, "tokens": self.tokens}) + "\n")
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -95,11 +107,8 @@ def _serve(port: int, args, stats: str) -> None:
             rows = ids if batch else [ids]
             params = params if isinstance(params, list) else [params] * len(rows)
             answers = [_stub_response(r, p, args) for r, p in zip(rows, params)]
-            with open(stats, "a") as f:
-                f.write(json.dumps({"route_bytes": sum(a[1] for a in answers),
-                                    "tokens": sum(len(a[0]["output_ids"]) for a in answers)}) + "\n")
-            bodies = [a[0] for a in answers]
-            self._reply(bodies if batch else bodies[0])
+            self.tokens = sum(len(a["output_ids"]) for a in answers)
+            self._reply(answers if batch else answers[0], [a["meta_info"]["routed_experts"] for a in answers])
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
@@ -107,7 +116,7 @@ def _serve(port: int, args, stats: str) -> None:
 # -- byte counting at torch.distributed ------------------------------------------------------------------------------
 class ReceivedBytes:
     """Bytes of the payload tensors this rank receives through broadcast (when not the source), scatter (when not
-    the source) and recv/irecv, counted by wrapping torch.distributed's functions (independent of mpo's code)."""
+    the source) and irecv (which recv calls), counted by wrapping torch.distributed's functions (independent of mpo's code)."""
 
     def __init__(self, rank: int) -> None:
         import torch.distributed as dist
@@ -142,8 +151,7 @@ class ReceivedBytes:
 
         wrap("broadcast", broadcast_recv)
         wrap("scatter", scatter_recv)
-        wrap("recv", lambda tensor, *a, **kw: tensor)
-        wrap("irecv", lambda tensor, *a, **kw: tensor)
+        wrap("irecv", lambda tensor, *a, **kw: tensor)  # recv is irecv + wait (torch 2.14): counted once
 
 
 def share_bytes(samples, stage_layers: int, topk: int, num_experts: int) -> int:
@@ -176,7 +184,7 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
         f"rollout.samples_per_prompt={PROMPTS_PER_GROUP}", f"logging.out_dir={out}/run", "logging.tensorboard=false",
         "schedule.micro_batch_size=16"])
     engines = [(EngineClient(f"http://127.0.0.1:{engine_port}", num_layers=args.layers, topk=args.topk,
-                             timeout_s=600.0), None)] if rank == 0 else None
+                             num_experts=args.experts, timeout_s=600.0), None)] if rank == 0 else None
     trainer = Trainer(config, engines)
     received = ReceivedBytes(rank)
     rows = []
@@ -219,6 +227,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages; DP = 4 / pp")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--wire", choices=("mpo", "sglang"), default="mpo",
+                        help="the stub answers as mpo's engine (binary frames when asked) or as SGLang (JSON)")
     args = parser.parse_args(argv)
 
     import multiprocessing

@@ -46,7 +46,8 @@ class EngineSet:
         self._engine_lock = threading.RLock()
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
-                                          num_layers=model.num_layers, topk=model.router_topk), None)
+                                          num_layers=model.num_layers, topk=model.router_topk,
+                                          num_experts=model.num_experts), None)
                             for url in r.urls]
             return
         if r.engine != "mpo":

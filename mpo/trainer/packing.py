@@ -80,7 +80,7 @@ def packed_microbatch(rows: list[Sample], n_real: int, row_len: int, *, thd: boo
     """One packed row of `rows` (real samples first) right-padded to `row_len`; extras in the sample layout."""
     layout = PackedLayout.build([len(s.ids) for s in rows], row_len, thd=thd)
     ids = torch.zeros(1, row_len, dtype=torch.long)
-    ids[0, : sum(len(s.ids) for s in rows)] = torch.tensor([t for s in rows for t in s.ids])
+    ids[0, : sum(len(s.ids) for s in rows)] = torch.cat([torch.as_tensor(s.ids).long() for s in rows])
     return MicroBatch(ids, layout.position_ids(), sample_extras(rows, n_real, max(len(s.ids) for s in rows)), layout)
 
 

@@ -368,14 +368,16 @@ class Trainer:
         if not any(rows):
             return None
         seq = mb.input_ids.shape[1]
+        # the routes' layers: a stage's own once distributed (mpo.trainer.distribute), else every engine layer
+        first = next(s for s in mb.extras["samples"] if s.routes is not None)
         for i, row in enumerate(rows):
             if not row:  # padding row: no engine record; -1 routes it naturally
                 n = len(mb.extras["samples"][i].ids)
-                shape = (n - 1, self.model_cfg.num_layers, self.model_cfg.router_topk)
+                shape = (n - 1, first.routes.shape[1], self.model_cfg.router_topk)
                 rows[i] = [RolloutRoutes(torch.full(shape, -1, dtype=torch.int32), n)]
         if mb.packing is not None:  # the samples end to end in one row
             rows = [[seq for row in rows for seq in row]]
-        return place_rollout_routes(rows, seq)
+        return place_rollout_routes(rows, seq, first.route_layers)
 
     def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
         from mpo.routing import agreement_metrics, replay_forced_metrics
@@ -551,10 +553,22 @@ class Trainer:
         with self.clock("collect"):
             samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
         # Every other rank waits here while rank 0 generates: on the gloo object group
-        # (parallel.distributed_timeout_s), which holds none of the offloaded storages
+        # (parallel.distributed_timeout_s), which holds none of the offloaded storages. Each rank receives its
+        # data-parallel share with its stage's routes, the rest as lengths (mpo.trainer.distribute).
         with self.clock("broadcast"):
-            samples = _broadcast_object(samples, group=self.ctx.object_group)
+            samples = self._distributor()(samples, updates=self.config.schedule.updates_per_step,
+                                          dp_size=self._dp()[1],
+                                          packed=bool(self.config.schedule.max_tokens_per_microbatch))
         return samples, rollout_metrics
+
+    def _distributor(self):
+        from mpo.trainer.distribute import Distributor
+
+        if getattr(self, "_distribute", None) is None:
+            self._distribute = Distributor(self.ctx.object_group, dp_rank=self._dp()[0], layers=self.routing.layers,
+                                           num_layers=self.model_cfg.num_layers,
+                                           first_k_dense=self.model_cfg.first_k_dense)
+        return self._distribute
 
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
