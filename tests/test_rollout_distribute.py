@@ -222,3 +222,45 @@ def test_mpo_engine_answers_frames_when_asked_and_json_otherwise():
     finally:
         server.shutdown()
         generator.stop()
+
+
+# -- rank 0's version bookkeeping ---------------------------------------------------------------------------------------
+def test_version_numbers_and_versions_jsonl_summary(tmp_path):
+    from mpo.trainer.metrics_log import MetricsLog
+    from mpo.trainer.schedule import version_number, version_numbers
+
+    stamps = ["step3", "step3", "step4", "default", "step4"]
+    assert version_numbers(stamps, 9, 5).tolist() == [version_number(v, 9) for v in stamps] == [3, 3, 4, 9, 4]
+    assert version_numbers(None, 7, 3).tolist() == [7, 7, 7]
+    assert version_numbers([5, None], 2, 2).tolist() == [5, 2]
+    versions = [np.array([3, 3, 4, 4, 3]), [5], []]
+    for per_token in (False, True):
+        out = tmp_path / str(per_token)
+        log = MetricsLog(out, tensorboard=False, total_steps=1, progress=False, versions_per_token=per_token)
+        log.log_versions(6, versions)
+        row = json.loads((out / "versions.jsonl").read_text())
+        if per_token:
+            assert row == {"step": 6, "versions": [[3, 3, 4, 4, 3], [5], []]}
+        else:
+            assert row == {"step": 6, "tokens": [5, 1, 0], "min": [3, 5, None], "max": [4, 5, None],
+                           "changes": [2, 0, 0]}
+
+
+def test_staleness_metrics_from_version_arrays():
+    """staleness_max / staleness_mean over consumed tokens, a stale sample dropped: against a per-token count."""
+    from mpo.trainer.schedule import RolloutSchedule
+
+    batch = [Sample(ids=[1, 2, 3], prompt_len=1, group=0, reward=0.0, versions=np.array([8, 9])),
+             Sample(ids=[1, 2, 3, 4], prompt_len=1, group=0, reward=0.0, versions=np.array([10, 10, 9])),
+             Sample(ids=[1, 2], prompt_len=1, group=0, reward=0.0, versions=np.array([6]))]
+    logged = []
+    schedule = RolloutSchedule(lambda step, version: (batch, {}), "async", 2, start=10, steps=11,
+                               on_versions=lambda s, v: logged.append(v))
+    try:
+        samples, metrics = schedule.take(10)
+    finally:
+        schedule.stop()
+    ages = [10 - v for v in (8, 9, 10, 10, 9)]
+    assert len(samples) == 2 and metrics["staleness_dropped_samples"] == 1
+    assert metrics["staleness_max"] == max(ages) and metrics["staleness_mean"] == pytest.approx(sum(ages) / len(ages))
+    assert [list(v) for v in logged[0]] == [[8, 9], [10, 10, 9]]

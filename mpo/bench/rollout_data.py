@@ -7,14 +7,16 @@ EngineClient and the rollout pool, decoding, scoring, advantages) and the distri
 (`Trainer.step_batch`, what `train_step` runs), then each rank builds its micro-batches and places its engine routes
 (R3), as the old-logprob pass does. The engine is a stub in its own process that answers /generate in the wire
 format mpo's engine answers with (the same encoding functions), with response lengths log-uniform in
-[--min-len, --max-len] and random routes, a pure function of each request's sampling seed.
+[--min-len, --max-len] and random routes, a pure function of each request's sampling seed; `--wire sglang` makes it
+answer SGLang's JSON (base64 int32 routes) instead.
 
 Measured (median over --repeats, after one warm-up step):
 * bytes_per_rank_vs_share: the bytes a non-zero rank receives in the distribution (counted at torch.distributed's
   broadcast / scatter / recv, the payload tensors), over the bytes of that rank's own share in compact form: ids,
   log-probs and versions at 4 bytes a token, routes of its stage's MoE layers at 1 byte (2 above 256 experts). The
   worst non-zero rank is reported.
-* route_bytes_per_token: bytes of the engine's responses' routes on the wire, per generated token.
+* route_bytes_per_token: bytes of the engine's responses' routes on the wire, per generated token (the routes cover
+  the prompt's positions too, for R3's replay of them: a little above layers x top_k with short prompts).
 * rank0_s_per_mtoken: rank 0's CPU seconds (its process, every thread) in collect + distribute, per million generated
   tokens. CPU time, not wall time: the stub engine shares the machine's cores, its time is not rank 0's.
 
@@ -90,7 +92,8 @@ def _serve(port: int, args, stats: str) -> None:
                 route_bytes = sum(len(encode_routed_experts(r)) for r in routes or [])
             if routes:
                 with open(stats, "a") as f:
-                    f.write(json.dumps({"route_bytes": route_bytes, "tokens": self.tokens}) + "\n")
+                    f.write(json.dumps({"route_bytes": route_bytes, "tokens": self.tokens,
+                                        "positions": sum(r.shape[0] for r in routes)}) + "\n")
             self.send_response(200)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
@@ -253,6 +256,7 @@ def main(argv: list[str]) -> int:
         gathered = json.loads(Path(out, "result.json").read_text())
         calls = [json.loads(line) for line in Path(stats).read_text().splitlines()]
     wire, tokens = sum(c["route_bytes"] for c in calls), sum(c["tokens"] for c in calls)
+    positions = sum(c["positions"] for c in calls)
     generated = statistics.median(r["generated"] for r in gathered[0])
     ratios = {rank: statistics.median(r["received"] / max(r["share"], 1) for r in rows)
               for rank, rows in enumerate(gathered) if rank}
@@ -265,7 +269,8 @@ def main(argv: list[str]) -> int:
     for rank, rows in enumerate(gathered):
         print(f"  rank {rank}: received {statistics.median(r['received'] for r in rows) / 1e6:9.1f} MB, own share "
               f"{statistics.median(r['share'] for r in rows) / 1e6:8.1f} MB, wall {statistics.median(r['wall'] for r in rows):6.2f} s")
-    print(f"  rank 0 collect + distribute: {cpu:.2f} s CPU, {wall:.2f} s wall")
+    print(f"  rank 0 collect + distribute: {cpu:.2f} s CPU, {wall:.2f} s wall; routes on the wire ({args.wire}): "
+          f"{wire / positions:.1f} bytes per routed position (prompt positions are routed too)")
     print(f"rollout-data bytes_per_rank_vs_share={ratios[worst]:.2f} route_bytes_per_token={wire / tokens:.1f} "
           f"rank0_s_per_mtoken={cpu / generated * 1e6:.2f}")
     return 0

@@ -180,7 +180,7 @@ class Trainer:
         them have non-zero reward variance (mpo.trainer.dynamic_sampling); advantages are computed over the kept
         groups only, as DAPO does."""
         from mpo.trainer.dynamic_sampling import Sampled, sample_varied
-        from mpo.trainer.schedule import version_number
+        from mpo.trainer.schedule import version_numbers
 
         version = step if version is None else version
         cfg = self.config
@@ -215,8 +215,8 @@ class Trainer:
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
                           loss_mask=r.meta.get("loss_mask"),
-                          versions=[version_number(v, version) for v in
-                                    r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
+                          versions=version_numbers(r.meta.get("output_token_weight_versions"), version,
+                                                   len(r.output_ids)))
                    for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
         # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
         # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
