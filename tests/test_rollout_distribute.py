@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import random
 
 import numpy as np
 import pytest
@@ -135,7 +134,7 @@ def test_distributor_sends_each_rank_its_share_and_stage(tmp_path):
     assert out.read_text() == "ok"
 
 
-# -- the wire ---------------------------------------------------------------------------------------------------------
+# -- the wire -------------------------------------------------------------------------------------------------------
 def _answer(rows: int, routes: np.ndarray) -> dict:
     return {"text": "", "output_ids": [7, 8], "meta_info": {
         "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.25, 7, None], [-1.5, 8, None]],
@@ -224,7 +223,7 @@ def test_mpo_engine_answers_frames_when_asked_and_json_otherwise():
         generator.stop()
 
 
-# -- rank 0's version bookkeeping ---------------------------------------------------------------------------------------
+# -- rank 0's version bookkeeping -------------------------------------------------------------------------------------
 def test_version_numbers_and_versions_jsonl_summary(tmp_path):
     from mpo.trainer.metrics_log import MetricsLog
     from mpo.trainer.schedule import version_number, version_numbers

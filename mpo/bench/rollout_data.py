@@ -119,7 +119,8 @@ def _serve(port: int, args, stats: str) -> None:
 # -- byte counting at torch.distributed ------------------------------------------------------------------------------
 class ReceivedBytes:
     """Bytes of the payload tensors this rank receives through broadcast (when not the source), scatter (when not
-    the source) and irecv (which recv calls), counted by wrapping torch.distributed's functions (independent of mpo's code)."""
+    the source) and irecv (which recv calls), counted by wrapping torch.distributed's functions (independent of
+    mpo's code)."""
 
     def __init__(self, rank: int) -> None:
         import torch.distributed as dist
@@ -263,12 +264,14 @@ def main(argv: list[str]) -> int:
     worst = max(ratios, key=ratios.get)
     cpu = statistics.median(r["cpu"] for r in gathered[0])
     wall = statistics.median(r["wall"] for r in gathered[0])
-    print(f"{args.samples} samples, {generated:.0f} generated tokens a step (log-uniform {args.min_len}..{args.max_len}), "
+    print(f"{args.samples} samples, {generated:.0f} generated tokens a step (log-uniform "
+          f"{args.min_len}..{args.max_len}), "
           f"{args.layers} MoE layers, top-{args.topk} of {args.experts}; 4 gloo ranks as DP{world // args.pp} x "
           f"PP{args.pp}; median of {args.repeats}")
     for rank, rows in enumerate(gathered):
-        print(f"  rank {rank}: received {statistics.median(r['received'] for r in rows) / 1e6:9.1f} MB, own share "
-              f"{statistics.median(r['share'] for r in rows) / 1e6:8.1f} MB, wall {statistics.median(r['wall'] for r in rows):6.2f} s")
+        received, share = (statistics.median(r[k] for r in rows) / 1e6 for k in ("received", "share"))
+        print(f"  rank {rank}: received {received:9.1f} MB, own share {share:8.1f} MB, "
+              f"wall {statistics.median(r['wall'] for r in rows):6.2f} s")
     print(f"  rank 0 collect + distribute: {cpu:.2f} s CPU, {wall:.2f} s wall; routes on the wire ({args.wire}): "
           f"{wire / positions:.1f} bytes per routed position (prompt positions are routed too)")
     print(f"rollout-data bytes_per_rank_vs_share={ratios[worst]:.2f} route_bytes_per_token={wire / tokens:.1f} "

@@ -79,7 +79,7 @@ def share_for(samples: list[Sample], owners: list[int], dp_rank: int, layers: tu
                            route_layers=tuple(layers) if routes is not None else None,
                            rollout_logprobs=_array(s.rollout_logprobs, np.float32),
                            loss_mask=_array(s.loss_mask, np.float32),
-                           versions=None))  # rank 0 keeps the versions (staleness, versions.jsonl); no one else reads them
+                           versions=None))  # rank 0 keeps them (staleness, versions.jsonl); no one else reads them
     return out
 
 

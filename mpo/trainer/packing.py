@@ -14,7 +14,8 @@ Layout constraints (what megatron needs):
   is longer), not the longest sample padded to micro_batch_size rows.
 * EP (and VPP's groups of PP): every DP rank runs the same number of micro-batches; ranks with fewer bins run
   loss-free two-token micro-batches, as padded rows do (mpo.trainer.rows).
-All ranks compute every rank's share from the same broadcast samples, so they agree without communication.
+All ranks compute every rank's share from the same sample lengths (each rank receives its own samples whole and
+the others' lengths: mpo.trainer.distribute), so they agree without communication.
 """
 
 from __future__ import annotations

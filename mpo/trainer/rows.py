@@ -38,7 +38,8 @@ class Elsewhere:
 
 @dataclass
 class Sample:
-    """One generated response with everything training needs (built on rank 0, broadcast to all ranks).
+    """One generated response with everything training needs (built on rank 0; each rank receives its own
+    data-parallel share, mpo.trainer.distribute).
 
     Attributes:
         ids: prompt + completion token ids.

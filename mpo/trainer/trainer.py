@@ -2,10 +2,10 @@
 
 One step: rank 0 samples prompts, gets G responses per prompt from the engines (log-probs and routed experts included),
 scores them (with algorithm.dynamic_sampling, drawing further prompt groups until enough have non-zero reward
-variance), computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
-forward records the routing (replaying the engines' routes under R3); each mini-batch update runs the configured loss
-with global denominators (replaying the old routes under R2); the new weights are pushed to the engines; metrics and,
-every few steps, a checkpoint are written.
+variance), computes advantages and drops zero-variance groups; rank 0 sends every rank its data-parallel share with
+its stage's routes (mpo.trainer.distribute); an old-logprob forward records the routing (replaying the engines' routes
+under R3); each mini-batch update runs the configured loss with global denominators (replaying the old routes under
+R2); the new weights are pushed to the engines; metrics and, every few steps, a checkpoint are written.
 """
 
 from __future__ import annotations
