@@ -328,6 +328,9 @@ class LoggingSection:
         phase_times: log each step's wall time per phase as `time/<phase>_s` (prompt draw, request build, engine,
             HTTP, scoring, broadcast, micro-batch build, old-logprob pass, each update, sync, metrics, checkpoint;
             mpo.trainer.phases). Off by default; `python -m mpo.bench step_profile` turns it on.
+        versions_per_token: write every consumed token's policy version to versions.jsonl (a debugging aid: ~200 MB
+            of JSON a step at 55M tokens). Off: one summary per sample (tokens, min and max version, and how often the
+            version changes inside the response).
     """
 
     out_dir: str = "runs/mpo"
@@ -339,6 +342,7 @@ class LoggingSection:
     wandb_project: str = "mpo"
     wandb_run_name: str | None = None
     phase_times: bool = False
+    versions_per_token: bool = False
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,11 @@ class MpoGenerator:
     """Schedules generate requests on one model; thread-safe `submit` returns SGLang-shaped response dicts."""
 
     def __init__(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], scorer: Scorer, *, vocab_size: int,
-                 max_batch: int = 16, weight_version: str = "default") -> None:
+                 max_batch: int = 16, weight_version: str = "default", num_experts: int | None = None) -> None:
         self.logits_fn = logits_fn  # [b, s] host ids -> [b, s, V] fp32 logits of the real vocabulary (any device)
         self.scorer = scorer
         self.vocab_size = vocab_size
+        self.num_experts = num_experts  # the routes' compact dtype (uint8 up to 256); None: from the values
         self.max_batch = max_batch
         self.weight_version = weight_version
         self.model_lock = threading.RLock()  # held for every model use: decode steps, scoring, weight updates
@@ -266,7 +267,7 @@ class MpoGenerator:
 
     def _finish(self, request: _Active, *, score: bool, logprobs: list[float] | None = None,
                 routes: Any = None) -> None:
-        from mpo.rollout.protocol import encode_routed_experts
+        from mpo.rollout.protocol import compact_routes
 
         if request.done.is_set():
             return  # answered already (aborted while its step ran)
@@ -291,6 +292,8 @@ class MpoGenerator:
         meta["input_token_logprobs"] = [[None if p == 0 or not score else float(logprobs[p]), int(request.prompt[p]),
                                          None] for p in range(max(start, 0), n_prompt)] if start >= 0 else []
         if request.want_routes and routes is not None:
-            meta["routed_experts"] = encode_routed_experts(routes)
+            # compact [tokens, MoE layers, top_k] (uint8 up to 256 experts); the server writes it as raw bytes or,
+            # for SGLang's JSON, as base64 int32 (mpo.rollout.frames)
+            meta["routed_experts"] = compact_routes(routes, self.num_experts)
         request.response = {"text": "", "output_ids": list(request.output), "meta_info": meta}
         request.done.set()

@@ -28,6 +28,8 @@ from typing import Any, Callable
 from mpo.parallel.ports import is_loopback
 from mpo.engine.admission import HeaderGate, RequestReader
 from mpo.engine.generator import MpoGenerator
+from mpo.rollout.frames import (CONTENT_TYPE as FRAMES_CONTENT_TYPE, encode_frames, frames_answer, sglang_json,
+                               wants_frames)
 from mpo.rollout.protocol import SamplingParams, parse_generate_request
 
 log = logging.getLogger(__name__)
@@ -322,9 +324,14 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
             log.debug("%s - " + fmt, self.address_string(), *args)
 
         def _reply(self, status: int, payload: Any, *, close: bool = False) -> None:
-            data = json.dumps(payload).encode()
+            # /generate answers hold their routes as compact arrays: raw bytes for a client that asked for mpo's
+            # frames, SGLang's base64 int32 JSON for everyone else (mpo.rollout.frames)
+            if status == HTTPStatus.OK and wants_frames(self.headers.get("Accept")):
+                data, content_type = encode_frames(frames_answer(payload)), FRAMES_CONTENT_TYPE
+            else:
+                data, content_type = json.dumps(sglang_json(payload)).encode(), "application/json"
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             if close:
                 self.send_header("Connection", "close")

@@ -367,6 +367,11 @@ PRESETS: dict[str, MoEModelConfig] = {
         max_position_embeddings=4096),
     # `python -m mpo.bench weight_sync --sweep`: one shape at 1 and 12 layers (the largest tensor, the 4096 x 1024
     # embedding, is the same in both), ~36M and ~341M parameters.
+    # `python -m mpo.bench rollout_data`: Qwen3-30B-A3B's routing shape (48 MoE layers, 128 experts, top-8) on a
+    # width so small that building it costs little; only the rollout data path is measured.
+    "rollout_bench": MoEModelConfig(
+        hidden_size=16, num_layers=48, num_attention_heads=2, num_query_groups=1, head_dim=8, moe_ffn_hidden_size=8,
+        num_experts=128, router_topk=8, max_position_embeddings=4096),
     "sync_bench_1l": MoEModelConfig(
         vocab_size=4096, hidden_size=1024, num_layers=1, num_attention_heads=8, num_query_groups=2, head_dim=128,
         ffn_hidden_size=2048, moe_ffn_hidden_size=512, num_experts=16, router_topk=2),

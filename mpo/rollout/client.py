@@ -13,7 +13,11 @@ from typing import Any
 
 import httpx
 
+from mpo.rollout.frames import CONTENT_TYPE as FRAMES_CONTENT_TYPE, decode_frames
 from mpo.rollout.protocol import GenerateRequest, GenerateResult, parse_generate_request
+
+# /generate asks for mpo's binary frames (routes as raw compact bytes); SGLang ignores it and answers JSON
+_ACCEPT_FRAMES = {"Accept": f"{FRAMES_CONTENT_TYPE}, application/json"}
 
 
 class EngineError(RuntimeError):
@@ -47,11 +51,12 @@ class EngineClient:
     """Calls one engine. Sync methods for control calls; `generate` is async for concurrent rollouts."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 300.0,
-                 num_layers: int | None = None, topk: int | None = None) -> None:
+                 num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.num_layers, self.topk = num_layers, topk
+        # routes: [tokens, num_layers (the MoE layers), topk], kept in the dtype num_experts needs (uint8 <= 256)
+        self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
         # One async client per event loop: each RolloutPool.generate runs its own asyncio loop, and two can run at
         # once on one EngineClient (an async producer's batch and an evaluation), each closing its own at the end.
         self._async: dict[Any, httpx.AsyncClient] = {}
@@ -74,6 +79,11 @@ class EngineClient:
                               retryable=response.status_code >= 500)
         if not response.content:
             return None
+        if response.headers.get("content-type", "").startswith(FRAMES_CONTENT_TYPE):
+            try:
+                return decode_frames(response.content)
+            except ValueError as exc:
+                raise EngineError(self.url, endpoint, f"bad frames body: {exc}", retryable=False) from exc
         try:
             return response.json()
         except ValueError:
@@ -93,14 +103,16 @@ class EngineClient:
                               retryable=False)
         return result
 
-    async def acall(self, endpoint: str, body: dict[str, Any], *, timeout_s: float | None = None) -> Any:
+    async def acall(self, endpoint: str, body: dict[str, Any], *, timeout_s: float | None = None,
+                    headers: dict[str, str] | None = None) -> Any:
         loop = asyncio.get_running_loop()
         client = self._async.get(loop)
         if client is None:
             client = self._async[loop] = httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s,
                                                            verify=_tls_context())
         try:
-            response = await client.post(f"{self.url}{endpoint}", json=body, timeout=timeout_s or self.timeout_s)
+            response = await client.post(f"{self.url}{endpoint}", json=body, timeout=timeout_s or self.timeout_s,
+                                         headers=headers)
         except httpx.HTTPError as exc:
             raise EngineError(self.url, endpoint, f"{type(exc).__name__}: {exc or 'unreachable'}") from exc
         return self._check(endpoint, response)
@@ -122,9 +134,11 @@ class EngineClient:
         return body
 
     async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResult:
-        body = await self.acall("/generate", self._checked(request.to_json()), timeout_s=timeout_s)
+        body = await self.acall("/generate", self._checked(request.to_json()), timeout_s=timeout_s,
+                                headers=_ACCEPT_FRAMES)
         try:
-            return GenerateResult.from_json(request, body, num_layers=self.num_layers, topk=self.topk)
+            return GenerateResult.from_json(request, body, num_layers=self.num_layers, topk=self.topk,
+                                            num_experts=self.num_experts)
         except ValueError as exc:
             raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
 
@@ -141,14 +155,14 @@ class EngineClient:
         body = {**first.to_json(), "input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [r.sampling.to_json() for r in requests]}
         body.pop("rid", None)
-        answers = await self.acall("/generate", self._checked(body), timeout_s=timeout_s)
+        answers = await self.acall("/generate", self._checked(body), timeout_s=timeout_s, headers=_ACCEPT_FRAMES)
         if not isinstance(answers, list) or len(answers) != len(requests):
             raise EngineError(self.url, "/generate", f"batch of {len(requests)} answered with "
                               f"{len(answers) if isinstance(answers, list) else type(answers).__name__}",
                               retryable=False)
         try:
-            return [GenerateResult.from_json(r, a, num_layers=self.num_layers, topk=self.topk)
-                    for r, a in zip(requests, answers)]
+            return [GenerateResult.from_json(r, a, num_layers=self.num_layers, topk=self.topk,
+                                             num_experts=self.num_experts) for r, a in zip(requests, answers)]
         except ValueError as exc:
             raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
 

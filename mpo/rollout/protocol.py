@@ -241,7 +241,7 @@ class GenerateResult:
     output_logprobs: list[float]
     finish_reason: dict[str, Any]
     weight_version: str | None = None
-    routed_experts: np.ndarray | None = None  # [prompt+completion-1, layers, top_k] int32
+    routed_experts: np.ndarray | None = None  # [prompt+completion-1, MoE layers, top_k], compact_routes' dtype
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -250,10 +250,15 @@ class GenerateResult:
 
     @classmethod
     def from_json(cls, request: GenerateRequest, obj: dict[str, Any], *, num_layers: int | None = None,
-                  topk: int | None = None) -> "GenerateResult":
+                  topk: int | None = None, num_experts: int | None = None) -> "GenerateResult":
+        """Parse one answer (SGLang's JSON, or mpo's frames whose arrays are numpy already). Routes are decoded once
+        into the compact array of :func:`compact_routes` (uint8 up to 256 experts)."""
         meta = obj.get("meta_info", {})
-        output_ids = list(obj.get("output_ids", []))
-        triples = meta.get("output_token_logprobs") or []
+        output_ids = obj.get("output_ids", [])
+        output_ids = output_ids.tolist() if isinstance(output_ids, np.ndarray) else list(output_ids)
+        triples = meta.get("output_token_logprobs")
+        if triples is None:
+            triples = []
         if request.return_logprob and len(triples) != len(output_ids):
             raise ValueError(f"output_token_logprobs has {len(triples)} entries for {len(output_ids)} output ids")
         routed = None
@@ -265,16 +270,43 @@ class GenerateResult:
                 raise ValueError("response has no meta_info.routed_experts: was the engine started with "
                                  "--enable-return-routed-experts (and not behind a router that drops it)?")
             rows = len(request.input_ids) + len(output_ids) - 1
-            routed = decode_routed_experts(meta["routed_experts"], rows=rows, num_layers=num_layers, topk=topk)
+            wire = meta["routed_experts"]
+            if isinstance(wire, np.ndarray):  # mpo's frames: already compact, only checked
+                if wire.shape != (rows, num_layers, topk):
+                    raise ValueError(f"routed_experts has shape {wire.shape}; expected rows={rows} x "
+                                     f"layers={num_layers} x top_k={topk}")
+                # a writable copy of its own: the frames body it views is freed, torch can take it as is
+                routed = np.array(compact_routes(wire, num_experts), copy=True)
+            else:  # SGLang's base64 int32 JSON, decoded once into the compact array
+                routed = compact_routes(decode_routed_experts(wire, rows=rows, num_layers=num_layers, topk=topk),
+                                        num_experts)
+            meta = {k: v for k, v in meta.items() if k != "routed_experts"}  # one copy of the routes, not two
         return cls(
             prompt_ids=list(request.input_ids),
             output_ids=output_ids,
-            output_logprobs=[float(t[0]) for t in triples],
+            output_logprobs=(triples.astype(np.float64).tolist() if isinstance(triples, np.ndarray)  # frames: [n]
+                             else [float(t[0]) for t in triples]),
             finish_reason=meta.get("finish_reason") or {},
             weight_version=meta.get("weight_version"),
             routed_experts=routed,
             meta=meta,
         )
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The compact dtype of expert ids: uint8 up to 256 experts, int16 up to 32768, else int32."""
+    return np.dtype(np.uint8 if num_experts <= 256 else np.int16 if num_experts <= 32768 else np.int32)
+
+
+def compact_routes(routes: np.ndarray, num_experts: int | None = None) -> np.ndarray:
+    """Expert ids [tokens, MoE layers, top_k] in their compact dtype (route_dtype of `num_experts`; None: of the
+    largest id present). Ids outside [0, num_experts) are an error, not a silent wrap."""
+    routes = np.asarray(routes)
+    if routes.size and (int(routes.min()) < 0 or (num_experts is not None and int(routes.max()) >= num_experts)):
+        raise ValueError(f"routed_experts holds expert ids in [{int(routes.min())}, {int(routes.max())}]; valid: "
+                         f"[0, {num_experts if num_experts is not None else 'num_experts'})")
+    dtype = route_dtype(num_experts if num_experts is not None else int(routes.max(initial=0)) + 1)
+    return routes if routes.dtype == dtype else routes.astype(dtype)
 
 
 def encode_routed_experts(experts: np.ndarray) -> str:

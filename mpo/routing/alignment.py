@@ -77,17 +77,21 @@ def encode_sglang_routed_experts(routes: Tensor) -> str:
     return encode_routed_experts(routes.to(torch.int32).numpy())
 
 
-def place_rollout_routes(rows: list[list[RolloutRoutes]], seq_len: int) -> MicroBatchRouting:
+def place_rollout_routes(rows: list[list[RolloutRoutes]], seq_len: int,
+                         layers: tuple[int, ...] | None = None) -> MicroBatchRouting:
     """Engine routes of a micro-batch -> replayable ``[b, s, L_all, K]`` indices (-1 where no record).
 
     Args:
         rows: per training row, the sequences packed into it in order (one sequence for right-padded rows); a
             sequence of n tokens occupies the next n positions.
         seq_len: s, the padded row length.
+        layers: the layer numbers of the routes' layer axis (default 1..L: every layer the engine returned; a
+            pipeline stage's own layers once cut by mpo.trainer.distribute).
     """
     first = next(seq for row in rows for seq in row)
     num_layers, topk = first.routes.shape[1:]
-    dtype = torch.int16 if int(max(seq.routes.max() for row in rows for seq in row)) < 32767 else torch.int32
+    largest = max((int(seq.routes.max()) for row in rows for seq in row if seq.routes.numel()), default=0)
+    dtype = torch.int16 if largest < 32767 else torch.int32
     out = torch.full((len(rows), seq_len, num_layers, topk), -1, dtype=dtype)
     for b, row in enumerate(rows):
         offset = 0
@@ -97,7 +101,7 @@ def place_rollout_routes(rows: list[list[RolloutRoutes]], seq_len: int) -> Micro
             start = offset + seq.start_len
             out[b, start:start + seq.routes.shape[0]] = seq.routes.to(dtype)
             offset += seq.num_tokens
-    return MicroBatchRouting(tuple(range(1, num_layers + 1)), out)
+    return MicroBatchRouting(tuple(range(1, num_layers + 1)) if layers is None else tuple(layers), out)
 
 
 def routes_from_record(record: MicroBatchRouting, row: int, num_tokens: int, offset: int = 0) -> RolloutRoutes:

@@ -48,7 +48,8 @@ class EngineSet:
         self._engine_lock = threading.RLock()
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
-                                          num_layers=model.num_layers, topk=model.router_topk), None)
+                                          num_layers=model.num_layers, topk=model.router_topk,
+                                          num_experts=model.num_experts), None)
                             for url in r.urls]
             return
         if r.engine != "mpo":
@@ -314,7 +315,8 @@ def run(config: TrainConfig) -> None:
         _sync(trainer, engines, version=f"step{start}")
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
-                                     progress=config.logging.progress, start_step=start, wandb=wandb_settings(config))
+                                     progress=config.logging.progress, start_step=start, wandb=wandb_settings(config),
+                                     versions_per_token=config.logging.versions_per_token)
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
             schedule = RolloutSchedule(trainer.collect, config.schedule.mode, config.schedule.max_staleness,

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mpo.lifecycle import writing
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ class MetricsLog:
     """Rank 0's metrics sinks. `wandb`: the W&B run's project, name and config (None: no W&B)."""
 
     def __init__(self, out_dir: str | Path, *, tensorboard: bool, total_steps: int, progress: bool,
-                 start_step: int = 0, wandb: dict[str, Any] | None = None) -> None:
+                 start_step: int = 0, wandb: dict[str, Any] | None = None, versions_per_token: bool = False) -> None:
+        self.versions_per_token = versions_per_token  # logging.versions_per_token
         self.path = Path(out_dir) / "metrics.jsonl"
         self.samples_path = Path(out_dir) / "samples.jsonl"  # a few decoded responses per step
         self.versions_path = Path(out_dir) / "versions.jsonl"  # per consumed sample, each token's policy version
@@ -133,10 +136,21 @@ class MetricsLog:
         with writing(self.eval_path), self.eval_path.open("a") as f:
             f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
 
-    def log_versions(self, step: int, versions: list[list[int]]) -> None:
-        """Append the policy version of every token of every sample consumed at `step` to versions.jsonl."""
+    def log_versions(self, step: int, versions: list) -> None:
+        """Append the policy versions of the samples consumed at `step` (per sample, one per token) to versions.jsonl:
+        one row per step, ``{"step", "tokens", "min", "max", "changes"}`` with a list entry per sample (changes: how
+        often the version changes between consecutive tokens), or with logging.versions_per_token ``{"step",
+        "versions"}``, every token's version."""
+        arrays = [np.asarray(v, dtype=np.int64) for v in versions]
+        if self.versions_per_token:
+            row = {"step": step, "versions": [a.tolist() for a in arrays]}
+        else:
+            row = {"step": step, "tokens": [int(a.size) for a in arrays],
+                   "min": [int(a.min()) if a.size else None for a in arrays],
+                   "max": [int(a.max()) if a.size else None for a in arrays],
+                   "changes": [int(np.count_nonzero(np.diff(a))) for a in arrays]}
         with writing(self.versions_path), self.versions_path.open("a") as f:
-            f.write(json.dumps({"step": step, "versions": versions}) + "\n")
+            f.write(json.dumps(row) + "\n")
 
     def log(self, step: int, metrics: dict[str, Any], *, progress: bool = True) -> None:
         record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}

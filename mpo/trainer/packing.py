@@ -14,7 +14,8 @@ Layout constraints (what megatron needs):
   is longer), not the longest sample padded to micro_batch_size rows.
 * EP (and VPP's groups of PP): every DP rank runs the same number of micro-batches; ranks with fewer bins run
   loss-free two-token micro-batches, as padded rows do (mpo.trainer.rows).
-All ranks compute every rank's share from the same broadcast samples, so they agree without communication.
+All ranks compute every rank's share from the same sample lengths (each rank receives its own samples whole and
+the others' lengths: mpo.trainer.distribute), so they agree without communication.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def packed_microbatch(rows: list[Sample], n_real: int, row_len: int, *, thd: boo
     """One packed row of `rows` (real samples first) right-padded to `row_len`; extras in the sample layout."""
     layout = PackedLayout.build([len(s.ids) for s in rows], row_len, thd=thd)
     ids = torch.zeros(1, row_len, dtype=torch.long)
-    ids[0, : sum(len(s.ids) for s in rows)] = torch.tensor([t for s in rows for t in s.ids])
+    ids[0, : sum(len(s.ids) for s in rows)] = torch.cat([torch.as_tensor(s.ids).long() for s in rows])
     return MicroBatch(ids, layout.position_ids(), sample_extras(rows, n_real, max(len(s.ids) for s in rows)), layout)
 
 

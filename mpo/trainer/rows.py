@@ -10,9 +10,36 @@ import torch
 from mpo.models.forward import MicroBatch
 
 
+class Elsewhere:
+    """The token ids of a sample another data-parallel rank trains on (mpo.trainer.distribute): only its length
+    travels, which is all the split of a pass needs; reading the ids themselves is an error."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return self[0]
+
+    def __getitem__(self, index):
+        raise RuntimeError("this sample's tokens are on another data-parallel rank: the rank that reads them disagrees "
+                           "with mpo.trainer.distribute.dp_owners on which rank trains on it")
+
+    def __getstate__(self):
+        return self.length
+
+    def __setstate__(self, state) -> None:
+        self.length = state
+
+
 @dataclass
 class Sample:
-    """One generated response with everything training needs (built on rank 0, broadcast to all ranks).
+    """One generated response with everything training needs (built on rank 0; each rank receives its own
+    data-parallel share, mpo.trainer.distribute).
 
     Attributes:
         ids: prompt + completion token ids.
@@ -25,17 +52,22 @@ class Sample:
         versions: the policy version (weights after that many RL steps) each completion token was sampled under.
         loss_mask: per completion token, 1 where it carries loss (None: every one); multi-turn episodes (mpo.envs)
             have 0 at the environment's observation tokens.
+        route_layers: the layer numbers of `routes`' layer axis once cut to a pipeline stage's layers
+            (mpo.trainer.distribute); None: every layer the engine returned.
+
+    Token fields are lists on rank 0 and compact numpy arrays on the ranks that receive them (mpo.trainer.distribute).
     """
 
-    ids: list[int]
+    ids: list[int] | np.ndarray | Elsewhere
     prompt_len: int
     group: int
     reward: float
-    advantage: float | list[float] = 0.0
-    rollout_logprobs: list[float] | None = None
+    advantage: float | list[float] | np.ndarray = 0.0
+    rollout_logprobs: list[float] | np.ndarray | None = None
     routes: np.ndarray | None = None
-    versions: list[int] | None = None
-    loss_mask: list[float] | None = None
+    versions: list[int] | np.ndarray | None = None
+    loss_mask: list[float] | np.ndarray | None = None
+    route_layers: tuple[int, ...] | None = None
 
 
 def _pad_sample(length: int) -> Sample:
@@ -75,10 +107,10 @@ def sample_extras(rows: list[Sample], n_real: int, width: int) -> dict:
     for i, s in enumerate(rows):
         n = len(s.ids)
         # multi-turn rows (mpo.envs): loss only on the model's own tokens, not the environment's
-        mask[i, s.prompt_len : n] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
+        mask[i, s.prompt_len : n] = 1.0 if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=mask.dtype)
         adv[i, s.prompt_len : n] = torch.as_tensor(s.advantage, dtype=adv.dtype)
         if s.rollout_logprobs is not None:
-            rollout_lp[i, s.prompt_len : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            rollout_lp[i, s.prompt_len : n] = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32)
     return {"mask": mask, "advantages": adv, "rollout_logprobs": rollout_lp, "n_real": n_real,
             "group_ids": torch.tensor([s.group for s in rows]), "rewards": torch.tensor([s.reward for s in rows]),
             "samples": rows}
@@ -109,6 +141,6 @@ def rank_microbatches(samples: list[Sample], *, dp_rank: int, dp_size: int, micr
         seq = seq_len if seq_len is not None else max(len(s.ids) for s in rows)
         ids = torch.zeros(len(rows), seq, dtype=torch.long)
         for i, s in enumerate(rows):
-            ids[i, : len(s.ids)] = torch.tensor(s.ids)
+            ids[i, : len(s.ids)] = torch.as_tensor(s.ids)
         out.append(MicroBatch(ids, extras=sample_extras(rows, len(real), seq)).to(device))
     return out

@@ -16,7 +16,8 @@ step - max_staleness (the gate makes this a check that should never fire; `stale
 Staleness of a token consumed at step n is n - its version. Logged every step: staleness_max / staleness_mean
 (over consumed tokens), engine_busy_frac (wall time of the step during which the engines were generating) and
 overlap_frac (fraction of the trainer's busy time, train + sync, during which the engines were generating).
-Rank 0 writes every consumed sample's per-token versions to versions.jsonl.
+Rank 0 writes a summary of each consumed sample's versions to versions.jsonl (tokens, min, max, changes;
+every token's version with logging.versions_per_token).
 
 The engine log-probs of a stale sample come from an older policy (the behaviour policy, per token: mpo's engine keeps
 each token's log-prob from when it was sampled, also across an in-flight update) than the trainer's old-logprob
@@ -59,6 +60,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 MODES = ("sync", "one_step_off", "async")
@@ -71,6 +74,20 @@ def version_number(version: str | int | None, default: int) -> int:
     if isinstance(version, str) and version.startswith("step") and version[4:].isdigit():
         return int(version[4:])
     return default
+
+
+def version_numbers(stamps, default: int, count: int) -> np.ndarray:
+    """Per-token version stamps (the engine's "step12" strings, ints, or None: every token `default`) as step
+    numbers, int64 [count]; one version_number call per distinct stamp, not per token."""
+    if not stamps:
+        return np.full(count, default, dtype=np.int64)
+    values = np.asarray(stamps)
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    if values.dtype.kind != "U":  # mixed (ints and strings, or None): per token, as version_number reads them
+        return np.array([version_number(v, default) for v in stamps], dtype=np.int64)
+    unique, inverse = np.unique(values, return_inverse=True)
+    return np.array([version_number(u, default) for u in unique.tolist()], dtype=np.int64)[inverse]
 
 
 def _overlap(intervals: list[tuple[float, float]], start: float, end: float) -> float:
@@ -171,19 +188,23 @@ class RolloutSchedule:
                 produced = self._batches.pop(step)
         self._trainer_from = time.perf_counter()
         limit = step - (self.lag if self.mode != "sync" else 0)
-        kept, dropped, ages = [], 0, []
+        # per sample, not per token: each sample's versions are one array (its oldest token decides)
+        kept, dropped, oldest, tokens, age_sum = [], 0, step, 0, 0
         for sample in produced.samples:
-            versions = sample.versions or []
-            if versions and min(versions) < limit:
+            versions = np.asarray(sample.versions if sample.versions is not None else (), dtype=np.int64)
+            if versions.size and int(versions.min()) < limit:
                 dropped += 1
                 continue
             kept.append(sample)
-            ages += [step - v for v in versions]
+            if versions.size:
+                oldest = min(oldest, int(versions.min()))
+                tokens += versions.size
+                age_sum += step * versions.size - int(versions.sum())
         if self.on_versions is not None:
-            self.on_versions(step, [list(s.versions or []) for s in kept])
+            self.on_versions(step, [s.versions if s.versions is not None else [] for s in kept])
         metrics = dict(produced.metrics)
-        metrics.update({"staleness_max": float(max(ages, default=0)),
-                        "staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+        metrics.update({"staleness_max": float(step - oldest),
+                        "staleness_mean": age_sum / tokens if tokens else 0.0,
                         "staleness_dropped_samples": float(dropped),
                         "schedule/wait_s": self._trainer_from - waited})
         if dropped:

@@ -2,10 +2,10 @@
 
 One step: rank 0 samples prompts, gets G responses per prompt from the engines (log-probs and routed experts included),
 scores them (with algorithm.dynamic_sampling, drawing further prompt groups until enough have non-zero reward
-variance), computes advantages and drops zero-variance groups; every rank takes its data-parallel share; an old-logprob
-forward records the routing (replaying the engines' routes under R3); each mini-batch update runs the configured loss
-with global denominators (replaying the old routes under R2); the new weights are pushed to the engines; metrics and,
-every few steps, a checkpoint are written.
+variance), computes advantages and drops zero-variance groups; rank 0 sends every rank its data-parallel share with
+its stage's routes (mpo.trainer.distribute); an old-logprob forward records the routing (replaying the engines' routes
+under R3); each mini-batch update runs the configured loss with global denominators (replaying the old routes under
+R2); the new weights are pushed to the engines; metrics and, every few steps, a checkpoint are written.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class Trainer:
         them have non-zero reward variance (mpo.trainer.dynamic_sampling); advantages are computed over the kept
         groups only, as DAPO does."""
         from mpo.trainer.dynamic_sampling import Sampled, sample_varied
-        from mpo.trainer.schedule import version_number
+        from mpo.trainer.schedule import version_numbers
 
         version = step if version is None else version
         cfg = self.config
@@ -215,8 +215,8 @@ class Trainer:
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
                           loss_mask=r.meta.get("loss_mask"),
-                          versions=[version_number(v, version) for v in
-                                    r.meta.get("output_token_weight_versions") or [version] * len(r.output_ids)])
+                          versions=version_numbers(r.meta.get("output_token_weight_versions"), version,
+                                                   len(r.output_ids)))
                    for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
         # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
         # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
@@ -368,14 +368,16 @@ class Trainer:
         if not any(rows):
             return None
         seq = mb.input_ids.shape[1]
+        # the routes' layers: a stage's own once distributed (mpo.trainer.distribute), else every engine layer
+        first = next(s for s in mb.extras["samples"] if s.routes is not None)
         for i, row in enumerate(rows):
             if not row:  # padding row: no engine record; -1 routes it naturally
                 n = len(mb.extras["samples"][i].ids)
-                shape = (n - 1, self.model_cfg.num_layers, self.model_cfg.router_topk)
+                shape = (n - 1, first.routes.shape[1], self.model_cfg.router_topk)
                 rows[i] = [RolloutRoutes(torch.full(shape, -1, dtype=torch.int32), n)]
         if mb.packing is not None:  # the samples end to end in one row
             rows = [[seq for row in rows for seq in row]]
-        return place_rollout_routes(rows, seq)
+        return place_rollout_routes(rows, seq, first.route_layers)
 
     def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
         from mpo.routing import agreement_metrics, replay_forced_metrics
@@ -545,10 +547,32 @@ class Trainer:
             self.nonfinite_total += 1
         return metrics
 
+    def step_batch(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s samples on every rank (rank 0 collects them) and the rollout metrics (rank 0's)."""
+        source = self.rollout_source or self.collect
+        with self.clock("collect"):
+            samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
+        # Every other rank waits here while rank 0 generates: on the gloo object group
+        # (parallel.distributed_timeout_s), which holds none of the offloaded storages. Each rank receives its
+        # data-parallel share with its stage's routes, the rest as lengths (mpo.trainer.distribute).
+        with self.clock("broadcast"):
+            samples = self._distributor()(samples, updates=self.config.schedule.updates_per_step,
+                                          dp_size=self._dp()[1],
+                                          packed=bool(self.config.schedule.max_tokens_per_microbatch))
+        return samples, rollout_metrics
+
+    def _distributor(self):
+        from mpo.trainer.distribute import Distributor
+
+        if getattr(self, "_distribute", None) is None:
+            self._distribute = Distributor(self.ctx.object_group, dp_rank=self._dp()[0], layers=self.routing.layers,
+                                           num_layers=self.model_cfg.num_layers,
+                                           first_k_dense=self.model_cfg.first_k_dense)
+        return self._distribute
+
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
         cfg = self.config
-        source = self.rollout_source or self.collect
         # Colocated engines: every rank's trainer memory is on the host while rank 0's engines generate (they share
         # every rank's GPU); the engines release theirs when the batch is done (RolloutSchedule.take), then the
         # trainer takes its back. The weight sync after this step reads the parameters resident.
@@ -556,12 +580,7 @@ class Trainer:
         if offload is not None:
             offload.offload()
         try:
-            with self.clock("collect"):
-                samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
-            # Every other rank waits here while rank 0 generates: on the gloo object group
-            # (parallel.distributed_timeout_s), which holds none of the offloaded storages
-            with self.clock("broadcast"):
-                samples = _broadcast_object(samples, group=self.ctx.object_group)
+            samples, rollout_metrics = self.step_batch(step)
         finally:
             if offload is not None:
                 offload.reload()

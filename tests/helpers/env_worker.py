@@ -50,7 +50,8 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
         for i, s in enumerate(samples):
             n = len(s.ids)
             rows.append({"ids": s.ids, "prompt_len": s.prompt_len, "loss_mask": s.loss_mask,
-                         "rollout_logprobs": s.rollout_logprobs, "reward": s.reward, "versions": s.versions,
+                         "rollout_logprobs": s.rollout_logprobs, "reward": s.reward,
+                         "versions": None if s.versions is None else [int(v) for v in s.versions],  # numpy on rank 0
                          "trainer_logprobs": mb.extras["logp_old"][i, s.prompt_len:n].tolist(),
                          "batch_mask": mb.extras["mask"][i, s.prompt_len:n].tolist(),
                          "packed_logprobs": by_sample[id(s)][0].extras["logp_old"][by_sample[id(s)][1],

@@ -96,7 +96,8 @@ def _old_logprobs_by_row(trainer, microbatches) -> list[tuple[tuple[int, ...], l
     for mb in microbatches:
         for i, sample in enumerate(mb.extras["samples"][: mb.extras["n_real"]]):
             n = len(sample.ids)
-            rows.append((tuple(sample.ids), mb.extras["logp_old"][i, sample.prompt_len:n].tolist()))
+            # ids as plain ints: a rank other than 0 receives them as a numpy array (mpo.trainer.distribute)
+            rows.append((tuple(int(t) for t in sample.ids), mb.extras["logp_old"][i, sample.prompt_len:n].tolist()))
     return rows
 
 
