@@ -254,7 +254,10 @@ class ScheduleSection:
         lr: Adam learning rate (the peak, after warmup).
         clip_grad: gradient-norm clip.
         lr_warmup_steps: RL steps of linear warmup from 0 to lr (0: none); below `steps` (mpo.trainer.lr_schedule).
-        lr_decay: after warmup, "constant", or "linear" / "cosine" decay to min_lr over the remaining steps.
+        lr_decay: after warmup, "constant", "linear" / "cosine" decay to min_lr over the remaining steps, or "wsd"
+            (warmup-stable-decay, megatron's WSD): lr held, then a linear decay to min_lr over the last
+            lr_wsd_decay_steps steps.
+        lr_wsd_decay_steps: the length of wsd's final decay, in RL steps (> 0 with lr_decay=wsd).
         min_lr: the decay's floor (<= lr).
         weight_decay: Adam's decoupled weight decay on matrices (biases and norms are exempt).
         adam_beta1 / adam_beta2 / adam_eps: Adam's moments and epsilon.
@@ -275,7 +278,8 @@ class ScheduleSection:
     lr: float = 1e-3
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
-    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay: Literal["constant", "linear", "cosine", "wsd"] = "constant"
+    lr_wsd_decay_steps: int = 0
     min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -714,6 +718,9 @@ def _check_schedule(config: TrainConfig) -> None:
     s = config.schedule
     if s.min_lr > s.lr:
         raise ConfigError(f"schedule.min_lr={_show(s.min_lr)} must be <= schedule.lr={_show(s.lr)}")
+    if s.lr_decay == "wsd" and not 0 < s.lr_wsd_decay_steps <= s.steps - s.lr_warmup_steps:
+        raise ConfigError(f"schedule.lr_wsd_decay_steps={s.lr_wsd_decay_steps} with lr_decay='wsd'; valid values: 1 "
+                          f"to steps - lr_warmup_steps ({s.steps - s.lr_warmup_steps})")
     if s.lr_warmup_steps and s.steps and s.lr_warmup_steps >= s.steps:
         raise ConfigError(f"schedule.lr_warmup_steps={s.lr_warmup_steps} must be below schedule.steps={s.steps}")
 

@@ -45,29 +45,33 @@ def test_pass_at_k_equals_the_combinatorial_estimator():
 
 # -- the lr schedule -----------------------------------------------------------------------------------------------
 
-def _lr_reference(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, decay: str) -> float:
-    """megatron-LM's schedule, written out: linear warmup from 0, then constant or linear/cosine decay to min_lr."""
+def _lr_reference(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, decay: str,
+                  wsd_steps: int = 0) -> float:
+    """megatron-LM's schedule, written out: linear warmup from 0, then constant, linear/cosine decay to min_lr, or
+    WSD (held at lr, then linear to min_lr over the last wsd_steps)."""
     if warmup and step <= warmup:
         return lr * step / warmup
     if decay == "constant":
         return lr
+    if decay == "wsd":
+        return min_lr + (lr - min_lr) * min(1.0, 1.0 - (step - (steps - wsd_steps)) / wsd_steps)
     ratio = (step - warmup) / (steps - warmup)
     coeff = 1.0 - ratio if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
     return min_lr + (lr - min_lr) * coeff
 
 
-@pytest.mark.parametrize("decay, warmup", [("cosine", 5), ("linear", 3), ("constant", 4), ("cosine", 0)])
+@pytest.mark.parametrize("decay, warmup", [("cosine", 5), ("linear", 3), ("constant", 4), ("cosine", 0), ("wsd", 3)])
 def test_lr_at_every_step_is_the_schedules_formula_in_any_order(decay, warmup):
     """Over a fake optimizer's parameter groups (what megatron's scheduler writes to); steps visited out of order,
     as a resume does, give the same lr: the schedule is a function of the step."""
     from mpo.trainer.lr_schedule import LrSchedule
 
     schedule = ScheduleSection(steps=20, lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup, lr_decay=decay,
-                               weight_decay=0.1)
+                               lr_wsd_decay_steps=6 if decay == "wsd" else 0, weight_decay=0.1)
     groups = [{"lr": 0.0, "weight_decay": 0.0, "wd_mult": 1.0}, {"lr": 0.0, "weight_decay": 0.0, "wd_mult": 0.0}]
     sched = LrSchedule(SimpleNamespace(param_groups=groups), schedule, lr=schedule.lr)
     for step in [*range(20), 7, 0, 19, 12]:
-        expected = _lr_reference(step, lr=1e-3, min_lr=1e-4, warmup=warmup, steps=20, decay=decay)
+        expected = _lr_reference(step, lr=1e-3, min_lr=1e-4, warmup=warmup, steps=20, decay=decay, wsd_steps=6)
         assert sched.set_step(step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
         assert all(g["lr"] == pytest.approx(expected, rel=1e-12, abs=1e-15) for g in groups)
         assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0  # norms/biases: no decay
@@ -122,7 +126,9 @@ def test_weight_decay_and_adam_settings_reach_megatrons_optimizer(tmp_path):
     (["eval.every=-1"], "eval.every=-1; valid values: >= 0"),
     (["eval.prompts=0"], "eval.prompts=0; valid values: >= 1"),
     (["eval.every=5", "eval.task=nosuch:task"], "eval.task:"),
-    (["schedule.lr_decay=foo"], "schedule.lr_decay='foo'; valid values: 'constant', 'linear', 'cosine'"),
+    (["schedule.lr_decay=foo"], "schedule.lr_decay='foo'; valid values: 'constant', 'linear', 'cosine', 'wsd'"),
+    (["schedule.lr_decay=wsd"], "schedule.lr_wsd_decay_steps=0 with lr_decay='wsd'; valid values: 1 to"),
+    (["schedule.lr_decay=wsd", "schedule.lr_wsd_decay_steps=101"], "schedule.lr_wsd_decay_steps=101 with"),
     (["schedule.lr_warmup_steps=-2"], "schedule.lr_warmup_steps=-2; valid values: >= 0"),
     (["schedule.lr_warmup_steps=100"], "schedule.lr_warmup_steps=100 must be below schedule.steps=100"),
     (["schedule.min_lr=0.01"], "schedule.min_lr=0.01 must be <= schedule.lr=0.001"),
