@@ -16,6 +16,8 @@ import yaml
 
 from mpo.parallel.config import LayoutError, ParallelConfig
 
+RECIPES = Path(__file__).parent / "recipes"  # the shipped recipes (`mpo demo`, the benches, the tests)
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the dotted field name in the message."""

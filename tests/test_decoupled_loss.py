@@ -91,7 +91,7 @@ def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal():
 def test_off_policy_modes_default_to_the_decoupled_objective_and_refuse_no_correction():
     import re
 
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
     assert load_config(RECIPES / "demo_cpu.yaml").algorithm.rollout_correction == "none"

@@ -73,7 +73,7 @@ def test_plan_pieces_senders_and_buckets(bucket_bytes):
 
 
 def test_cuda_ipc_sync_is_sglang_only():
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="rollout.sync='cuda_ipc' is SGLang's colocated GPU path"):

@@ -266,8 +266,11 @@ class Trainer:
         if cfg.rollout.env is not None:  # multi-turn episodes with an environment (mpo.envs.rollout)
             from mpo.envs.rollout import draw_episodes
 
-            drawn = draw_episodes(cfg, self.task, prompts, seeds, want_routes, generate=self._generate,
-                                  context_length=self.model_cfg.max_position_embeddings)
+            results, rewards, texts, rollout_s, restarts, stats = draw_episodes(
+                cfg, self.task, prompts, seeds, want_routes, generate=self._generate,
+                context_length=self.model_cfg.max_position_embeddings)
+            drawn = Drawn(G, list(prompts), results, rewards, [0.0] * len(results), texts, 0, rollout_s, restarts,
+                          env=stats)
         else:
             with self.clock("request_build"):
                 requests = [GenerateRequest(list(prompts[i // G].ids), SamplingParams(

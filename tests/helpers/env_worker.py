@@ -11,7 +11,7 @@ import torch
 
 
 def two_turn(out_dir: str, overrides: list[str]) -> None:
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.trainer.loop import EngineSet, _sync
     from mpo.trainer.rows import rank_microbatches

@@ -59,7 +59,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
     with one computed from an independent full gather of the trainer (test-only), and record the sync metrics.
     restart_race: then sync_while_the_pool_restarts with the first transport's engine."""
     from checkpoints_tools.mapping import mapping_for
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.rollout.weight_sync import weights_checksum
@@ -197,7 +197,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
     """A 4-rank trainer (the converted checkpoint of the HF model the SGLang server serves, at `layout`) perturbs its
     weights, checks that the server's covering probe now disagrees (the check is not vacuous), then runs the loop's
     `_sync` (stream + covering-probe verification, no full gather allowed) over each transport."""
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.rollout.client import EngineError
     from mpo.trainer.loop import EngineSet, _sync, _verify_by_covering_probe

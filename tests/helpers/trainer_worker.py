@@ -12,7 +12,7 @@ LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
 
 
 def _trainer(out_dir: str, overrides: list[str]):
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.trainer.loop import EngineSet, _sync, supervised_warm_start
     from mpo.trainer.trainer import Trainer
