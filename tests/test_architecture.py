@@ -23,16 +23,7 @@ PRODUCT = ("mpo", "checkpoints_tools", "launch")
 TOP = frozenset({"mpo.trainer", "mpo.cli", "mpo.bench"})
 
 # (importing module, imported module): why it is still there.
-_STEP3 = "step 3: the HF mapping moves to mpo.models.hf_mapping"
-ALLOWED: dict[tuple[str, str], str] = {
-    ("mpo.engine.model", "checkpoints_tools.mapping"): _STEP3,
-    ("mpo.engine.model", "checkpoints_tools.hf_source"): _STEP3,
-    ("mpo.engine.model", "checkpoints_tools.errors"): _STEP3,
-    ("mpo.engine.weight_routes", "checkpoints_tools.hf_source"): _STEP3,
-    ("mpo.engine.weight_routes", "checkpoints_tools.errors"): _STEP3,
-    ("mpo.rollout.streaming", "checkpoints_tools.errors"): _STEP3,
-    ("mpo.trainer.sync", "checkpoints_tools.mapping"): _STEP3,
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _package(module: str) -> str:

@@ -13,7 +13,7 @@ import torch
 def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config import RECIPES
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, _sync
+    from mpo.trainer.loop import EngineSet, publisher
     from mpo.trainer.rows import rank_microbatches
     from mpo.trainer.trainer import Trainer
 
@@ -23,7 +23,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     trainer.engines = engines.handles
     calls = []
     try:
-        _sync(trainer, engines, "v0")
+        publisher(trainer, engines).publish("v0")
         generate = trainer._generate
 
         def recorded(requests):
