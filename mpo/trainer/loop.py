@@ -253,7 +253,7 @@ def run(config: TrainConfig) -> None:
     try:
         if trainer.rank == 0:
             engines = EngineSet(config, out_dir)
-            trainer.engines = engines.handles
+            trainer.collector.connect(engines.handles)
         weights = publisher(trainer, engines)
         if start == 0 and config.schedule.sft_steps:
             sft_loss = supervised_warm_start(trainer)
@@ -265,16 +265,15 @@ def run(config: TrainConfig) -> None:
                                      progress=config.logging.progress, start_step=start, wandb=wandb_settings(config))
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
-            schedule = RolloutSchedule(trainer.collect, config.schedule.mode, config.schedule.max_staleness,
+            schedule = RolloutSchedule(trainer.collector.collect, config.schedule.mode, config.schedule.max_staleness,
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
                                        memory=_memory_hook(engines) if config.rollout.colocate else None)
-            trainer.rollout_source = schedule.take
         if trainer.rank == 0 and config.eval.every:
             evaluator = Evaluator(config)
         for step in range(start, config.schedule.steps):
             with trainer.clock("eval"):
                 held_out = _evaluate(evaluator, step, engines, metrics_log)  # the policy the engines hold: `step`
-            metrics = trainer.train_step(step)
+            metrics = trainer.train_step(step, schedule.take if schedule is not None else None)
             metrics.update(held_out)
             if schedule is not None:
                 schedule.before_sync()
@@ -290,7 +289,7 @@ def run(config: TrainConfig) -> None:
             if metrics_log is not None:
                 with trainer.clock("metrics_write"):
                     metrics_log.log(step, metrics)
-                    metrics_log.log_samples(trainer.samples_log)
+                    metrics_log.log_samples(trainer.collector.samples_log)
             trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:

@@ -39,7 +39,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
         trainer = Trainer(config)
         engines = EngineSet(config, Path(out_dir) / name) if trainer.rank == 0 else None
         if engines is not None:
-            trainer.engines = engines.handles
+            trainer.collector.connect(engines.handles)
         try:
             metrics = trainer.train_step(0)
             metrics.update(publisher(trainer, engines).publish("v1"))

@@ -26,7 +26,7 @@ def _trainer(out_dir: str, overrides: list[str]):
     supervised_warm_start(trainer)
     engines = EngineSet(config, Path(out_dir)) if trainer.rank == 0 else None
     if engines is not None:
-        trainer.engines = engines.handles
+        trainer.collector.connect(engines.handles)
     weights = publisher(trainer, engines)
     weights.publish("v0")
     return trainer, engines, weights
@@ -183,16 +183,17 @@ def retirement(out_dir: str, steps: int) -> None:
         for step in range(steps):
             trainer.train_step(step)
         trainer.save(steps)
-        if trainer.retirement is not None:  # rank 0 samples prompts and holds the set
-            results["retired_before_resume"] = len(trainer.retirement.retired)
-            trainer.retirement.retired = set()  # what a new process starts with; resume() must bring it back
+        retirement = trainer.collector.retirement
+        if retirement is not None:  # rank 0 samples prompts and holds the set
+            results["retired_before_resume"] = len(retirement.retired)
+            retirement.retired = set()  # what a new process starts with; resume() must bring it back
         start = trainer.resume()
-        if trainer.retirement is not None:
-            results["retired_after_resume"] = len(trainer.retirement.retired)
+        if retirement is not None:
+            results["retired_after_resume"] = len(retirement.retired)
         for step in range(start, 2 * steps):
             trainer.train_step(step)
         results["sampled"], sampled[:] = list(sampled), []
-        trainer.retirement = None
+        trainer.collector.retirement = None
         for step in range(100, 100 + 2 * steps):
             trainer.train_step(step)
         results["sampled_without_retirement"] = sampled
