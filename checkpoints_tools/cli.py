@@ -12,7 +12,7 @@ import math
 import sys
 import traceback
 
-from checkpoints_tools.errors import ConversionError
+from mpo.models.hf_source import ConversionError
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

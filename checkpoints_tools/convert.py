@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.errors import ConversionError
-from checkpoints_tools.files import atomic_directory, read_json
-from checkpoints_tools.hf_source import INDEX_NAME, HFCheckpoint
+from checkpoints_tools.files import atomic_directory
 from checkpoints_tools.hf_writer import StreamingSafetensorsWriter
-from checkpoints_tools.mapping import ModelMapping, Spec, Unit, mapping_for, model_config_from_hf
 from checkpoints_tools.progress import progress
 from checkpoints_tools.torch_dist_io import ChunkSpec, TorchDistReader, write_torch_dist
+from mpo.models.hf_mapping import ModelMapping, Spec, Unit, mapping_for, model_config_from_hf
+from mpo.models.hf_source import INDEX_NAME, ConversionError, HFCheckpoint, read_json
 
 HF_CONFIG_NAME = "hf_config.json"
 HF_ASSETS_DIR = "hf_assets"
@@ -135,7 +134,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, spec: Spec = "both",
 def _stored_dtype(source: HFCheckpoint, name: str) -> torch.dtype:
     stored = name if name in source.weight_map else None
     if stored is None:  # per-expert name served from a fused tensor
-        from checkpoints_tools.hf_source import _PER_EXPERT
+        from mpo.models.hf_source import _PER_EXPERT
 
         match = _PER_EXPERT.match(name)
         if match:

@@ -1,5 +1,5 @@
-"""Files the converter reads and writes: JSON inputs that fail in one line, and an output directory that is written
-atomically by one converter at a time.
+"""The converter's output directory, written atomically by one converter at a time (JSON inputs are read by
+mpo.models.hf_source.read_json, failing in one line).
 
 Output: a conversion writes into `.NAME.tmp-PID` next to the target and renames it at the end, so a failure never
 leaves a partial checkpoint. The target is locked (flock on `.NAME.lock`, removed when done) for the whole
@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
-from checkpoints_tools.errors import ConversionError
-
-
-def read_json(path: str | Path) -> Any:
-    """Parsed JSON; a missing, unreadable, non-UTF-8 or malformed file raises ConversionError naming file and line."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConversionError(f"cannot read JSON file ({exc.strerror})", file=str(path)) from None
-    except UnicodeDecodeError as exc:
-        raise ConversionError(f"not UTF-8 text (byte {exc.start})", file=str(path)) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConversionError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
-                              file=str(path)) from None
+from mpo.models.hf_source import ConversionError
 
 
 def _pid_running(pid: int) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.hf_source import INDEX_NAME
+from mpo.models.hf_source import INDEX_NAME
 
 
 class ShardedSafetensorsWriter:

@@ -42,11 +42,11 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
     from megatron.core import parallel_state
 
     from checkpoints_tools.convert import HF_CONFIG_NAME
-    from checkpoints_tools.files import read_json
-    from checkpoints_tools.mapping import model_config_from_hf
     from mpo.models.builder import PrecisionConfig, build_model, unwrap
     from mpo.models.chunks import as_chunks
     from mpo.models.forward import MicroBatch, run_microbatches
+    from mpo.models.hf_mapping import model_config_from_hf
+    from mpo.models.hf_source import read_json
     from mpo.parallel import ParallelConfig, initialize_parallel
 
     hf_config = read_json(Path(mcore_dir) / HF_CONFIG_NAME)

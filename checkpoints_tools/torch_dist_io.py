@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from checkpoints_tools.errors import ConversionError
+from mpo.models.hf_source import ConversionError
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron: ShardedObject("common_state", ..., (1,), (0,)).unique_key
@@ -132,7 +132,7 @@ class TorchDistReader:
     def __init__(self, directory: str | Path) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        from checkpoints_tools.files import read_json
+        from mpo.models.hf_source import read_json
         from mpo.safe_load import CheckpointFileError, read_dcp_metadata
 
         self.directory = Path(directory)

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.errors import ConversionError
-from checkpoints_tools.files import read_json
+from mpo.models.hf_source import ConversionError, read_json
 from mpo.parallel.ports import free_port
 
 DEFAULT_TOLERANCE = 1e-4
@@ -224,8 +223,8 @@ def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int,
                  pp_first: int | None = None, pp_last: int | None = None, vpp: int | None = None):
     """The model config of the HF config.json, after checking everything verify needs (see `verify`)."""
     from checkpoints_tools.convert import HF_CONFIG_NAME
-    from checkpoints_tools.mapping import model_config_from_hf
     from checkpoints_tools.torch_dist_io import TorchDistReader
+    from mpo.models.hf_mapping import model_config_from_hf
     from mpo.parallel.config import LayoutError, ParallelConfig
 
     hf_dir, mcore_dir = Path(hf_dir), Path(mcore_dir)

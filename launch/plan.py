@@ -29,7 +29,8 @@ from pathlib import Path
 
 from mpo.config import TrainConfig
 from mpo.rollout.engine_command import REDACTED, SECRET_ENV, EngineSettings, engine_command
-from mpo.rollout.weight_sync import group_layout
+from mpo.weight_sync.transports import check_transport
+from mpo.weight_sync.wire import group_layout
 
 
 class PlanError(ValueError):
@@ -116,7 +117,7 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class WeightSyncGroup:
-    """The process group `rollout.sync: distributed` makes, as this plan places it (mpo.rollout.weight_sync).
+    """The process group `rollout.sync: distributed` makes, as this plan places it (mpo.weight_sync).
 
     Attributes:
         master_address: where every engine reaches trainer global rank 0, which hosts the group's rendezvous:
@@ -273,9 +274,11 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                             f"the {len(candidates)} {placement} node(s) ({slots} per node)")
         for i in range(r.num_engines):
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
-            if r.engine == "sglang" and r.sync in ("tensor", "cuda_ipc") and node >= trainer_nodes:
-                raise PlanError(f"rollout.sync={r.sync!r} is for SGLang engines on the trainer's nodes; engine{i} is "
-                                f"placed on rollout node {hosts[node]}: set rollout.sync='distributed'")
+            if node >= trainer_nodes:
+                try:
+                    check_transport(r.sync, r.engine, off_host=f"engine{i} is placed on rollout node {hosts[node]}")
+                except ValueError as exc:
+                    raise PlanError(str(exc)) from None
             local = len(engines[node])
             port = engine_port + i
             proc_env = dict(engine_env)

@@ -16,11 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpo.config import RECIPES
 from mpo.lifecycle import NoSpaceLeft, RunDirInUse, child_env, lock_run_dir, writing
 from mpo.parallel.ports import free_port
 from mpo.trainer.metrics_log import read_metrics
-
-RECIPES = Path(__file__).parent / "recipes"
 
 
 def resolve_config(config_path: str | None, overrides: list[str]):

@@ -16,6 +16,8 @@ import yaml
 
 from mpo.parallel.config import LayoutError, ParallelConfig
 
+RECIPES = Path(__file__).parent / "recipes"  # the shipped recipes (`mpo demo`, the benches, the tests)
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the dotted field name in the message."""
@@ -59,7 +61,7 @@ class RolloutSection:
         top_p: nucleus mass.
         api_key: sent as a bearer token to every engine.
         request_timeout_s: a request slower than this counts as a hung engine.
-        sync: weight-sync path after each step (mpo.rollout.streaming: one sender per pipeline stage): "tensor"
+        sync: weight-sync path after each step (mpo.weight_sync.gather: one sender per pipeline stage): "tensor"
             (HTTP payload; SGLang engines must be on the trainer's node), "distributed" (a process group between
             each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes), "cuda_ipc"
             (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only) or "shm"
@@ -73,7 +75,7 @@ class RolloutSection:
         colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
             it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
         host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a sync bucket through shared-memory
-            slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.rollout.streaming). None: on when
+            slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.weight_sync.gather). None: on when
             training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
         offload_trainer: with colocated engines, every trainer rank moves its parameters and optimizer state to
             (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
@@ -617,12 +619,12 @@ def validate(config: TrainConfig) -> None:
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
-    if r.sync == "cuda_ipc" and r.engine != "sglang":
-        raise ConfigError(f"rollout.sync='cuda_ipc' is SGLang's colocated GPU path; rollout.engine={r.engine!r} "
-                          f"takes sync 'tensor', 'distributed' or 'shm'")
-    if r.sync == "shm" and r.engine != "mpo":
-        raise ConfigError(f"rollout.sync='shm' is mpo's engine's same-host path; rollout.engine={r.engine!r} takes "
-                          f"sync 'tensor', 'distributed' or 'cuda_ipc'")
+    from mpo.weight_sync.transports import check_transport
+
+    try:
+        check_transport(r.sync, r.engine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
         raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
                           f"samples come from older policies and nothing would correct them; leave it unset "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpo.cli import RECIPES
+from mpo.config import RECIPES
 from mpo.config import ConfigError, load_config
 
 

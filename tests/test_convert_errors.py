@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints_tools.cli import main as cli_main
-from checkpoints_tools.hf_source import HFCheckpoint, dequantize_fp8_blocks
-from checkpoints_tools.mapping import mapping_for, model_config_from_hf
 from checkpoints_tools.verify import VerifyReport, compare
+from mpo.models.hf_mapping import mapping_for, model_config_from_hf
+from mpo.models.hf_source import HFCheckpoint, dequantize_fp8_blocks
 from helpers.tiny_hf import tiny_qwen3_moe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

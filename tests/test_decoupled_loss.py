@@ -96,7 +96,7 @@ def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal():
 def test_off_policy_modes_default_to_the_decoupled_objective_with_replay_and_refuse_no_correction():
     import re
 
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
     from mpo.config import resolve_replay

@@ -365,7 +365,7 @@ _WIRE_PROBE = textwrap.dedent("""
     import json, os, pickle, base64, sys, types
     import torch
     import megatron.core  # as in the trainer: it replaces torch.storage._load_from_bytes
-    from mpo.rollout.sglang_wire import flatten_bucket, serialize_for_sglang
+    from mpo.weight_sync.wire import flatten_bucket, serialize_for_sglang
 
     r, w = os.pipe()
     os.set_inheritable(w, True)  # like a multiprocessing child's sentinel pipe
@@ -539,8 +539,8 @@ def _norm_numel() -> int:
 
 def test_hardening_shm_locator_to_a_fifo_is_refused_at_once(engine):
     """A FIFO named like a slot blocks open(): it must be refused (400), not pin the request's thread forever."""
-    from mpo.rollout import shared_memory as shm
-    from mpo.rollout.weight_sync import SHM_FORMAT
+    from mpo.weight_sync import shared_memory as shm
+    from mpo.weight_sync.wire import SHM_FORMAT
 
     fifo = shm.shm_dir() / shm.file_name(shm.new_token(), "fifo", pid=1)
     os.mkfifo(fifo)
@@ -568,8 +568,8 @@ def test_hardening_shm_locator_to_a_fifo_is_refused_at_once(engine):
 ], ids=["hardening-int32", "hardening-float64", "hardening-name-list"])
 def test_hardening_shm_locator_of_the_wrong_type_is_refused(engine, change, reason):
     """A locator whose dtype is not a weight dtype reinterprets the slot's bytes: refused (400) and nothing applied."""
-    from mpo.rollout import shared_memory as shm
-    from mpo.rollout.weight_sync import SHM_FORMAT
+    from mpo.weight_sync import shared_memory as shm
+    from mpo.weight_sync.wire import SHM_FORMAT
 
     numel = _norm_numel()
     buffer = shm.SharedBuffer(shm.file_name(shm.new_token(), "dtype"), 2 * numel, torch.float32, create=True)

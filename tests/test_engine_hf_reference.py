@@ -6,8 +6,8 @@ reference is `Qwen3MoeForCausalLM` (fp32, eager attention) loaded from the same 
 log-probs, its router logits (`output_router_logits=True`, top-k per layer) the routes. Nothing is faked.
 
 It also proves that probe verification catches a stale expert: a sync that skips one expert of one layer passes a
-short probe that never routes to that expert, and fails the covering probe (mpo.rollout.weight_sync.covering_probes)
-built from the engine's own routed experts; the engine's checksum (mpo.rollout.weight_sync.WeightSync.verify)
+short probe that never routes to that expert, and fails the covering probe (mpo.weight_sync.verify.covering_probes)
+built from the engine's own routed experts; the engine's checksum (mpo.weight_sync.verify.verify_checksum)
 fails as well. A full sync then passes both.
 """
 
@@ -27,7 +27,9 @@ from mpo.rollout.client import EngineError
 from mpo.rollout.local_engine import LocalEngineProcess
 from mpo.rollout.pool import EngineHandle, RolloutPool
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
-from mpo.rollout.weight_sync import ProbeCoverage, WeightSync, covering_probes, run_probes
+from mpo.weight_sync.transports import WeightSync
+from mpo.weight_sync.verify import (ProbeCoverage, covering_probes, run_probes, verify_by_probe, verify_checksum,
+                                    weights_checksum)
 
 CFG = preset("tiny")  # the engine's model: 4 layers, 8 experts, top-2, vocab 256
 LOGPROB_TOL = 1e-5  # fp32 megatron (local spec) vs fp32 transformers (eager)
@@ -135,7 +137,7 @@ def test_engine_matches_transformers_after_weight_sync(engine, checkpoints):
     named = _named(checkpoints[1])
     sync = WeightSync([engine.client], engine="mpo", transport="tensor", bucket_bytes=32 << 10)
     report = sync.push(named, version="hf1")
-    sync.verify(named)
+    verify_checksum(sync.clients, weights_checksum(named))
     assert report.buckets > 1
     _assert_rollouts_match(engine, checkpoints[1], "after sync")
 
@@ -155,7 +157,7 @@ def _full_sync(engine, directory: Path, version: str) -> list[tuple[str, torch.T
     named = _named(directory)
     sync = WeightSync([engine.client], engine="mpo")
     sync.push(named, version=version)
-    sync.verify(named)
+    verify_checksum(sync.clients, weights_checksum(named))
     return named
 
 
@@ -182,22 +184,22 @@ def test_stale_expert_fails_verification(engine, checkpoints):
     sync = WeightSync([engine.client], engine="mpo")
     sync.push(stale, version="hf2-stale")
     with pytest.raises(EngineError, match="weights differ from the trainer's"):
-        sync.verify(named)
+        verify_checksum(sync.clients, weights_checksum(named))
     # The short probe misses the stale expert: its log-probs still equal transformers' with the new weights.
-    short_diff = sync.verify_by_probe([short], [[0.0] + hf_forward(reference, short)[0].tolist()])
+    short_diff = verify_by_probe(sync.clients, [short], [[0.0] + hf_forward(reference, short)[0].tolist()])
     probes = covering_probes(engine.client, [PROBE], COVERAGE)
     runs = run_probes(engine.client, probes, num_layers=CFG.num_layers, topk=CFG.router_topk)
     hits = sum(int((run.routes[:, layer] == expert).sum()) for run in runs)
     assert hits >= 1, "the covering probe does not route to the stale expert"
     trainer = [[0.0] + hf_forward(reference, p)[0].tolist() for p in probes]
     with pytest.raises(EngineError, match=r"probe log-probs differ .* after weight sync") as caught:
-        sync.verify_by_probe(probes, trainer)
+        verify_by_probe(sync.clients, probes, trainer)
     print(f"\n[hf reference] stale layer {layer} expert {expert}: short probe diff {short_diff:.1e} (passes); "
           f"covering probe of {len(probes)} sequences / {sum(map(len, probes))} tokens routes {hits} tokens to it: "
           f"{caught.value}", file=sys.stderr)
 
     _full_sync(engine, checkpoints[2], "hf2")
-    assert sync.verify_by_probe(probes, trainer) <= LOGPROB_TOL
+    assert verify_by_probe(sync.clients, probes, trainer) <= LOGPROB_TOL
 
 
 def test_covering_probe_reaches_every_expert_or_says_why(engine):

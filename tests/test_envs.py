@@ -15,7 +15,7 @@ import pytest
 from helpers import env_worker
 from helpers.spawn import spawn_ranks
 from helpers.tiny_tokenizer import DEFAULT_TEXTS, build_tiny_tokenizer
-from mpo.cli import RECIPES
+from mpo.config import RECIPES
 from mpo.config import ConfigError, load_config, validate
 from mpo.rollout.protocol import GenerateResult
 

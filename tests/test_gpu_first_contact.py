@@ -86,7 +86,7 @@ def test_no_tensor_collective_outside_the_device_aware_helper():
     """By inspection of the source: NCCL reduces only CUDA tensors, and the trainer builds its bookkeeping tensors on
     the host, so every tensor collective of the step loop goes through mpo.parallel.collectives.all_reduce_ (which
     moves the tensor to the group's device and back). A direct `dist.all_reduce(host_tensor)` on the NCCL world
-    group fails at the first sync on a GPU. (Point-to-point sends in mpo.rollout.streaming move slots made on the
+    group fails at the first sync on a GPU. (Point-to-point sends in mpo.weight_sync.gather move slots made on the
     gather device; their host tokens exist only with host shared memory, i.e. on CPU.)"""
     offenders = []
     for path in sorted((REPO / "mpo").rglob("*.py")):
@@ -184,7 +184,7 @@ def test_cuda_ipc_payload_builds_and_loads_back():
     import base64
     from multiprocessing.reduction import ForkingPickler
 
-    from mpo.rollout.weight_sync import cuda_ipc_payload
+    from mpo.weight_sync.wire import cuda_ipc_payload
 
     named = [("a.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b.bias", torch.ones(4))]
     flat = ForkingPickler.loads(base64.b64decode(cuda_ipc_payload(named)))

@@ -106,7 +106,7 @@ def test_hardening_27_each_round_draws_new_prompts_and_seeds_reproducibly():
     other sampling seeds, the same ones every time (resume), also under prompt retirement."""
     from mpo.data.retirement import PromptRetirement
     from mpo.trainer.tasks import ToyRun
-    from mpo.trainer.trainer import _sampling_seed
+    from mpo.trainer.collect import _sampling_seed
 
     config = load_config(RECIPE)
     task = ToyRun(config)

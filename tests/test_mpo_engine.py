@@ -185,7 +185,7 @@ def test_weight_sync_tensor_path_checksum_and_logprobs_follow(engines, tmp_path)
 
 
 def test_weight_update_shape_mismatch_names_engine_and_tensor(engines):
-    from mpo.rollout.weight_sync import MPO_FORMAT, encode_mpo_bucket
+    from mpo.weight_sync.wire import MPO_FORMAT, encode_mpo_bucket
 
     client = engines[1].client
     client.begin_weight_update()
@@ -199,7 +199,7 @@ def test_weight_update_shape_mismatch_names_engine_and_tensor(engines):
 
 
 def test_weight_update_outside_session_is_refused(engines):
-    from mpo.rollout.weight_sync import MPO_FORMAT, encode_mpo_bucket
+    from mpo.weight_sync.wire import MPO_FORMAT, encode_mpo_bucket
 
     with pytest.raises(EngineError, match="between begin_weight_update"):
         engines[1].client.update_weights_from_tensor([encode_mpo_bucket([])], load_format=MPO_FORMAT)
@@ -226,8 +226,8 @@ def test_weight_sync_shm_path_checksum_and_refusals(engines, tmp_path):
     import json
     import os
 
-    from mpo.rollout.shared_memory import SharedBuffer, file_name, locate, new_token
-    from mpo.rollout.weight_sync import SHM_FORMAT
+    from mpo.weight_sync.shared_memory import SharedBuffer, file_name, locate, new_token
+    from mpo.weight_sync.wire import SHM_FORMAT
 
     out = tmp_path / "shm.pt"
     spawn_ranks(1, engine_worker.perturb_and_sync, str(out), engines[1].url, "k", 32 << 10, "shm")
@@ -258,7 +258,7 @@ def test_weight_sync_shm_path_checksum_and_refusals(engines, tmp_path):
 
 
 def test_distributed_shape_mismatch_names_engine_and_tensor(engines):
-    from mpo.rollout.weight_sync import WeightSync
+    from mpo.weight_sync.transports import WeightSync
 
     client = engines[1].client
     sync = WeightSync([client], engine="mpo", transport="distributed")
@@ -289,7 +289,7 @@ def test_colocated_memory_release_and_staged_resume(engines):
     idle server; tags "weights" / "kv_cache", none = all; resume in two stages around the weight update). Real SGLang
     on CPU cannot serve it: its release calls torch.cuda.synchronize and the server dies (spec/sglang.md); on CPU
     the mpo engine has no device memory to hand back, so what is checked is the state machine."""
-    from mpo.rollout.weight_sync import MPO_FORMAT, encode_mpo_bucket
+    from mpo.weight_sync.wire import MPO_FORMAT, encode_mpo_bucket
 
     client = engines[1].client
     pool = RolloutPool([EngineHandle(client)])

@@ -120,7 +120,7 @@ def test_protocol_on_a_bare_module_and_torch_adam():
 
 
 def test_offload_trainer_switch():
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
     def enabled(*overrides: str) -> bool:

@@ -25,7 +25,7 @@ from helpers.spawn import spawn_ranks
 from helpers.tiers import tier_unavailable
 from helpers.tiny_hf import make_tiny_qwen3_moe
 from helpers.tiny_tokenizer import DEFAULT_TEXTS, build_tiny_tokenizer
-from mpo.cli import RECIPES
+from mpo.config import RECIPES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 512  # >= the BPE's size; ids past the tokenizer decode to nothing

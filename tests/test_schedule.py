@@ -102,7 +102,7 @@ def test_versions_parse_and_bad_mode():
 
 
 def test_colocate_needs_sync_mode():
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="rollout.colocate=true needs schedule.mode='sync' \\(got 'async'\\)"):

@@ -1,4 +1,4 @@
-"""mpo.rollout.shared_memory: the shared files behind CPU weight sync (real /dev/shm, real processes, a real small
+"""mpo.weight_sync.shared_memory: the shared files behind CPU weight sync (real /dev/shm, real processes, a real small
 tmpfs for the full case when the tests run as root)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from mpo.rollout import shared_memory as shm
+from mpo.weight_sync import shared_memory as shm
 
 
 def test_a_mapping_sees_the_creators_writes_and_the_file_goes_with_its_creator():
@@ -55,7 +55,7 @@ def test_read_view_refuses_symlinks_and_foreign_names(tmp_path):
 
 def test_files_of_a_killed_creator_are_removed_by_the_next_one():
     token = shm.new_token()
-    code = (f"import torch, os, signal; from mpo.rollout import shared_memory as s; "
+    code = (f"import torch, os, signal; from mpo.weight_sync import shared_memory as s; "
             f"b = s.SharedBuffer(s.file_name({token!r}, 'slot'), 1024, torch.float32, create=True); "
             f"print(b.path, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -95,7 +95,7 @@ def test_hardening_orphan_sweep_keeps_a_live_creator_of_another_pid_namespace():
     namespace). The sweep must judge it by the creator's lock, not by the pid: its slot stays; once the creator is
     killed, the next creation removes it."""
     token = shm.new_token()
-    code = (f"import sys, torch; from mpo.rollout import shared_memory as s; "
+    code = (f"import sys, torch; from mpo.weight_sync import shared_memory as s; "
             f"b = s.SharedBuffer(s.file_name({token!r}, 'slot', pid=2**22 + 7), 1024, torch.float32, create=True); "
             f"print(b.path, flush=True); sys.stdin.read()")
     creator = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -158,7 +158,7 @@ def test_hardening_a_full_shm_directory_ends_the_trainer_with_one_line(tmp_path)
                           text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
-    code = ("import sys, types, torch; from mpo.rollout import shared_memory as s\n"
+    code = ("import sys, types, torch; from mpo.weight_sync import shared_memory as s\n"
             "loop = types.ModuleType('mpo.trainer.loop')\n"
             "loop.run = lambda config: s.SharedBuffer(s.file_name('ab12', 'slot'), 128 << 10, torch.float32, "
             "create=True)\n"

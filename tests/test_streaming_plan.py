@@ -1,4 +1,4 @@
-"""The streaming sync's plan (mpo.rollout.streaming.build_plan), a pure function of the shards' metadata: checked on
+"""The streaming sync's plan (mpo.weight_sync.plan.build_plan), a pure function of the shards' metadata: checked on
 metadata laid out the way megatron describes a TP2 x PP2 model (stacked layer axis, row/column splits), against
 expectations written out by hand. No processes; milliseconds."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints_tools.mapping import mapping_for
+from mpo.models.hf_mapping import mapping_for
 from mpo.models.config import preset
-from mpo.rollout.streaming import ShardMeta, build_plan
+from mpo.weight_sync.plan import ShardMeta, build_plan
 
 CFG = preset("tiny-2layer")  # 2 layers, hidden 64, 8 experts
 MAPPING = mapping_for(CFG, spec="local")
@@ -73,7 +73,7 @@ def test_plan_pieces_senders_and_buckets(bucket_bytes):
 
 
 def test_cuda_ipc_sync_is_sglang_only():
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="rollout.sync='cuda_ipc' is SGLang's colocated GPU path"):

@@ -1,4 +1,4 @@
-"""Streaming weight sync (mpo.rollout.streaming) from a 4-rank trainer (real megatron-core, gloo) to a real mpo engine
+"""Streaming weight sync (mpo.weight_sync.gather) from a 4-rank trainer (real megatron-core, gloo) to a real mpo engine
 over HTTP, with no full-model gather in the sync: `gather_full_state` raises if called (helpers/sync_worker)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.spawn import spawn_ranks
-from mpo.cli import RECIPES
+from mpo.config import RECIPES
 from mpo.config import ConfigError, ScheduleSection, load_config
 
 

@@ -99,7 +99,7 @@ def _config(size_gb: float) -> dict:
 def _generate(directory: Path, config: dict) -> tuple[int, int]:
     """Random bf16 tensors, one shard per layer; returns (total bytes, largest tensor bytes)."""
     from checkpoints_tools.hf_writer import ShardedSafetensorsWriter
-    from checkpoints_tools.mapping import mapping_for, model_config_from_hf
+    from mpo.models.hf_mapping import mapping_for, model_config_from_hf
 
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))

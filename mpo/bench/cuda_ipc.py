@@ -1,5 +1,5 @@
 """Weight sync over CUDA IPC on one GPU: the ~1.5B-parameter `gpu_1b` model's HF tensors, in buckets, through
-`mpo.rollout.weight_sync.cuda_ipc_payload` (what `rollout.sync=cuda_ipc` sends a colocated SGLang engine) to a receiver
+`mpo.weight_sync.wire.cuda_ipc_payload` (what `rollout.sync=cuda_ipc` sends a colocated SGLang engine) to a receiver
 process on the same GPU, which maps each bucket from its IPC handle and copies it into its own preallocated weights
 (as SGLang's flattened-bucket loader copies into its parameters), then acknowledges, so the sender may reuse the memory.
 
@@ -22,7 +22,7 @@ import torch
 def random_hf_weights(model_cfg, seed: int, device: str = "cuda") -> list[tuple[str, torch.Tensor]]:
     """HF-named tensors of the model as the trainer sends them: bf16 body, fp32 LM head; norms near 1, matrices
     small (so a model loaded from them computes finite log-probs)."""
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
 
     generator = torch.Generator(device=device).manual_seed(seed)
     named = []
@@ -36,8 +36,8 @@ def random_hf_weights(model_cfg, seed: int, device: str = "cuda") -> list[tuple[
 
 def buckets_of(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive single-dtype runs of at most `bucket_bytes` (a tensor larger than that is a bucket of its own)."""
-    from mpo.rollout.sglang_wire import split_by_dtype
-    from mpo.rollout.weight_sync import make_buckets
+    from mpo.weight_sync.wire import split_by_dtype
+    from mpo.weight_sync.transports import make_buckets
 
     return [bucket for run in split_by_dtype(named) for bucket in make_buckets(run, bucket_bytes)]
 
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     import torch.multiprocessing as mp
 
     from mpo.models.config import preset
-    from mpo.rollout.weight_sync import cuda_ipc_payload
+    from mpo.weight_sync.wire import cuda_ipc_payload
 
     cfg = preset(args.preset)
     named = random_hf_weights(cfg, seed=1)

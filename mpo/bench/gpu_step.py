@@ -40,7 +40,7 @@ class ParameterCounts:
 
 def parameter_counts(model_cfg) -> ParameterCounts:
     """Counts from the HF<->megatron mapping's tensor shapes (the same shapes conversion and weight sync use)."""
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
 
     total = active = matmul = 0
     expert_share = model_cfg.router_topk / model_cfg.num_experts

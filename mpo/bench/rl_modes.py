@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-staleness", type=int, default=2, help="schedule.max_staleness of the async run")
     parser.add_argument("overrides", nargs="*", help="section.field=value, for every mode")
     args = parser.parse_args(argv)
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
 
     steps = args.steps or load_config(RECIPES / "demo_cpu.yaml").schedule.steps

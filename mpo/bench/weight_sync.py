@@ -1,7 +1,7 @@
 """Weight-sync throughput: WeightSync's tensor path (and distributed path) into a locally started mpo engine vs a
 plain in-process memcpy (torch `copy_`) of the same bytes, in one run.
 
-`--sweep`: the trainer's real streaming sync (mpo.rollout.streaming, as mpo.trainer.sync drives it) from 4 gloo
+`--sweep`: the trainer's real streaming sync (mpo.weight_sync.gather, as mpo.weight_sync.publisher drives it) from 4 gloo
 ranks holding a megatron model at TP2xEP2 into a locally started mpo engine of the same shape, at two model sizes
 (presets sync_bench_1l / sync_bench_12l: ~36M and ~342M parameters, same largest tensor). By default the way a
 CPU trainer syncs an engine on its own host: pieces written into the sender's shared-memory slots, the engine
@@ -33,7 +33,7 @@ from pathlib import Path
 def _named_tensors(preset: str, seed: int):
     import torch
 
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from mpo.models.config import preset as get_preset
 
     generator = torch.Generator().manual_seed(seed)
@@ -86,13 +86,14 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from mpo.models.builder import PrecisionConfig, build_model, unwrap
     from mpo.models.config import preset as get_preset
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
-    from mpo.rollout.streaming import WeightStreamer
-    from mpo.rollout.weight_sync import WeightSync, combine_digests, tensor_digest
+    from mpo.weight_sync.gather import WeightStreamer
+    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.verify import combine_digests, tensor_digest
 
     tp, ep, pp = layout
     parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp)
@@ -190,7 +191,7 @@ def _sweep_run(preset: str, args, tmp: Path) -> dict:
 def sweep(args) -> int:
     import math
 
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from mpo.models.config import preset as get_preset
 
     sizes = {p: sum(math.prod(s) for u in mapping_for(get_preset(p), spec="local").units() for s in u.rule.hf_shapes)
@@ -255,7 +256,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from mpo.rollout.local_engine import LocalEngineProcess
-    from mpo.rollout.weight_sync import WeightSync
+    from mpo.weight_sync.transports import WeightSync
 
     torch.set_num_threads(1)
     named = _named_tensors(args.preset, seed=0)

@@ -24,9 +24,9 @@ def _hf_model_config(hf_dir: str) -> MoEModelConfig:
 def _load_hf_weights(gpt: torch.nn.Module, cfg: MoEModelConfig, hf_dir: str) -> None:
     """HF safetensors -> this TP1 model, through the same conversion mapping as checkpoints_tools (an engine holds
     the whole model: fine for mpo's CPU engine, which serves small models; SGLang serves the large ones)."""
-    from checkpoints_tools.hf_source import HFCheckpoint
-    from checkpoints_tools.mapping import mapping_for
     from mpo.models.full_state import load_full_state
+    from mpo.models.hf_mapping import mapping_for
+    from mpo.models.hf_source import HFCheckpoint
 
     with HFCheckpoint.open(hf_dir) as source:
         full = mapping_for(cfg, spec="local").hf_to_full_state(source.get)
@@ -125,7 +125,7 @@ class EngineModel:
     @functools.cached_property
     def mapping(self):
         """HF <-> megatron names of this model; built once, used by every sync, checksum and disk load."""
-        from checkpoints_tools.mapping import mapping_for
+        from mpo.models.hf_mapping import mapping_for
 
         return mapping_for(self.model_cfg, spec="local")
 
@@ -136,7 +136,7 @@ class EngineModel:
         return list(self.mapping.full_state_to_hf(gather_full_state(unwrap(self.model))))
 
     def checksum(self) -> str:
-        from mpo.rollout.weight_sync import weights_checksum
+        from mpo.weight_sync.verify import weights_checksum
 
         return weights_checksum(self.hf_weights())
 
@@ -150,7 +150,7 @@ class EngineModel:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-        from checkpoints_tools.errors import ConversionError
+        from mpo.models.hf_source import ConversionError
         from mpo.models.builder import unwrap
 
         sharded = unwrap(self.model).sharded_state_dict()

@@ -1,13 +1,13 @@
 """Weight-update endpoints of mpo's engine, with SGLang 0.5.23's session rule: updates arrive between
 /begin_weight_update and /end_weight_update and take effect at the end (a unit such as QKV may span buckets).
 
-The transports of mpo.rollout.weight_sync are served with SGLang's semantics:
+The transports of mpo.weight_sync are served with SGLang's semantics:
 * tensor: /update_weights_from_tensor with `load_format="mpo_safetensors"`;
 * shm (a trainer on this host): /update_weights_from_tensor with `load_format="mpo_shm"`, whose payload is a JSON
-  list of locators into the sender's shared-memory slot (mpo.rollout.shared_memory); the values are copied out
+  list of locators into the sender's shared-memory slot (mpo.weight_sync.shared_memory); the values are copied out
   before the request returns, since the sender reuses the slot for its next bucket;
 * distributed: /init_weights_update_group joins the trainer's group with the same rendezvous calls SGLang makes
-  (mpo.rollout.sglang_wire.join_weight_update_group; this engine runs at TP1, so its rank is rank_offset),
+  (mpo.weight_sync.wire.join_weight_update_group; this engine runs at TP1, so its rank is rank_offset),
   /update_weights_from_distributed receives one broadcast from rank 0 per tensor, in list order, into tensors of the
   announced dtype and shape, and /destroy_weights_update_group leaves the group. Received tensors are checked (name,
   shape) only after every broadcast of the request was received, so a bad request never leaves the group out of step.
@@ -25,9 +25,8 @@ import torch.distributed as dist
 
 from mpo.engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
-from mpo.rollout.shared_memory import WEIGHT_DTYPES
-from mpo.rollout.sglang_wire import dtype_from_name, join_weight_update_group
-from mpo.rollout.weight_sync import MPO_FORMAT, SHM_FORMAT, decode_mpo_bucket
+from mpo.weight_sync.shared_memory import WEIGHT_DTYPES
+from mpo.weight_sync.wire import MPO_FORMAT, SHM_FORMAT, decode_mpo_bucket, dtype_from_name, join_weight_update_group
 
 _WEIGHT_DTYPES = {getattr(torch, name) for name in WEIGHT_DTYPES}
 
@@ -99,7 +98,7 @@ class WeightRoutes:
         """Copy every located tensor out of the sender's shared slot into this engine's receive buffers."""
         import json
 
-        from mpo.rollout.shared_memory import read_view
+        from mpo.weight_sync.shared_memory import read_view
 
         try:
             locators = json.loads(payload) if isinstance(payload, str) else None
@@ -214,8 +213,7 @@ class WeightRoutes:
 
     # -- disk ------------------------------------------------------------------------------------------------------
     def from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
-        from checkpoints_tools.errors import ConversionError
-        from checkpoints_tools.hf_source import HFCheckpoint
+        from mpo.models.hf_source import ConversionError, HFCheckpoint
 
         path = Path(body.get("model_path") or "")
         try:

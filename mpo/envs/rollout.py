@@ -185,10 +185,9 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
 
 def draw_episodes(config, task, prompts: list, seeds: list[int], want_routes: bool, *, generate: Callable,
                   context_length: int):
-    """The trainer's draw of one round under rollout.env: `samples_per_prompt` episodes per prompt, as a Drawn
-    (mpo.trainer.dynamic_sampling) whose rows are episodes and whose `env` holds the step's counters."""
-    from mpo.trainer.dynamic_sampling import Drawn
-
+    """The trainer's draw of one round under rollout.env: `samples_per_prompt` episodes per prompt. Returns the
+    fields of the trainer's Drawn row for row (results, rewards, texts, wall seconds, restarts, counters); the trainer
+    builds the Drawn, so environments import nothing of the trainer."""
     r, G = config.rollout, config.rollout.samples_per_prompt
     started = time.perf_counter()
     pool, renderer = task.env
@@ -198,5 +197,4 @@ def draw_episodes(config, task, prompts: list, seeds: list[int], want_routes: bo
         prompts, G, pool=pool, renderer=renderer, generate=generate, sampling=turn, seeds=seeds,
         max_turns=r.max_turns, context_length=context_length, want_routes=want_routes)
     texts = [renderer.encoder.tokenizer.decode(x.output_ids, skip_special_tokens=False) for x in results]
-    return Drawn(G, list(prompts), results, rewards, [0.0] * len(results), texts, 0, time.perf_counter() - started,
-                 restarts, env=stats)
+    return results, rewards, texts, time.perf_counter() - started, restarts, stats

@@ -53,3 +53,14 @@ def is_local_host(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def routable_address(peer_host: str) -> str:
+    """This host's address on the route to peer_host (what a peer should dial to reach us): the source address the
+    kernel picks for a UDP 'connection' to it (no packet is sent). Loopback for a loopback peer."""
+    if is_loopback(peer_host):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in peer_host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host.strip("[]"), 9))
+        return probe.getsockname()[0]

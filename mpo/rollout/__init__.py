@@ -1,2 +1,2 @@
-"""Rollouts through SGLang's HTTP API, the client side: requests, a pool of engines, engine processes, and weight sync
-(mpo's own engine is `mpo.engine`)."""
+"""Rollouts through SGLang's HTTP API, the client side: requests, a pool of engines, engine processes (mpo's own
+engine is `mpo.engine`; weight sync is `mpo.weight_sync`)."""

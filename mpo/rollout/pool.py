@@ -62,24 +62,27 @@ class RolloutPool:
         self.engines = list(engines)
         self.config = config
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    def generate(self, requests: Sequence[GenerateRequest], *,
+                 requests_per_call: int | None = None) -> list[GenerateResult]:
+        """Every request's result, in request order; requests_per_call overrides the config's for this call."""
         # A plain loop, not asyncio.run: on the main thread asyncio.run (Python 3.12.1) ends by formatting the repr of
         # its SIGINT handler, which holds the finished task, so every call printed its results' arrays (~10 ms).
         loop = asyncio.new_event_loop()
         try:
-            return loop.run_until_complete(self.agenerate(requests))
+            return loop.run_until_complete(self.agenerate(requests, requests_per_call=requests_per_call))
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    async def agenerate(self, requests: Sequence[GenerateRequest], *,
+                        requests_per_call: int | None = None) -> list[GenerateResult]:
         results: list[GenerateResult | None] = [None] * len(requests)
         queue: asyncio.Queue[tuple[list[int], int]] = asyncio.Queue()
-        per_call = max(1, self.config.requests_per_call)
+        per_call = max(1, requests_per_call or self.config.requests_per_call)
         for start in range(0, len(requests), per_call):
             queue.put_nowait((list(range(start, min(start + per_call, len(requests)))), 0))
-        for engine in self.engines:
-            engine._lock = asyncio.Lock()
+        for engine in self.engines:  # restarts and failures count per call: each call has the whole restart budget
+            engine._lock, engine.restarts, engine.failures = asyncio.Lock(), 0, 0
         failure: list[BaseException] = []
 
         async def worker(engine: EngineHandle) -> None:

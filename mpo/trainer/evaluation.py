@@ -53,7 +53,7 @@ class Evaluator:
         """Evaluate the engines' current policy; returns the metrics and the per-prompt rows of eval.jsonl."""
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
         from mpo.rollout.protocol import GenerateRequest, SamplingParams
-        from mpo.trainer.trainer import _sampling_seed
+        from mpo.trainer.collect import _sampling_seed
 
         e, k = self.config.eval, self.k
         budget = e.max_new_tokens or self.config.rollout.max_new_tokens

@@ -39,7 +39,6 @@ class EngineSet:
         self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1
         self.sync_master_address = r.sync_master_address or "127.0.0.1"
         self._sync = None
-        self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
         # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.
         # Kept only for local (CPU-sized) engines; external engines are restarted by whoever runs them.
         self.last_weights: tuple[list, str] | None = None
@@ -78,7 +77,7 @@ class EngineSet:
     def _restart(self, process) -> None:
         """Restart a local engine and give it the weights last pushed. Waits for a weight update in flight (which then
         leaves last_weights at its version); an engine that another thread brought back meanwhile is left alone."""
-        from mpo.rollout.weight_sync import WeightSync
+        from mpo.weight_sync.transports import WeightSync
 
         with self._engine_lock:
             if process.process is not None and process.process.poll() is None and process.client.healthy(2.0):
@@ -126,27 +125,12 @@ class EngineSet:
 
     def weight_sync(self, bucket_bytes: int):
         """The set's one WeightSync (its distributed group, if any, is made once and reused every step)."""
-        from urllib.parse import urlsplit
-
-        from mpo.parallel.ports import is_local_host, is_loopback
-        from mpo.rollout.weight_sync import WeightSync
+        from mpo.weight_sync.transports import WeightSync
 
         if self._sync is None:
-            master = self.sync_master_address
-            if self.transport == "distributed" and is_loopback(master):
-                remote = [c.url for c in self.clients if not is_loopback(urlsplit(c.url).hostname or "")]
-                if remote:
-                    raise ValueError(f"rollout.sync='distributed': engine {remote[0]} cannot reach trainer rank 0 at "
-                                     f"{master}; set rollout.sync_master_address to an address of this host that "
-                                     f"the engines can route to (the launcher sets it)")
-            if self.transport in ("tensor", "cuda_ipc") and self.engine == "sglang":
-                remote = [c.url for c in self.clients if not is_local_host(urlsplit(c.url).hostname or "")]
-                if remote:
-                    raise ValueError(f"rollout.sync={self.transport!r} is for engines on the trainer's node; engine "
-                                     f"{remote[0]} is on another node: set rollout.sync='distributed'")
             self._sync = WeightSync(self.clients, engine=self.engine, transport=self.transport,
                                     bucket_bytes=bucket_bytes, tp_sizes=self.engine_tp_sizes(),
-                                    master_address=master)
+                                    master_address=self.sync_master_address)
             if self.transport != "distributed":  # a dead member would leave the group's collectives hanging
                 self._sync.expendable = self._exited
         return self._sync
@@ -180,13 +164,6 @@ class EngineSet:
             process.stop()
 
 
-PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verified with (then extended to coverage)
-
-
-def _probe(vocab_size: int) -> list[int]:
-    return [1 + (7 * i) % (vocab_size - 1) for i in range(PROBE_TOKENS)]
-
-
 def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[list[float]]:
     """Collective: the trainer's log-probs of every probe sequence, on every rank (computed by the last pipeline
     stage; sequences of one length share a micro-batch)."""
@@ -205,40 +182,14 @@ def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[l
     return _broadcast_object(scored, src=dist.get_world_size() - 1, group=trainer.ctx.object_group)
 
 
-def _verify_by_covering_probe(trainer: Trainer, engines: EngineSet | None) -> dict[str, float]:
-    """Collective, after the push: rank 0 extends the probe until the first engine's routed experts (at the weights
-    just pushed) touch every expert of every MoE layer, so a stale expert changes some log-prob; every rank scores
-    the probe; rank 0 compares every engine's log-probs with the trainer's."""
-    from mpo.rollout.weight_sync import ProbeCoverage, covering_probes
+def publisher(trainer: Trainer, engines: EngineSet | None):
+    """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines."""
+    from mpo.weight_sync.publisher import Publisher
 
-    cfg, r, m = trainer.model_cfg, trainer.config.rollout, trainer.config.model
-    box: list = [None]
-    if engines is not None:
-        coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
-                                 vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=trainer.config.seed)
-        engines.probes = covering_probes(engines.clients[0], engines.probes or [_probe(cfg.vocab_size)], coverage)
-        box = [engines.probes]
-    dist.broadcast_object_list(box, src=0, group=trainer.ctx.object_group)
-    reference = _trainer_probe_logprobs(trainer, box[0])
-    if engines is None:
-        return {}
-    # a bf16 engine or trainer differs by ~1e-2 in log-probs; fp32 on both sides by ~1e-5
-    tolerance = 1e-3 if (r.engine_dtype or m.dtype) == "fp32" and m.dtype == "fp32" else 0.1
-    sync = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
-    return {"sync_probe_logprob_maxdiff": sync.verify_by_probe(box[0], reference, tolerance=tolerance),
-            "sync_probe_tokens": float(sum(map(len, box[0])))}
-
-
-def _sync(trainer: Trainer, engines: EngineSet | None, version: str) -> dict[str, float]:
-    """Collective: stream the weights to every engine bucket by bucket (mpo.trainer.sync; no full-model gather) and
-    verify: mpo engines by weights checksum, SGLang engines by the log-probs of a probe covering every expert."""
-    from mpo.trainer.sync import stream_sync
-
-    with engines.updating() if engines is not None else contextlib.nullcontext():
-        metrics = stream_sync(trainer, engines, version)
-    if trainer.config.rollout.engine == "sglang":
-        metrics.update(_verify_by_covering_probe(trainer, engines))
-    return metrics
+    return Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
+                     stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
+                     object_group=trainer.ctx.object_group, engines=engines,
+                     score_probes=functools.partial(_trainer_probe_logprobs, trainer))
 
 
 def supervised_warm_start(trainer: Trainer) -> float:
@@ -304,37 +255,38 @@ def run(config: TrainConfig) -> None:
     metrics_log = None
     evaluator: Evaluator | None = None
     schedule: RolloutSchedule | None = None
+    weights = None
     try:
         if trainer.rank == 0:
             engines = EngineSet(config, out_dir)
-            trainer.engines = engines.handles
+            trainer.collector.connect(engines.handles)
+        weights = publisher(trainer, engines)
         if start == 0 and config.schedule.sft_steps:
             sft_loss = supervised_warm_start(trainer)
             if trainer.rank == 0:
                 log.info("supervised warm start: %d steps, final loss %.4f", config.schedule.sft_steps, sft_loss)
-        _sync(trainer, engines, version=f"step{start}")
+        weights.publish(version=f"step{start}")
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
                                      progress=config.logging.progress, start_step=start, wandb=wandb_settings(config),
                                      versions_per_token=config.logging.versions_per_token)
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
-            schedule = RolloutSchedule(trainer.collect, config.schedule.mode, config.schedule.max_staleness,
+            schedule = RolloutSchedule(trainer.collector.collect, config.schedule.mode, config.schedule.max_staleness,
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
                                        memory=_memory_hook(engines) if config.rollout.colocate else None)
-            trainer.rollout_source = schedule.take
         if trainer.rank == 0 and config.eval.every:
             evaluator = Evaluator(config)
         for step in range(start, config.schedule.steps):
             with trainer.clock("eval"):
                 held_out = _evaluate(evaluator, step, engines, metrics_log)  # the policy the engines hold: `step`
-            metrics = trainer.train_step(step)
+            metrics = trainer.train_step(step, schedule.take if schedule is not None else None)
             metrics.update(held_out)
             if schedule is not None:
                 schedule.before_sync()
             try:
                 with trainer.clock("sync"):
-                    metrics.update(_sync(trainer, engines, version=f"step{step + 1}"))
+                    metrics.update(weights.publish(version=f"step{step + 1}"))
             finally:
                 if schedule is not None:
                     schedule.after_sync(step + 1)
@@ -344,7 +296,7 @@ def run(config: TrainConfig) -> None:
             if metrics_log is not None:
                 with trainer.clock("metrics_write"):
                     metrics_log.log(step, metrics)
-                    metrics_log.log_samples(trainer.samples_log)
+                    metrics_log.log_samples(trainer.collector.samples_log)
             trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
@@ -365,6 +317,8 @@ def run(config: TrainConfig) -> None:
             trainer.task.close()
             if evaluator is not None:
                 evaluator.close()
+            if weights is not None:
+                weights.close()
             if engines is not None:
                 engines.stop()
     dist.barrier()

@@ -10,8 +10,6 @@ R2); the new weights are pushed to the engines; metrics and, every few steps, a 
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import math
 import time
@@ -39,7 +37,7 @@ from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to
 from mpo.data.retirement import PromptRetirement
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
-from mpo.rollout.protocol import GenerateRequest, SamplingParams
+from mpo.trainer.collect import Collector
 from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
 from mpo.trainer.offload import TrainerOffload, offload_enabled
 from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
@@ -55,16 +53,6 @@ def _broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = 
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
-
-
-def _sampling_seed(seed: int, step: int, index: int, round_: int = 0) -> int:
-    """Per-sample seed: a pure function of (run seed, step, sample, dynamic-sampling round), so resumed runs resample
-    identically. Round 0 keeps the original formula (runs without dynamic sampling are unchanged); later rounds hash
-    their coordinates, so no round shares seeds with another round or step."""
-    if round_ == 0:
-        return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
-    digest = hashlib.blake2b(f"mpo-sampling:{seed}:{step}:{round_}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
 class Trainer:
@@ -115,12 +103,13 @@ class Trainer:
         from mpo.trainer.tasks import make_task
 
         self.task = make_task(config, rank=self.rank)
-        self.samples_log: list[dict] = []  # rank 0: a few decoded responses of the last collect (samples.jsonl)
         retire = config.data.retire_pass_rate
-        self.retirement = PromptRetirement(retire) if retire is not None else None  # rank 0 samples and keeps it
+        self.collector = Collector(self.config, self.task, clock=self.clock,  # rank 0 samples, retires, keeps the set
+                                   retirement=PromptRetirement(retire) if retire is not None else None,
+                                   context_length=self.model_cfg.max_position_embeddings, advantages=self.advantages)
+        if engines:  # rank 0 only: (EngineClient, restart callable or None) pairs
+            self.collector.connect(engines)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.engines = engines or []  # rank 0 only: (EngineClient, restart callable or None) pairs
-        self.rollout_source = None  # rank 0: step -> (samples, metrics); set by loop.run (mpo.trainer.schedule)
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -141,6 +130,8 @@ class Trainer:
                                                                       self.config.schedule.mode),
                                            **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
+        if getattr(self, "collector", None) is not None:
+            self.collector.set_algorithm(self.config, self.advantages)
         if self.advantages.config.needs_critic and getattr(self, "critic", None) is None:
             from mpo.trainer.critic import Critic
 
@@ -173,163 +164,8 @@ class Trainer:
 
     # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
     def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s batch from the engines, which hold policy `version` (default: `step`) when it is submitted;
-        each sample records the version of each token (the engine's per-token stamps when it returns them).
-
-        With algorithm.dynamic_sampling, further rounds of prompt groups are drawn until data.prompts_per_step of
-        them have non-zero reward variance (mpo.trainer.dynamic_sampling); advantages are computed over the kept
-        groups only, as DAPO does."""
-        from mpo.trainer.dynamic_sampling import Sampled, sample_varied
-        from mpo.trainer.schedule import version_numbers
-
-        version = step if version is None else version
-        cfg = self.config
-        G, wanted = cfg.rollout.samples_per_prompt, cfg.data.prompts_per_step
-        draw = functools.partial(self._draw_round, step)  # (round, count) -> Drawn
-        if cfg.algorithm.dynamic_sampling:
-            outcome = sample_varied(draw, wanted, cfg.algorithm.max_sampling_rounds)
-            if outcome.exhausted:
-                log.warning("step %d: %d of %d prompt groups with non-zero reward variance after "
-                            "algorithm.max_sampling_rounds=%d rounds (%d groups drawn); training on those", step,
-                            len(outcome.batch), wanted, outcome.rounds, len(outcome.drawn))
-        else:
-            first = draw(0, wanted)
-            outcome = Sampled(first, first, 1, False)
-        batch, drawn = outcome.batch, outcome.drawn
-        self.samples_log = self._sample_rows(step, drawn)
-        results, rewards = batch.results, batch.rewards
-        truncated = [r.finish_reason.get("type") == "length" for r in results]
-        groups = torch.arange(len(results)) // G
-        keep = torch.ones(len(results), dtype=torch.bool)
-        advantages: list = []
-        if results:  # empty only when dynamic sampling found no varied group
-            # Over the step's whole batch (every DP rank's share): global whitening and group baselines.
-            advantages, zero_variance = self.advantages(torch.tensor(rewards, dtype=torch.float64), groups,
-                                                        [len(r.output_ids) for r in results],
-                                                        [r.meta.get("loss_mask") for r in results])
-            if cfg.algorithm.filter_zero_variance:
-                keep = ~zero_variance  # per response: its group's rewards were all equal
-        if cfg.algorithm.overlong_filter:  # DAPO: a truncated response gets no loss (it still counts in its group)
-            keep &= ~torch.tensor(truncated, dtype=torch.bool)
-        samples = [Sample(ids=r.prompt_ids + r.output_ids, prompt_len=len(r.prompt_ids), group=int(groups[i]),
-                          reward=rewards[i], advantage=advantages[i],
-                          rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
-                          loss_mask=r.meta.get("loss_mask"),
-                          versions=version_numbers(r.meta.get("output_token_weight_versions"), version,
-                                                   len(r.output_ids)))
-                   for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
-        # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
-        # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
-        all_rewards = drawn.rewards
-        lengths = [len(r.output_ids) for r in drawn.results]
-        all_truncated = [r.finish_reason.get("type") == "length" for r in drawn.results]
-        metrics = {
-            "reward_mean": sum(all_rewards) / len(all_rewards),
-            "reward_exact_frac": sum(r == 1.0 for r in all_rewards) / len(all_rewards),
-            "response_length_mean": sum(lengths) / len(lengths),
-            "kept_samples_frac": len(samples) / (wanted * G),
-            "rollout_time_s": drawn.rollout_s,
-            "rollout_tokens_per_s": sum(lengths) / max(drawn.rollout_s, 1e-9),
-            "engine_restarts": float(drawn.restarts),
-            "reward_errors": float(drawn.errors),
-            "truncated_frac": sum(all_truncated) / len(all_truncated),
-        }
-        if drawn.env is not None:
-            metrics.update(drawn.env.metrics())
-        if cfg.algorithm.dynamic_sampling:
-            metrics.update(sampling_rounds=float(outcome.rounds), sampling_groups_drawn=float(len(drawn)),
-                           sampling_exhausted=float(outcome.exhausted))
-        if cfg.algorithm.overlong_buffer:
-            metrics["overlong_penalty_mean"] = sum(drawn.penalties) / len(drawn.penalties)
-        if getattr(self.task, "dropped_long", None) is not None:
-            metrics["data_dropped_long_prompts"] = float(self.task.dropped_long)
-        if self.retirement is not None:
-            metrics["retired_prompts"] = float(len(self.retirement.retired))
-        return samples, metrics
-
-    def _draw_round(self, step: int, round_: int, count: int):
-        """Draw `count` prompt groups (round `round_` of the step: its own prompts and sampling seeds), generate G
-        responses each (multi-turn episodes under rollout.env) and score them; prompt retirement sees every drawn
-        group."""
-        from mpo.trainer.dynamic_sampling import Drawn
-
-        cfg = self.config
-        G = cfg.rollout.samples_per_prompt
-        with self.clock("prompt_draw"):
-            prompts = self.task.draw(step, count, self.retirement, round_=round_)
-        want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
-        budget = cfg.rollout.max_new_tokens
-        if self.task.max_answer_tokens is not None:
-            budget = min(budget, self.task.max_answer_tokens)
-        seeds = [_sampling_seed(cfg.seed, step, i, round_) for i in range(len(prompts) * G)]
-        started = time.perf_counter()
-        if cfg.rollout.env is not None:  # multi-turn episodes with an environment (mpo.envs.rollout)
-            from mpo.envs.rollout import draw_episodes
-
-            drawn = draw_episodes(cfg, self.task, prompts, seeds, want_routes, generate=self._generate,
-                                  context_length=self.model_cfg.max_position_embeddings)
-        else:
-            with self.clock("request_build"):
-                requests = [GenerateRequest(list(prompts[i // G].ids), SamplingParams(
-                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=budget,
-                    stop_token_ids=self.task.stop_token_ids, sampling_seed=seed), return_routed_experts=want_routes)
-                    for i, seed in enumerate(seeds)]
-            results, restarts = self._generate(requests)
-            rollout_s = time.perf_counter() - started
-            with self.clock("scoring"):
-                scored = self.task.score([prompts[i // G] for i in range(len(results))],
-                                         [r.output_ids for r in results])
-            penalties = self._overlong_penalties(results)
-            rewards = [r + p for r, p in zip(scored.rewards, penalties)]
-            drawn = Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
-                          restarts)
-        if self.retirement is not None:
-            self.retirement.observe(prompts, [sum(r == 1.0 for r in drawn.rewards[p * G:(p + 1) * G]) / G
-                                              for p in range(len(prompts))])
-        return drawn
-
-    def _generate(self, requests: list[GenerateRequest]) -> tuple[list, int]:
-        """One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
-        function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit. Returns the
-        results in request order and the engine restarts it took."""
-        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
-
-        per_engine = -(-len(requests) // len(self.engines))
-        pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in self.engines],
-                           PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
-                                      max_concurrency_per_engine=1, requests_per_call=per_engine))
-        started = time.perf_counter()
-        results = pool.generate(requests)
-        # The engine's own time: from its receipt of the batch to the last response (e2e_latency, its clock); the rest
-        # of the call is the client's (HTTP, JSON, decoding the arrays).
-        engine_s = max((r.meta.get("e2e_latency") or 0.0 for r in results), default=0.0)
-        self.clock.add("engine", engine_s)
-        self.clock.add("http_and_decode", max(time.perf_counter() - started - engine_s, 0.0))
-        return results, sum(h.restarts for h in pool.engines)
-
-    def _overlong_penalties(self, results: list) -> list[float]:
-        """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""
-        from mpo.rewards.shaping import overlong_penalty
-
-        cfg = self.config
-        if not cfg.algorithm.overlong_buffer:
-            return [0.0] * len(results)
-        max_len = cfg.data.max_response_tokens or cfg.rollout.max_new_tokens
-        return [overlong_penalty(len(r.output_ids), max_len, cfg.algorithm.overlong_buffer) for r in results]
-
-    def _sample_rows(self, step: int, drawn) -> list[dict]:
-        """The first data.samples_logged responses of the step, decoded (text tasks), for samples.jsonl."""
-        G = self.config.rollout.samples_per_prompt
-        rows = []
-        for i in range(min(self.config.data.samples_logged, len(drawn.results))):
-            prompt, result = drawn.prompts[i // G], drawn.results[i]
-            rows.append({"step": step, "prompt": self.task.describe(prompt),
-                         "response": drawn.texts[i] if drawn.texts is not None else result.output_ids,
-                         "answer": prompt.answer if isinstance(prompt.answer, (str, int, float)) else
-                         list(prompt.answer), "reward": drawn.rewards[i],
-                         "finish": result.finish_reason.get("type"),
-                         "source": getattr(prompt, "source", None)})
-        return rows
+        """Step `step`'s batch from the engines (mpo.trainer.collect.Collector)."""
+        return self.collector.collect(step, version)
 
     # -- training ------------------------------------------------------------------------------------------------
     def uniform_seq_len(self, samples: list[Sample]) -> int | None:
@@ -547,9 +383,10 @@ class Trainer:
             self.nonfinite_total += 1
         return metrics
 
-    def step_batch(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s samples on every rank (rank 0 collects them) and the rollout metrics (rank 0's)."""
-        source = self.rollout_source or self.collect
+    def step_batch(self, step: int, source=None) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s samples on every rank (rank 0 collects them from `source`, default collect) and the rollout
+        metrics (rank 0's)."""
+        source = source or self.collect
         with self.clock("collect"):
             samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
         # Every other rank waits here while rank 0 generates: on the gloo object group
@@ -570,8 +407,9 @@ class Trainer:
                                            first_k_dense=self.model_cfg.first_k_dense)
         return self._distribute
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """One RL step on every rank; returns the step's metrics (complete on rank 0)."""
+    def train_step(self, step: int, source=None) -> dict[str, float]:
+        """One RL step on every rank; returns the step's metrics (complete on rank 0). source: rank 0's step ->
+        (samples, metrics), the schedule's (mpo.trainer.schedule) in loop.run; default: collect."""
         cfg = self.config
         # Colocated engines: every rank's trainer memory is on the host while rank 0's engines generate (they share
         # every rank's GPU); the engines release theirs when the batch is done (RolloutSchedule.take), then the
@@ -580,7 +418,7 @@ class Trainer:
         if offload is not None:
             offload.offload()
         try:
-            samples, rollout_metrics = self.step_batch(step)
+            samples, rollout_metrics = self.step_batch(step, source)
         finally:
             if offload is not None:
                 offload.reload()
@@ -653,9 +491,10 @@ class Trainer:
     def trainer_state(self, step: int) -> dict[str, Any]:
         """The loop's own state (JSON): the data position (the step, and the task's stream position when the task has
         one), counters, the advantage estimator's and the prompt retirement's state, the config and the layout."""
+        retirement = self.collector.retirement
         return {"step": step, "nonfinite_total": self.nonfinite_total,
                 "advantage_state": self.advantages.state_dict(),
-                "retirement": self.retirement.state_dict() if self.retirement else None,
+                "retirement": retirement.state_dict() if retirement else None,
                 "task": self.task.state_dict(),
                 "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 
@@ -676,8 +515,8 @@ class Trainer:
         trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
-        if self.retirement is not None and trainer_state.get("retirement"):
-            self.retirement.load_state_dict(trainer_state["retirement"])
+        if self.collector.retirement is not None and trainer_state.get("retirement"):
+            self.collector.retirement.load_state_dict(trainer_state["retirement"])
         self.task.load_state_dict(trainer_state.get("task") or {})  # the data stream's position (rank 0's)
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
         return int(trainer_state["step"])

@@ -1,6 +1,6 @@
 """Rank body of test_gpu_weight_sync: push a >= 1B-parameter model into a real SGLang server over NCCL (WeightSync's
 distributed transport; the server on another GPU) or over CUDA IPC (WeightSync's cuda_ipc transport: the server on
-the same GPU maps each bucket from its IPC handle, `mpo.rollout.weight_sync.cuda_ipc_payload`, no host round trip),
+the same GPU maps each bucket from its IPC handle, `mpo.weight_sync.wire.cuda_ipc_payload`, no host round trip),
 check the weights arrived, and time the pushes.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 def make_sync(client, transport: str, bucket_mb: int):
     """mpo's own WeightSync for the transport under test: "cuda_ipc" (same GPU) or "nccl" (its distributed path)."""
-    from mpo.rollout.weight_sync import WeightSync
+    from mpo.weight_sync.transports import WeightSync
 
     return WeightSync([client], engine="sglang", transport="distributed" if transport == "nccl" else transport,
                       bucket_bytes=bucket_mb << 20, timeout_s=600.0)
@@ -25,7 +25,7 @@ def run(out_file: str, url: str, preset_name: str, probe: list[int], transport: 
     from mpo.models.config import preset
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
-    from mpo.rollout.weight_sync import probe_logprobs
+    from mpo.weight_sync.verify import run_probes
 
     ctx = initialize_parallel(ParallelConfig())
     assert ctx.device.backend == "nccl"
@@ -38,7 +38,7 @@ def run(out_file: str, url: str, preset_name: str, probe: list[int], transport: 
     # a, b, then a again: the probe must move with the weights and come back exactly (nothing else is kept).
     for step, which in enumerate("aba"):
         sync.push(weights[which], version=f"{transport}-{step}{which}")
-        results["probe"][f"{step}{which}"] = probe_logprobs(client, probe)
+        results["probe"][f"{step}{which}"] = run_probes(client, [probe])[0].logprobs
     results["seconds"] = [sync.push(weights["a"], version=f"{transport}-t{i}").seconds for i in range(rounds)]
     results["median_s"] = statistics.median(results["seconds"])
     sync.close()

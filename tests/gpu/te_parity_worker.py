@@ -17,7 +17,7 @@ import torch
 
 def run(out_file: str, mcore_dir: str, token_rows: list[list[int]], specs: tuple[str, ...] = ("local", "te")) -> None:
     from checkpoints_tools.convert import HF_CONFIG_NAME
-    from checkpoints_tools.mapping import model_config_from_hf
+    from mpo.models.hf_mapping import model_config_from_hf
     from checkpoints_tools.mcore_runner import load_checkpoint
     from mpo.models.builder import PrecisionConfig, build_model, unwrap
     from mpo.models.forward import MicroBatch, run_microbatches

@@ -13,8 +13,8 @@ def score(out_file: str, sequences: list[list[int]], preset: str = "tiny", seed:
     from mpo.models.forward import MicroBatch, run_microbatches
     from mpo.models.full_state import gather_full_state
     from mpo.parallel import ParallelConfig, initialize_parallel
-    from checkpoints_tools.mapping import mapping_for
-    from mpo.rollout.weight_sync import weights_checksum
+    from mpo.models.hf_mapping import mapping_for
+    from mpo.weight_sync.verify import weights_checksum
 
     ctx = initialize_parallel(ParallelConfig())
     cfg = get_preset(preset)
@@ -53,17 +53,18 @@ def perturb_and_sync(out_file: str, urls: str | list[str], api_key: str, bucket_
                      transport: str = "tensor") -> None:
     """Trainer side of the weight-sync tests: push the perturbed model to the engines over `transport` in small
     buckets and verify their checksums."""
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from mpo.models.full_state import gather_full_state
     from mpo.rollout.client import EngineClient
-    from mpo.rollout.weight_sync import WeightSync, weights_checksum
+    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.verify import verify_checksum, weights_checksum
 
     model, cfg = _perturbed_model()
     named = list(mapping_for(cfg, spec="local").full_state_to_hf(gather_full_state(model)))
     clients = [EngineClient(url, api_key=api_key) for url in ([urls] if isinstance(urls, str) else urls)]
     sync = WeightSync(clients, engine="mpo", transport=transport, bucket_bytes=bucket_bytes)
     report = sync.push(named, version="v1")
-    sync.verify(named)
+    verify_checksum(sync.clients, weights_checksum(named))
     sync.close()
     torch.save({"buckets": report.buckets, "bytes_per_s": report.bytes_per_s, "checksum": weights_checksum(named)},
                Path(out_file))
@@ -81,20 +82,19 @@ def score_perturbed(out_file: str, sequence: list[int]) -> None:
 
 
 def covering_probe_in_the_loop(out_dir: str) -> None:
-    """The RL loop's probe verification (mpo.trainer.loop._verify_by_covering_probe) on the real Trainer (2 gloo
-    ranks, EP2) against its local mpo engine, which serves SGLang's probe API (input_token_logprobs, routed
+    """The RL loop's probe verification (mpo.weight_sync.publisher.Publisher.verify_by_probe) on the real Trainer (2
+    gloo ranks, EP2) against its local mpo engine, which serves SGLang's probe API (input_token_logprobs, routed
     experts): after the loop's own sync it passes; with one expert of the last layer made stale on the engine it
     must fail on rank 0 (after every collective, so the ranks stay in step); with that expert restored it passes."""
     import json
 
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from helpers.trainer_worker import _worker_run
     from mpo.rollout.client import EngineError
-    from mpo.rollout.weight_sync import WeightSync
-    from mpo.trainer.loop import _verify_by_covering_probe
+    from mpo.weight_sync.transports import WeightSync
 
-    with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, engines, _, results):
-        results["fresh"] = _verify_by_covering_probe(trainer, engines)
+    with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, engines, weights, results):
+        results["fresh"] = weights.verify_by_probe()
         full = trainer._full_state()
         layer, expert = trainer.model_cfg.num_layers - 1, trainer.model_cfg.num_experts - 1
         if engines is not None:
@@ -106,12 +106,12 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
             WeightSync(engines.clients, engine="mpo").push(stale, version="stale")
             results["stale_tensors"] = len(stale)
         try:
-            _verify_by_covering_probe(trainer, engines)
+            weights.verify_by_probe()
             results["stale_error"] = None
         except EngineError as exc:
             results["stale_error"] = str(exc)
         if engines is not None:
             WeightSync(engines.clients, engine="mpo").push(named, version="restored")
-            results["probe_tokens"] = sum(map(len, engines.probes))
-        results["restored"] = _verify_by_covering_probe(trainer, engines)
+            results["probe_tokens"] = sum(map(len, weights.probes))
+        results["restored"] = weights.verify_by_probe()
         json.dumps(results)

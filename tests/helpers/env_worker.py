@@ -11,20 +11,20 @@ import torch
 
 
 def two_turn(out_dir: str, overrides: list[str]) -> None:
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, _sync
+    from mpo.trainer.loop import EngineSet, publisher
     from mpo.trainer.rows import rank_microbatches
     from mpo.trainer.trainer import Trainer
 
     config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", *overrides])
     trainer = Trainer(config)
     engines = EngineSet(config, Path(out_dir))
-    trainer.engines = engines.handles
+    trainer.collector.connect(engines.handles)
     calls = []
     try:
-        _sync(trainer, engines, "v0")
-        generate = trainer._generate
+        publisher(trainer, engines).publish("v0")
+        generate = trainer.collector._generate
 
         def recorded(requests):
             results, restarts = generate(requests)
@@ -33,7 +33,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
                           for q, r in zip(requests, results)])
             return results, restarts
 
-        trainer._generate = recorded
+        trainer.collector._generate = recorded
         samples, metrics = trainer.collect(0)
         mbs = rank_microbatches(samples, dp_rank=0, dp_size=1, micro_batch_size=len(samples))
         records, old_metrics = trainer._old_forward(mbs)

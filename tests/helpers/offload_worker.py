@@ -133,7 +133,7 @@ def _variant(out_dir: str, distributed_optimizer: bool, extra: list[str]) -> dic
 
 def _loop_runs(out_dir: str, url: str, steps: int, overrides: list[str]) -> None:
     """The demo loop twice; each run writes <out_dir>/colocate_<false|true>/metrics.jsonl."""
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.trainer.loop import run as run_loop
 
@@ -145,7 +145,7 @@ def _loop_runs(out_dir: str, url: str, steps: int, overrides: list[str]) -> None
 
 
 def run(out_dir: str, variants: dict[str, tuple[bool, list[str]]], loop_steps: int, loop_overrides: list[str]) -> None:
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.rollout.engine_command import EngineSettings
     from mpo.rollout.local_engine import LocalEngineProcess

@@ -26,7 +26,7 @@ SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_paral
 
 def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dict[str, str]) -> None:
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, _sync
+    from mpo.trainer.loop import EngineSet, publisher
     from mpo.trainer.trainer import Trainer
 
     results: dict = {}
@@ -39,10 +39,10 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
         trainer = Trainer(config)
         engines = EngineSet(config, Path(out_dir) / name) if trainer.rank == 0 else None
         if engines is not None:
-            trainer.engines = engines.handles
+            trainer.collector.connect(engines.handles)
         try:
             metrics = trainer.train_step(0)
-            metrics.update(_sync(trainer, engines, "v1"))
+            metrics.update(publisher(trainer, engines).publish("v1"))
         finally:
             trainer.task.close()
             if engines is not None:

@@ -1,7 +1,7 @@
 """Raw HTTP client pieces for the real-SGLang tests, written without importing sglang (the main venv has none).
 
 The weight-update wire pieces (`join_weight_update_group`, `flatten_bucket`, `serialize_for_sglang`) are production
-code in `mpo.rollout.sglang_wire`; they are re-exported here so tests can speak the raw protocol with them.
+code in `mpo.weight_sync.wire`; they are re-exported here so tests can speak the raw protocol with them.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import urllib.request
 
 import numpy as np
 
-from mpo.rollout.sglang_wire import flatten_bucket, join_weight_update_group, serialize_for_sglang
+from mpo.weight_sync.wire import flatten_bucket, join_weight_update_group, serialize_for_sglang
 
 __all__ = ["decode_routed_experts", "flatten_bucket", "http_json", "join_weight_update_group", "serialize_for_sglang"]
 

@@ -27,13 +27,14 @@ def _score(model, hooks, sequence: list[int], vocab_size: int) -> tuple[torch.Te
 def run(out_file: str, mcore_dir: str, url: str, sequences: list[list[int]], probe: list[int],
         transports: list[str], bucket_bytes: int) -> None:
     from checkpoints_tools.convert import HF_CONFIG_NAME
-    from checkpoints_tools.mapping import mapping_for, model_config_from_hf
+    from mpo.models.hf_mapping import mapping_for, model_config_from_hf
     from checkpoints_tools.mcore_runner import load_checkpoint
     from mpo.models.builder import PrecisionConfig, build_model, unwrap
     from mpo.models.full_state import gather_full_state
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient, EngineError
-    from mpo.rollout.weight_sync import WeightSync, probe_logprobs
+    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.verify import run_probes, verify_by_probe
     from mpo.routing import attach_routing_hooks
 
     cfg = model_config_from_hf(json.loads((Path(mcore_dir) / HF_CONFIG_NAME).read_text()))
@@ -54,7 +55,7 @@ def run(out_file: str, mcore_dir: str, url: str, sequences: list[list[int]], pro
     mapping = mapping_for(cfg, spec="local")
     previous = None
     for i, transport in enumerate(transports):
-        before = probe_logprobs(client, probe)
+        before = run_probes(client, [probe])[0].logprobs
         generator = torch.Generator().manual_seed(100 + i)
         with torch.no_grad():
             for param in unwrap(model).parameters():
@@ -63,16 +64,16 @@ def run(out_file: str, mcore_dir: str, url: str, sequences: list[list[int]], pro
         own, _ = _score(model, hooks, probe, cfg.vocab_size)
         sync = WeightSync([client], engine="sglang", transport=transport, bucket_bytes=bucket_bytes)
         report = sync.push(named, version=f"{transport}{i}")
-        diff = sync.verify_by_probe([probe], [own.tolist()], tolerance=1e-3)
+        diff = verify_by_probe(sync.clients, [probe], [own.tolist()], tolerance=1e-3)
         stale = None
         if previous is not None:  # the previous step's reference must now fail the check, naming the engine
             try:
-                sync.verify_by_probe([probe], [previous.tolist()], tolerance=1e-3)
+                verify_by_probe(sync.clients, [probe], [previous.tolist()], tolerance=1e-3)
             except EngineError as exc:
                 stale = str(exc)
         sync.close()
         results[transport] = {"before": torch.tensor(before, dtype=torch.float64),
-                              "after": torch.tensor(probe_logprobs(client, probe), dtype=torch.float64),
+                              "after": torch.tensor(run_probes(client, [probe])[0].logprobs, dtype=torch.float64),
                               "trainer": own[1:], "probe_diff": diff, "stale_error": stale,
                               "bytes_per_s": report.bytes_per_s, "bytes": report.bytes, "seconds": report.seconds,
                               "buckets": report.buckets}
@@ -90,7 +91,8 @@ def _stale_expert(model, hooks, cfg, mapping, client, probe: list[int], bucket_b
     from mpo.models.builder import unwrap
     from mpo.models.full_state import gather_full_state
     from mpo.rollout.client import EngineError
-    from mpo.rollout.weight_sync import ProbeCoverage, WeightSync, covering_probes, run_probes
+    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.verify import ProbeCoverage, covering_probes, run_probes, verify_by_probe
 
     generator = torch.Generator().manual_seed(300)
     with torch.no_grad():
@@ -106,7 +108,7 @@ def _stale_expert(model, hooks, cfg, mapping, client, probe: list[int], bucket_b
     sync = WeightSync([client], engine="sglang", transport="tensor", bucket_bytes=bucket_bytes)
     sync.push(stale, version="stale-expert")
     out: dict = {"layer": layer, "expert": expert, "skipped": len(named) - len(stale)}
-    out["short_diff"] = sync.verify_by_probe([short], [short_lp.tolist()], tolerance=1e-3)
+    out["short_diff"] = verify_by_probe(sync.clients, [short], [short_lp.tolist()], tolerance=1e-3)
     coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
                              vocab_size=cfg.vocab_size, tokens_per_sequence=32)
     probes = covering_probes(client, [probe], coverage)
@@ -118,9 +120,9 @@ def _stale_expert(model, hooks, cfg, mapping, client, probe: list[int], bucket_b
     reference = [_score(model, hooks, p, cfg.vocab_size)[0].tolist() for p in probes]
     out["stale_error"] = None
     try:
-        sync.verify_by_probe(probes, reference, tolerance=1e-3)
+        verify_by_probe(sync.clients, probes, reference, tolerance=1e-3)
     except EngineError as exc:
         out["stale_error"] = str(exc)
     sync.push(named, version="full-step")
-    out["full_diff"] = sync.verify_by_probe(probes, reference, tolerance=1e-3)
+    out["full_diff"] = verify_by_probe(sync.clients, probes, reference, tolerance=1e-3)
     return out

@@ -22,7 +22,7 @@ PROMPTS_PER_STEP = 16
 
 
 def make_trainer(out_dir: str, layout: str, *, distributed_optimizer: bool, extra: list[str] = ()):
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.trainer.trainer import Trainer
 

@@ -48,27 +48,25 @@ def forbid_full_gather():
         full_state.gather_full_state = original
 
 
-def trainer_shared(trainer) -> bool:
-    from mpo.trainer.sync import _state
-
-    return _state(trainer).streamer.shared
+def trainer_shared(weights) -> bool:
+    return weights.streamer.shared
 
 
 def streaming(out_dir: str, layout: list[str], transports: list[str], restart_race: bool = False) -> None:
     """For each transport: perturb the weights, sync (no full gather allowed), then compare the engine's checksum
     with one computed from an independent full gather of the trainer (test-only), and record the sync metrics.
     restart_race: then sync_while_the_pool_restarts with the first transport's engine."""
-    from checkpoints_tools.mapping import mapping_for
-    from mpo.cli import RECIPES
+    from mpo.models.hf_mapping import mapping_for
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.models.full_state import gather_full_state
-    from mpo.rollout.weight_sync import weights_checksum
-    from mpo.trainer.loop import EngineSet, _sync
+    from mpo.weight_sync.verify import weights_checksum
+    from mpo.trainer.loop import EngineSet, publisher
     from mpo.trainer.trainer import Trainer
 
-    import mpo.rollout.streaming  # noqa: F401  (the tree under test: its path is recorded below)
+    import mpo.weight_sync.gather  # noqa: F401  (the tree under test: its path is recorded below)
 
-    results: dict = {"mpo_path": mpo.rollout.streaming.__file__}
+    results: dict = {"mpo_path": mpo.weight_sync.gather.__file__}
     owner = None  # the EngineSet that started the one local engine; later transports reach it by URL
     owner_config = None
     trainer = None
@@ -82,13 +80,14 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        weights = publisher(trainer, engines)
         owner_config = owner_config or config
         owner = owner or engines
         try:
             before = engines.clients[0].call("/weights_checksum", method="GET")["checksum"] if engines else None
             perturb(trainer.gpt)
             with forbid_full_gather():
-                metrics = _sync(trainer, engines, f"{transport}-1")  # verifies the engine checksum itself
+                metrics = weights.publish(f"{transport}-1")  # verifies the engine checksum itself
             full = gather_full_state(trainer.gpt)
             if engines is not None:
                 named = mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full)
@@ -98,9 +97,10 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
                 kept = weights_checksum(engines.last_weights[0]) if engines.processes else expected
                 results[item] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
                                  "kept_for_restart_matches": kept == expected,
-                                 "engine_changed": got != before, "shared": trainer_shared(trainer),
+                                 "engine_changed": got != before, "shared": trainer_shared(weights),
                                  "leftover_shm_files": leftover}
         finally:
+            weights.close()
             if engines is not None and engines is not owner:
                 engines.stop()  # closes its weight-update group; the engine itself belongs to the owner
         dist.barrier()
@@ -126,10 +126,10 @@ def sync_while_the_pool_restarts(trainer, engines) -> dict | None:
     died. Records, on rank 0: whether the engine is a new process and holds exactly the weights just synced."""
     import threading
 
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from mpo.models.full_state import gather_full_state
-    from mpo.rollout.weight_sync import weights_checksum
-    from mpo.trainer.loop import _sync
+    from mpo.weight_sync.verify import weights_checksum
+    from mpo.trainer.loop import publisher
 
     restarting, old_pid = None, None
     if engines is not None:
@@ -139,7 +139,7 @@ def sync_while_the_pool_restarts(trainer, engines) -> dict | None:
         restarting = threading.Thread(target=engines.handles[0][1], name="pool-restart", daemon=True)
         restarting.start()
     perturb(trainer.gpt, scale=0.01)
-    _sync(trainer, engines, "after-restart")
+    publisher(trainer, engines).publish("after-restart")
     full = gather_full_state(trainer.gpt)
     if engines is None:
         return None
@@ -157,10 +157,10 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
     exactly the weights of the update it missed."""
     import threading
 
-    from checkpoints_tools.mapping import mapping_for
+    from mpo.models.hf_mapping import mapping_for
     from mpo.models.full_state import gather_full_state
-    from mpo.rollout.weight_sync import weights_checksum
-    from mpo.trainer.loop import _sync
+    from mpo.weight_sync.verify import weights_checksum
+    from mpo.trainer.loop import publisher
 
     threads, old_pid = [], None
     if engines is not None:
@@ -176,9 +176,10 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
             return push_bucket(*args, **kwargs)
 
         sync.push_bucket = dying_push
+    weights = publisher(trainer, engines)
     perturb(trainer.gpt, scale=0.01)
     try:
-        _sync(trainer, engines, "died-inside")
+        weights.publish("died-inside")
     finally:
         if engines is not None:
             sync.push_bucket = push_bucket
@@ -196,11 +197,11 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
                      transports: list[str]) -> None:
     """A 4-rank trainer (the converted checkpoint of the HF model the SGLang server serves, at `layout`) perturbs its
     weights, checks that the server's covering probe now disagrees (the check is not vacuous), then runs the loop's
-    `_sync` (stream + covering-probe verification, no full gather allowed) over each transport."""
-    from mpo.cli import RECIPES
+    publisher (stream + covering-probe verification, no full gather allowed) over each transport."""
+    from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.rollout.client import EngineError
-    from mpo.trainer.loop import EngineSet, _sync, _verify_by_covering_probe
+    from mpo.trainer.loop import EngineSet, publisher
     from mpo.trainer.trainer import Trainer
 
     results: dict = {}
@@ -214,15 +215,16 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        weights = publisher(trainer, engines)
         try:
             perturb(trainer.gpt, scale=0.05 * (i + 1))
             stale = None
             try:
-                _verify_by_covering_probe(trainer, engines)
+                weights.verify_by_probe()
             except EngineError as exc:
                 stale = str(exc)
             with forbid_full_gather():
-                metrics = _sync(trainer, engines, f"{transport}-{i}")  # raises if the probe disagrees
+                metrics = weights.publish(f"{transport}-{i}")  # raises if the probe disagrees
             if engines is not None:
                 results[transport] = {"metrics": metrics, "stale_error": stale,
                                       "tp_sizes": engines.weight_sync(1 << 20).tp_sizes}

@@ -12,9 +12,9 @@ LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
 
 
 def _trainer(out_dir: str, overrides: list[str]):
-    from mpo.cli import RECIPES
+    from mpo.config import RECIPES
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, _sync, supervised_warm_start
+    from mpo.trainer.loop import EngineSet, publisher, supervised_warm_start
     from mpo.trainer.trainer import Trainer
 
     # A short warm start: rewards then vary within groups, so every loss sees non-zero advantages.
@@ -26,9 +26,10 @@ def _trainer(out_dir: str, overrides: list[str]):
     supervised_warm_start(trainer)
     engines = EngineSet(config, Path(out_dir)) if trainer.rank == 0 else None
     if engines is not None:
-        trainer.engines = engines.handles
-    _sync(trainer, engines, "v0")
-    return trainer, engines, _sync
+        trainer.collector.connect(engines.handles)
+    weights = publisher(trainer, engines)
+    weights.publish("v0")
+    return trainer, engines, weights
 
 
 @contextmanager
@@ -59,11 +60,11 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
             trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
                                                    filter_zero_variance=False))
             metrics = trainer.train_step(step)
-            metrics.update(sync(trainer, engines, f"v{step + 1}"))
+            metrics.update(sync.publish(f"v{step + 1}"))
             results[loss] = metrics
         trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
         results["gspo+kl"] = trainer.train_step(len(losses))
-        results["gspo+kl"].update(sync(trainer, engines, "v-last"))
+        results["gspo+kl"].update(sync.publish("v-last"))
         # The engine dies between steps: the pool restarts it and it must serve the current weights.
         trainer.set_algorithm(AlgorithmSection(loss="gspo", filter_zero_variance=False))
         if engines is not None:
@@ -97,7 +98,7 @@ def algorithms_v2(out_dir: str, layout: list[str] = ()) -> None:
         for step, (name, fields) in enumerate(ALGORITHMS_V2.items()):
             trainer.set_algorithm(AlgorithmSection(filter_zero_variance=False, **fields))
             results[name] = trainer.train_step(step)
-            sync(trainer, engines, f"v{step + 1}")
+            sync.publish(f"v{step + 1}")
             if fields.get("advantage") == "reinforce_ema":
                 results["ema_state"] = trainer.advantages.state_dict()
 
@@ -182,16 +183,17 @@ def retirement(out_dir: str, steps: int) -> None:
         for step in range(steps):
             trainer.train_step(step)
         trainer.save(steps)
-        if trainer.retirement is not None:  # rank 0 samples prompts and holds the set
-            results["retired_before_resume"] = len(trainer.retirement.retired)
-            trainer.retirement.retired = set()  # what a new process starts with; resume() must bring it back
+        retirement = trainer.collector.retirement
+        if retirement is not None:  # rank 0 samples prompts and holds the set
+            results["retired_before_resume"] = len(retirement.retired)
+            retirement.retired = set()  # what a new process starts with; resume() must bring it back
         start = trainer.resume()
-        if trainer.retirement is not None:
-            results["retired_after_resume"] = len(trainer.retirement.retired)
+        if retirement is not None:
+            results["retired_after_resume"] = len(retirement.retired)
         for step in range(start, 2 * steps):
             trainer.train_step(step)
         results["sampled"], sampled[:] = list(sampled), []
-        trainer.retirement = None
+        trainer.collector.retirement = None
         for step in range(100, 100 + 2 * steps):
             trainer.train_step(step)
         results["sampled_without_retirement"] = sampled

@@ -234,7 +234,7 @@ class Locator:
 
 def locate(name: str, tensor: torch.Tensor) -> Locator | None:
     """The locator of `tensor` when it lies in one of this process's SharedBuffers (a view of a slot), else None."""
-    from mpo.rollout.sglang_wire import dtype_name
+    from mpo.weight_sync.wire import dtype_name
 
     path = _REGISTRY.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
     if path is None:
@@ -251,8 +251,8 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     `cache`: mappings by file name, kept by the caller for one weight-update session: a slot mapped once has its
     page tables filled once (mapping anew per tensor made the engine's copy about 3x slower) and is opened and
     checked once. `expected_shape`: the model's shape for this tensor; the view may refine it (q/k/v keep their
-    head-group axis: mpo.rollout.streaming) as long as it holds as many elements, in the same row-major order."""
-    from mpo.rollout.sglang_wire import dtype_from_name
+    head-group axis: mpo.weight_sync.gather) as long as it holds as many elements, in the same row-major order."""
+    from mpo.weight_sync.wire import dtype_from_name
 
     path = Path(str(locator.get("path", "")))
     if path.parent != shm_dir() or not _NAME.match(path.name):

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Literal, Mapping
 
 import torch
 
-from checkpoints_tools.errors import ConversionError
+from mpo.models.hf_source import ConversionError
 
 Scope = Literal["model", "layer", "expert"]
 Kind = Literal["copy", "vocab", "qkv", "gate_up"]

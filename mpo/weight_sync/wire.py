@@ -1,4 +1,8 @@
-"""SGLang 0.5.23's weight-update wire pieces, written without importing sglang (the trainer's venv has none).
+"""The weight-update wire (see mpo.weight_sync): bucket payloads and the distributed group's rendezvous.
+
+mpo's engine takes `load_format="mpo_safetensors"` (base64 safetensors bytes: data only, never pickle) and
+`"mpo_shm"` (JSON locators into a shared-memory slot, mpo.weight_sync.shared_memory). The rest is SGLang 0.5.23's
+wire, written without importing sglang (the trainer's venv has none):
 
 * `join_weight_update_group`: one side of `/init_weights_update_group`. sglang builds that group with
   `sglang.srt.utils.init_custom_process_group`: a TCP-store rendezvous at `tcp://master_address:master_port`, the
@@ -14,6 +18,7 @@
   start_idx, end_idx, numel` of each item. So we send `SimpleNamespace`s with those fields.
   (Pickling a reference to the real class is not possible without sglang: pickle must import a class to save it.)
 * `dtype_name`: the dtype strings `/update_weights_from_distributed` resolves with `getattr(torch, name)`.
+* `cuda_ipc_payload`: the flattened bucket with its tensor as a CUDA IPC handle (GPU only).
 """
 
 from __future__ import annotations
@@ -27,9 +32,31 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
+MPO_FORMAT = "mpo_safetensors"
+SHM_FORMAT = "mpo_shm"
+SGLANG_FORMAT = "flattened_bucket"
+
+
+def encode_mpo_bucket(bucket: NamedTensors) -> str:
+    # Views (a streaming bucket's tensors share one slot) are copied: safetensors refuses tensors sharing storage.
+    return base64.b64encode(safetensors_save({name: t.clone() if t._base is not None else t.contiguous()
+                                              for name, t in bucket})).decode("ascii")
+
+
+def decode_mpo_bucket(payload: str) -> dict[str, torch.Tensor]:
+    return safetensors_load(base64.b64decode(payload))
+
+
+def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of the distributed weight-update group: the trainer is rank 0, engine
+    i's TP ranks follow the engines before it. The launcher's plan states the same layout (launch/plan.py)."""
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+    return 1 + sum(tp_sizes), offsets
 
 
 def join_weight_update_group(master_address: str, master_port: int, world_size: int, group_name: str,
@@ -124,3 +151,18 @@ def serialize_for_sglang(obj: object) -> str:
 def flattened_bucket_payload(named_tensors: NamedTensors) -> str:
     """The serialized `flattened_bucket` payload of one single-dtype bucket."""
     return serialize_for_sglang(flatten_bucket(named_tensors))
+
+
+def cuda_ipc_payload(named_tensors: NamedTensors) -> str:
+    """A flattened_bucket payload whose tensor travels as a CUDA IPC handle (GPU only; not run on CPU): pickled by
+    torch's ForkingPickler, which reduces CUDA tensors to IPC handles, then base64 (sglang's
+    MultiprocessingSerializer.serialize(..., output_str=True) writes the same)."""
+    from multiprocessing.reduction import ForkingPickler  # torch 2.11 no longer re-exports it from its reductions
+
+    from torch.multiprocessing.reductions import init_reductions
+
+    init_reductions()
+    flat = flatten_bucket(named_tensors, device=named_tensors[0][1].device)
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(flat)
+    return base64.b64encode(buf.getvalue()).decode("ascii")

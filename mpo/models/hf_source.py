@@ -6,10 +6,14 @@ Two expert layouts are accepted, chosen per checkpoint:
   * fused (transformers 5's in-memory layout): `...mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and
     `...mlp.experts.down_proj [E, H, I]`; a per-expert name is served as a slice of the fused tensor.
 FP8 block-scaled tensors (`W` float8 with `W_scale_inv`, 128x128 blocks) are dequantised on read.
+
+ConversionError is the one exception type for bad checkpoint inputs (here, in the HF mapping and in
+checkpoints_tools, whose CLI prints it as one line and exits 2).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -18,14 +22,44 @@ from typing import Any
 
 import torch
 
-from checkpoints_tools.errors import ConversionError
-from checkpoints_tools.files import read_json
-
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 FP8_BLOCK = 128
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class ConversionError(Exception):
+    """A checkpoint cannot be converted: unsupported architecture, missing shard or tensor, shape mismatch.
+
+    The message is one line and names the file and the tensor involved.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None) -> None:
+        parts = [message]
+        if file is not None:
+            parts.append(f"file={file}")
+        if tensor is not None:
+            parts.append(f"tensor={tensor}")
+        super().__init__(" | ".join(parts).replace("\n", " "))
+        self.file = file
+        self.tensor = tensor
+
+
+def read_json(path: str | Path) -> Any:
+    """Parsed JSON; a missing, unreadable, non-UTF-8 or malformed file raises ConversionError naming file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConversionError(f"cannot read JSON file ({exc.strerror})", file=str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"not UTF-8 text (byte {exc.start})", file=str(path)) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+                              file=str(path)) from None
 
 
 @dataclass

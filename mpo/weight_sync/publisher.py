@@ -1,0 +1,179 @@
+"""The publisher (see mpo.weight_sync): one per run on every rank (made in mpo.trainer.loop.run); it streams the
+trainer's weights to the engines after each step and verifies them. No rank gathers the full model."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mpo.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verified with (then extended to coverage)
+
+
+def _copy_as(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A copy of a bucket tensor in its HF shape (one copy, whatever the view's layout)."""
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    out.view(tensor.shape).copy_(tensor)
+    return out
+
+
+class Publisher:
+    """One rank's side of every weight sync of a run (collective: every rank of the trainer world makes one) for
+    `model` (the unwrapped GPTModel chunk of pipeline `stage`, gathered on `device`). `score_probes` is collective:
+    the trainer's log-probs of probe sequences, on every rank (SGLang verification; small objects travel on
+    `object_group`). `engines`: rank 0's EngineSet, None on every other rank."""
+
+    def __init__(self, config: TrainConfig, model_cfg, model: torch.nn.Module, *, stage: int,
+                 device: torch.device, object_group, score_probes: Callable[[list[list[int]]], list[list[float]]],
+                 engines=None) -> None:
+        from mpo.models.hf_mapping import mapping_for
+        from mpo.weight_sync.gather import WeightStreamer
+
+        r = config.rollout
+        self.config, self.model_cfg, self.engines = config, model_cfg, engines
+        self.object_group, self.score_probes = object_group, score_probes
+        self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
+                                       bucket_bytes=r.bucket_mb << 20, device=device,
+                                       host_shared_memory=r.host_shared_memory)
+        self._sync = None  # a non-zero sender's WeightSync, for the engine URLs in self._urls
+        self._urls: tuple = ()
+        self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
+
+    def publish(self, version: str) -> dict[str, float]:
+        """Collective: stream the weights to every engine bucket by bucket and verify them (mpo engines by weights
+        checksum, SGLang engines by the log-probs of a probe covering every expert). Returns the sync metrics."""
+        engines = self.engines
+        with engines.updating() if engines is not None else contextlib.nullcontext():
+            metrics = self._stream(version)
+        if self.config.rollout.engine == "sglang":
+            metrics.update(self.verify_by_probe())
+        return metrics
+
+    def _sender_sync(self, info: dict):
+        """This sender's WeightSync: rank 0 uses the EngineSet's; other senders make theirs for the engines rank 0
+        named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
+        from mpo.parallel.ports import routable_address
+        from mpo.rollout.client import EngineClient
+        from mpo.weight_sync.transports import WeightSync
+
+        r = self.config.rollout
+        if self.engines is not None:
+            return self.engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
+        key = (*info["urls"], info["transport"])
+        if self._sync is None or self._urls != key:
+            self.close()
+            clients = [EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s) for url in info["urls"]]
+            host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
+            self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
+                                    bucket_bytes=r.bucket_mb << 20, tp_sizes=info["tp_sizes"],
+                                    master_address=routable_address(host))
+            self._urls = key
+        return self._sync
+
+    def _stream(self, version: str) -> dict[str, float]:
+        """Collective: every rank streams its shards; each stage's sender pushes HF buckets to every engine inside
+        one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
+        per-tensor digests."""
+        from mpo.parallel.collectives import all_reduce_
+        from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
+
+        started = time.perf_counter()
+        engines, streamer = self.engines, self.streamer
+        r, m = self.config.rollout, self.config.model
+        info: list[Any] = [None]
+        if engines is not None:
+            sync0 = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
+            info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
+                     "tp_sizes": list(sync0.tp_sizes)}]
+        dist.broadcast_object_list(info, src=0)
+        info = info[0]
+        if info is None:  # no engines: nothing to push
+            return {}
+        sync = self._sender_sync(info) if streamer.is_sender else None
+        digest = None
+        if r.engine == "mpo":
+            engine_dtype = torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32
+            fp32_names = {"lm_head.weight"} if m.fp32_lm_head else set()
+
+            def digest(name: str, tensor: torch.Tensor) -> str:
+                return tensor_digest(tensor if name in fp32_names else tensor.to(engine_dtype))
+
+        remembered: list = []
+        keep = engines is not None and bool(engines.processes)  # a restarted local engine gets them (CPU demo sizes)
+        shm = info["transport"] == "shm"  # the engines read strided views of the slots: no conversion copies
+
+        def push(named):
+            pending = sync.push_bucket(named, version, wait=False)
+            if keep:  # the bucket's tensors are views of a slot the next buckets reuse (q/k/v: of another shape)
+                remembered.extend((name, _copy_as(tensor, streamer.hf_shapes[name])) for name, tensor in named)
+            return pending
+
+        if engines is not None:
+            sync.begin_session()
+        try:
+            dist.barrier()
+            result = streamer.stream(push if sync is not None else None,
+                                     sequential=info["transport"] == "distributed", digest=digest, hf_views=shm)
+            dist.barrier()
+        finally:
+            if engines is not None:
+                sync.end_session()
+        totals = torch.tensor([float(result.bytes), float(result.buckets)], dtype=torch.float64)
+        all_reduce_(totals)  # a host tensor: NCCL needs it on the GPU, all_reduce_ moves it there and back
+        digests: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        if digest is not None:
+            dist.gather_object(result.digests, digests, dst=0)
+        if engines is not None:
+            if keep:
+                if len(streamer.senders) > 1:
+                    log.warning("local engines with %d pipeline stages: a restarted engine gets only stage 0's "
+                                "weights until the next sync", len(streamer.senders))
+                engines.remember(remembered, version)
+            if digest is not None:
+                merged: dict[str, str] = {}
+                for part in digests:
+                    merged.update(part or {})
+                verify_checksum(sync.live, combine_digests(merged))
+        seconds = time.perf_counter() - started
+        return {"sync_time_s": seconds, "sync_bytes": totals[0].item(), "sync_buckets": totals[1].item(),
+                "sync_bytes_per_s": totals[0].item() / max(seconds, 1e-9), "sync_senders": float(len(streamer.senders))}
+
+    def verify_by_probe(self) -> dict[str, float]:
+        """Collective, after the push: rank 0 extends the probe until the first engine's routed experts (at the
+        weights just pushed) touch every expert of every MoE layer, so a stale expert changes some log-prob; every
+        rank scores the probe; rank 0 compares every engine's log-probs with the trainer's."""
+        from mpo.weight_sync.verify import ProbeCoverage, covering_probes, verify_by_probe
+
+        cfg, r, m = self.model_cfg, self.config.rollout, self.config.model
+        box: list = [None]
+        if self.engines is not None:
+            coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
+                                     vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=self.config.seed)
+            first = [[1 + (7 * i) % (cfg.vocab_size - 1) for i in range(PROBE_TOKENS)]]
+            self.probes = covering_probes(self.engines.clients[0], self.probes or first, coverage)
+            box = [self.probes]
+        dist.broadcast_object_list(box, src=0, group=self.object_group)
+        reference = self.score_probes(box[0])
+        if self.engines is None:
+            return {}
+        # a bf16 engine or trainer differs by ~1e-2 in log-probs; fp32 on both sides by ~1e-5
+        tolerance = 1e-3 if (r.engine_dtype or m.dtype) == "fp32" and m.dtype == "fp32" else 0.1
+        return {"sync_probe_logprob_maxdiff": verify_by_probe(self.engines.clients, box[0], reference,
+                                                              tolerance=tolerance),
+                "sync_probe_tokens": float(sum(map(len, box[0])))}
+
+    def close(self) -> None:
+        """Tear down this sender's own WeightSync (rank 0's belongs to the EngineSet)."""
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None

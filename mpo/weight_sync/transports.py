@@ -1,0 +1,403 @@
+"""The transports (see mpo.weight_sync): how a bucket reaches the engines, and which engines each one can reach.
+
+TRANSPORTS is the registry: every transport declares the engine kinds it serves and those that must run on the
+trainer's host for it. `check_transport` is the one compatibility check; config validation (engine kinds), the
+launcher (engine placement) and WeightSync (engine URLs, on every sender) all ask it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from mpo.parallel.ports import free_port
+from mpo.rollout.client import EngineClient, EngineError
+from mpo.weight_sync.wire import (MPO_FORMAT, SGLANG_FORMAT, SHM_FORMAT, cuda_ipc_payload, dtype_name,
+                                  encode_mpo_bucket, flattened_bucket_payload, group_layout, join_weight_update_group,
+                                  split_by_dtype)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+EngineKind = Literal["mpo", "sglang"]
+
+
+@dataclass(frozen=True)
+class Transport:
+    """One way weights reach engines: `what` it is (for messages), the `engines` kinds it serves, and those of them
+    that must run on the trainer's host (node) to be reached this way (`same_host`)."""
+
+    what: str
+    engines: tuple[str, ...]
+    same_host: tuple[str, ...] = ()
+
+
+TRANSPORTS: dict[str, Transport] = {
+    # each bucket in the HTTP body of /update_weights_from_tensor (mpo: safetensors; SGLang: a flattened bucket)
+    "tensor": Transport("the HTTP-body path", ("mpo", "sglang"), same_host=("sglang",)),
+    # a process group per sender with every engine rank; each tensor broadcast from the sender (NCCL / gloo)
+    "distributed": Transport("the process-group path", ("mpo", "sglang")),
+    # SGLang engines on the trainer's own GPUs map each bucket through a CUDA IPC handle (GPU only)
+    "cuda_ipc": Transport("SGLang's colocated GPU path", ("sglang",), same_host=("sglang",)),
+    # mpo engines on the trainer's host read each bucket in place from shared memory (CPU)
+    "shm": Transport("mpo's engine's same-host path", ("mpo",), same_host=("mpo",)),
+}
+
+
+def check_transport(transport: str, engine: str, *, off_host: str | None = None) -> None:
+    """Raise ValueError (one line, naming rollout.sync) unless `transport` serves `engine` engines; `off_host`
+    describes an engine that is not on the trainer's host (node), if there is one."""
+    spec = TRANSPORTS.get(transport)
+    if spec is None:
+        raise ValueError(f"rollout.sync must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+    if engine not in spec.engines:
+        takes = [repr(name) for name, t in TRANSPORTS.items() if engine in t.engines]
+        raise ValueError(f"rollout.sync={transport!r} is {spec.what}; rollout.engine={engine!r} takes sync "
+                         f"{', '.join(takes[:-1])} or {takes[-1]}")
+    if off_host is not None and engine in spec.same_host:
+        raise ValueError(f"rollout.sync={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
+                         f"rollout.sync='distributed'")
+
+
+def make_buckets(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
+    """Consecutive groups of at most bucket_bytes each (a larger single tensor gets a bucket of its own)."""
+    buckets: list[NamedTensors] = []
+    current: NamedTensors = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class SyncReport:
+    seconds: float
+    bytes: int
+    buckets: int
+    transport: str = "tensor"
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9)
+
+
+log = logging.getLogger(__name__)
+
+
+class _Calls:
+    """HTTP calls to several engines in threads, so the trainer can take part in a collective meanwhile."""
+
+    def __init__(self, clients: Sequence[EngineClient], call: Callable[[EngineClient], Any]) -> None:
+        self.errors: dict[str, BaseException] = {}
+        self.threads = [threading.Thread(target=self._run, args=(client, call), daemon=True) for client in clients]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, client: EngineClient, call: Callable[[EngineClient], Any]) -> None:
+        try:
+            call(client)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self.errors[client.url] = exc
+
+    def done(self) -> bool:
+        return not any(t.is_alive() for t in self.threads)
+
+    def raise_first(self, tolerate: Callable[[str, BaseException], bool] | None = None) -> None:
+        """Raise the first error that `tolerate(url, error)` does not accept (all of them without it)."""
+        for url, exc in self.errors.items():
+            if tolerate is None or not tolerate(url, exc):
+                raise exc
+
+    def join(self, timeout_s: float, tolerate: Callable[[str, BaseException], bool] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.raise_first(tolerate)
+        if not self.done():
+            raise TimeoutError(f"engine calls did not return within {timeout_s:.0f} s")
+
+
+class PendingPush:
+    """One bucket's engine calls, still running in threads (WeightSync.push_bucket(wait=False))."""
+
+    def __init__(self, calls: _Calls, timeout_s: float,
+                 tolerate: Callable[[str, BaseException], bool] | None = None) -> None:
+        self.calls, self.timeout_s, self.tolerate = calls, timeout_s, tolerate
+
+    def wait(self) -> None:
+        """Return once every engine answered; raise the first engine's error (except one WeightSync dropped: an
+        expendable engine that died), or TimeoutError after timeout_s."""
+        self.calls.join(self.timeout_s, self.tolerate)
+
+
+class WeightSync:
+    """Pushes HF-named weights to every engine of one kind over one transport, inside SGLang's weight-update session.
+
+    Args:
+        clients: the engines (all of `engine` kind).
+        engine: "mpo" or "sglang": picks the tensor-path payload and the verification.
+        transport: a TRANSPORTS name.
+        bucket_bytes: bucket size.
+        tp_sizes: TP size of each engine (distributed ranks; tensor payloads are sent once per TP rank).
+        backend: process-group backend for "distributed" (default: nccl when CUDA is available, else gloo).
+        master_address: address the engines reach the trainer's rendezvous at.
+        timeout_s: how long a collective step may take before the sync fails.
+    """
+
+    def __init__(self, clients: Sequence[EngineClient], *, engine: EngineKind = "mpo", transport: str = "tensor",
+                 bucket_bytes: int = 64 << 20, tp_sizes: Sequence[int] | None = None, backend: str | None = None,
+                 master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        from urllib.parse import urlsplit
+
+        from mpo.parallel.ports import is_local_host, is_loopback
+
+        if engine not in ("mpo", "sglang"):
+            raise ValueError(f"engine must be 'mpo' or 'sglang', got {engine!r}")
+        hosts = {c.url: urlsplit(c.url).hostname or "" for c in clients}
+        remote = next((url for url, host in hosts.items() if not is_local_host(host)), None)
+        check_transport(transport, engine, off_host=remote and f"engine {remote} is on another node")
+        far = next((url for url, host in hosts.items() if not is_loopback(host)), None)
+        if transport == "distributed" and far is not None and is_loopback(master_address):
+            raise ValueError(f"rollout.sync='distributed': engine {far} cannot reach trainer rank 0 at "
+                             f"{master_address}; set rollout.sync_master_address to an address of this host that "
+                             f"the engines can route to (the launcher sets it)")
+        self.clients = list(clients)
+        self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
+        self.tp_sizes = list(tp_sizes or [1] * len(self.clients))
+        if len(self.tp_sizes) != len(self.clients):
+            raise ValueError(f"{len(self.tp_sizes)} tp_sizes for {len(self.clients)} engines")
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.master_address, self.timeout_s = master_address, timeout_s
+        self.group: torch.distributed.ProcessGroup | None = None
+        self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
+        self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
+        # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
+        # (EngineSet: a local engine whose process died, which it restarts with the session's weights afterwards).
+        # None: every engine error fails the sync.
+        self.expendable: Callable[[EngineClient], bool] | None = None
+        self.lost: set[str] = set()  # URLs left out of the current session
+
+    # -- pushing ---------------------------------------------------------------------------------------------------
+    def push(self, named: NamedTensors, version: str) -> SyncReport:
+        """Every tensor of `named` to every engine, in one weight-update session tagged `version` (one sender: the
+        trainer's streaming sync uses begin_session / push_bucket / end_session across its senders)."""
+        started = time.perf_counter()
+        buckets = make_buckets(named, self.bucket_bytes)
+        self.begin_session()
+        try:
+            for bucket in buckets:
+                self.push_bucket(bucket, version)
+        finally:
+            self.end_session()
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        return SyncReport(time.perf_counter() - started, total, len(buckets), self.transport)
+
+    def begin_session(self) -> None:
+        """Pause generation and open SGLang's weight-update session on every engine (once per sync, one caller)."""
+        self.lost = set()
+        self._each(lambda client: (client.pause_generation(mode="in_place"), client.begin_weight_update()))
+
+    def end_session(self) -> None:
+        """Close the session (the updates take effect) and resume generation on every engine."""
+        self._each(lambda client: (client.end_weight_update(), client.continue_generation()))
+
+    @property
+    def live(self) -> list[EngineClient]:
+        """The engines still in the session (the ones to verify)."""
+        return [c for c, _ in self._live()]
+
+    def _live(self) -> list[tuple[EngineClient, int]]:
+        """(client, TP size) of the engines still in the session."""
+        return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
+
+    def _each(self, call: Callable[[EngineClient], Any]) -> None:
+        for client, _ in self._live():
+            try:
+                call(client)
+            except EngineError as exc:
+                if not self._drop(client.url, exc):
+                    raise
+
+    def _drop(self, url: str, exc: BaseException) -> bool:
+        """Leave the engine at `url` out of the rest of this session if it failed in transport and is expendable."""
+        client = next((c for c in self.clients if c.url == url), None)
+        if (client is None or self.expendable is None or not isinstance(exc, EngineError) or not exc.retryable
+                or not self.expendable(client)):
+            return False
+        log.warning("engine %s failed during the weight update (%s); left out of it (it is restarted with these "
+                    "weights)", url, exc)
+        self.lost.add(url)
+        return True
+
+    def push_bucket(self, bucket: NamedTensors, version: str, *, wait: bool = True) -> "PendingPush | None":
+        """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it).
+
+        wait=False (shm transport; the others always wait): return once the engines were asked, with a PendingPush
+        whose wait() returns when every engine has copied the bucket out; until then its memory must not change.
+        The streaming sync uses this to place the next bucket while the engines read this one."""
+        if self.transport == "distributed" and self.group is None:
+            self.connect()
+        if self.transport == "tensor":
+            self._push_tensor(bucket, version)
+        elif self.transport == "cuda_ipc":
+            self._push_cuda_ipc(bucket, version)
+        elif self.transport == "shm":
+            return self._push_shm(bucket, version, wait)
+        else:
+            self._push_distributed(bucket, version)
+        return None
+
+    def _push_tensor(self, bucket: NamedTensors, version: str) -> None:
+        if self.engine == "mpo":
+            payloads = [(MPO_FORMAT, encode_mpo_bucket(bucket))]
+        else:
+            payloads = [(SGLANG_FORMAT, flattened_bucket_payload(run)) for run in split_by_dtype(bucket)]
+        for load_format, payload in payloads:
+            for client, tp in self._live():
+                try:
+                    client.update_weights_from_tensor([payload] * tp, load_format=load_format, weight_version=version)
+                except EngineError as exc:
+                    if not self._drop(client.url, exc):
+                        raise
+
+    def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
+        """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles
+        (torch's ForkingPickler reductions, as sglang's MultiprocessingSerializer writes them), one payload per
+        engine TP rank. NOT RUN ON CPU (no CUDA here): GPU-only, checked on the lent GPU machine when there is one.
+        The engines must run on this node's GPUs; the tensors stay alive until every engine replied."""
+        if not torch.cuda.is_available():
+            raise EngineError(self.clients[0].url, "/update_weights_from_tensor",
+                              "rollout.sync='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
+                              retryable=False)
+        device = torch.device("cuda", torch.cuda.current_device())
+        for run in split_by_dtype(bucket):
+            on_device = [(name, t.detach().to(device).contiguous()) for name, t in run]
+            payload = cuda_ipc_payload(on_device)
+            for client, tp in zip(self.clients, self.tp_sizes):
+                client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
+            torch.cuda.synchronize(device)
+
+    def _push_shm(self, bucket: NamedTensors, version: str, wait: bool) -> "PendingPush | None":
+        """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot (strided
+        views included: the streaming sync's q/k/v), one copy into the spill buffer for the rest (a plain list of
+        tensors, as push() gets). A bucket that needed the spill buffer is always waited for (the buffer is reused
+        by the next bucket)."""
+        import json
+
+        from mpo.weight_sync.shared_memory import SharedBuffer, file_name, locate, new_token
+
+        located, missing = [], []
+        for name, tensor in bucket:
+            tensor = tensor.detach()
+            loc = locate(name, tensor)  # None unless it lies in a shared buffer of this process (CPU)
+            (located.append(loc) if loc is not None else missing.append((name, tensor)))
+        if missing:
+            align = 64
+            sizes = [-(-t.numel() * t.element_size() // align) * align for _, t in missing]
+            if self._spill is None or self._spill.numel < sum(sizes):
+                if self._spill is not None:
+                    self._spill.close()
+                self._spill = SharedBuffer(file_name(new_token(), "spill"), max(sum(sizes), self.bucket_bytes),
+                                           torch.uint8, create=True)
+            at = 0
+            for (name, tensor), size in zip(missing, sizes):
+                nbytes = tensor.numel() * tensor.element_size()
+                view = self._spill.tensor[at: at + nbytes].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor)
+                located.append(locate(name, view))
+                at += size
+        payload = json.dumps([loc.to_json() for loc in located])
+        live = self._live()
+        tp_of = {id(c): tp for c, tp in live}
+        pending = PendingPush(_Calls([c for c, _ in live], lambda client: client.update_weights_from_tensor(
+            [payload] * tp_of[id(client)], load_format=SHM_FORMAT, weight_version=version)), self.timeout_s,
+            self._drop)
+        if wait or missing:
+            pending.wait()
+            return None
+        return pending
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def _push_distributed(self, bucket: NamedTensors, version: str) -> None:
+        names = [name for name, _ in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        calls = _Calls(self.clients, lambda c: c.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, weight_version=version))
+        device = self._device()
+        sent = [t.detach().to(device).contiguous() for _, t in bucket]  # alive until every broadcast completed
+        works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in sent]
+        # An engine that refuses before receiving (e.g. an unknown group) would leave the broadcasts waiting:
+        # poll both, and fail with the engine's own error as soon as one comes back.
+        deadline = time.monotonic() + self.timeout_s
+        while not (calls.done() and all(w.is_completed() for w in works)):
+            if calls.errors and not all(w.is_completed() for w in works):
+                self.group = None  # the group is out of step now; the next push makes a new one
+                calls.raise_first()
+            if time.monotonic() > deadline:
+                raise EngineError(self.clients[0].url, "/update_weights_from_distributed",
+                                  f"bucket of {len(names)} tensors not done after {self.timeout_s:.0f} s")
+            time.sleep(0.001)
+        calls.raise_first()
+
+    # -- the process group (distributed transport) ----------------------------------------------------------------
+    def connect(self) -> None:
+        """Create the weight-update group: trainer rank 0 plus every engine rank (engine i from rank_offset)."""
+        port = free_port()
+        world_size, offsets = group_layout(self.tp_sizes)
+        by_url = dict(zip((c.url for c in self.clients), offsets))
+        calls = _Calls(self.clients, lambda c: c.init_weights_update_group(
+            master_address=self.master_address, master_port=port, rank_offset=by_url[c.url], world_size=world_size,
+            group_name=self.group_name, backend=self.backend))
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = join_weight_update_group(self.master_address, port, world_size, self.group_name,
+                                                           backend=self.backend, rank=0,
+                                                           timeout=timedelta(seconds=self.timeout_s))
+            except BaseException as exc:  # noqa: BLE001
+                joined["error"] = exc
+
+        trainer = threading.Thread(target=join, daemon=True)
+        trainer.start()
+        deadline = time.monotonic() + self.timeout_s
+        while trainer.is_alive() or not calls.done():
+            if calls.errors:
+                calls.raise_first()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight-update group {self.group_name}: not all of {world_size} ranks joined "
+                                   f"within {self.timeout_s:.0f} s")
+            time.sleep(0.01)
+        calls.raise_first()
+        if "error" in joined:
+            raise joined["error"]
+        self.group = joined["group"]
+
+    def close(self) -> None:
+        """Tear the weight-update group down on the engines and here (distributed transport); free the shm spill."""
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+        if self.group is None:
+            return
+        try:
+            for client in self.clients:
+                client.call("/destroy_weights_update_group", {"group_name": self.group_name})
+        finally:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,122 @@
+"""The rooms' import rules (docs/architecture.md), checked by walking every import statement of the product code.
+
+Product code is mpo/, checkpoints_tools/ and launch/. A package is `mpo.<first name>` (mpo.trainer, mpo.config, ...),
+`checkpoints_tools` or `launch`. Module-level and function-level imports both count (a lazy import is still a
+dependency); imports under `if TYPE_CHECKING:` do not (annotations only: nothing runs, no load order).
+
+Rules:
+- Nothing below the top imports back up into mpo.trainer, mpo.cli or mpo.bench: the data flows one way.
+- No cycle between packages.
+- mpo imports nothing of checkpoints_tools except in mpo.bench (which measures the converter): checkpoints_tools is a
+  tool built on mpo, not a layer under it.
+ALLOWED lists today's exceptions, each with the step of issue #29 that removes it; the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRODUCT = ("mpo", "checkpoints_tools", "launch")
+TOP = frozenset({"mpo.trainer", "mpo.cli", "mpo.bench"})
+
+# (importing module, imported module): why it is still there.
+ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "mpo" else parts[0]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool):
+    """Yield (line, imported module) for every import outside `if TYPE_CHECKING:`; `from a import b` yields a.b
+    instead of a when b is a module of the product."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                here = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                yield node.lineno, sub if _is_module(sub) else base
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> ["importer -> imported (file:line)", ...] across packages."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            module = _module_name(path)
+            for line, target in _imports(ast.parse(path.read_text()), module, path.name == "__init__.py"):
+                if target.split(".")[0] not in PRODUCT or target == "mpo" or module == "mpo":
+                    continue
+                a, b = _package(module), _package(target)
+                if a != b and (module, target) not in ALLOWED:
+                    edges[(a, b)].append(f"{module} -> {target} ({path.relative_to(ROOT)}:{line})")
+    return edges
+
+
+def test_nothing_imports_up_into_the_top():
+    bad = [w for (a, b), where in _edges().items() if b in TOP and a not in TOP for w in where]
+    assert not bad, "imports back up into mpo.trainer/cli/bench:\n" + "\n".join(bad)
+
+
+def test_mpo_does_not_import_checkpoints_tools():
+    bad = [w for (a, b), where in _edges().items()
+           if b == "checkpoints_tools" and a.startswith("mpo.") and a != "mpo.bench" for w in where]
+    assert not bad, "mpo imports checkpoints_tools:\n" + "\n".join(bad)
+
+
+def test_no_cycle_between_packages():
+    edges = _edges()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    bad = [w for (a, b), where in sorted(edges.items()) if a in reaches(b) for w in where]
+    assert not bad, "imports on a cycle between packages:\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_lazy_relative_and_type_only_imports():
+    """The walker itself, on a made-up module: a function-level import and a relative import count, a
+    TYPE_CHECKING import does not."""
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mpo.trainer import Trainer\n"
+              "def f():\n    from mpo.cli import main\nfrom ..config import TrainConfig\n")
+    found = {t for _, t in _imports(ast.parse(source), "mpo.rollout.x", False)}
+    assert found == {"typing", "mpo.cli", "mpo.config"}
