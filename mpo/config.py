@@ -258,8 +258,9 @@ class ScheduleSection:
         lr_warmup_steps: RL steps of linear warmup from 0 to lr (0: none); below `steps` (mpo.trainer.lr_schedule).
         lr_decay: after warmup, "constant", "linear" / "cosine" decay to min_lr over the remaining steps, or "wsd"
             (warmup-stable-decay, megatron's WSD): lr held, then a linear decay to min_lr over the last
-            lr_wsd_decay_steps steps.
-        lr_wsd_decay_steps: the length of wsd's final decay, in RL steps (> 0 with lr_decay=wsd).
+            lr_wsd_decay_frac of the steps after warmup.
+        lr_wsd_decay_frac: the share of the post-warmup steps in wsd's final decay, in (0, 1] (a share, not a step
+            count, so `mpo demo --steps N` keeps the schedule's shape).
         min_lr: the decay's floor (<= lr).
         weight_decay: Adam's decoupled weight decay on matrices (biases and norms are exempt).
         adam_beta1 / adam_beta2 / adam_eps: Adam's moments and epsilon.
@@ -281,7 +282,7 @@ class ScheduleSection:
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
     lr_decay: Literal["constant", "linear", "cosine", "wsd"] = "constant"
-    lr_wsd_decay_steps: int = 0
+    lr_wsd_decay_frac: float = 0.0
     min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -720,9 +721,9 @@ def _check_schedule(config: TrainConfig) -> None:
     s = config.schedule
     if s.min_lr > s.lr:
         raise ConfigError(f"schedule.min_lr={_show(s.min_lr)} must be <= schedule.lr={_show(s.lr)}")
-    if s.lr_decay == "wsd" and not 0 < s.lr_wsd_decay_steps <= s.steps - s.lr_warmup_steps:
-        raise ConfigError(f"schedule.lr_wsd_decay_steps={s.lr_wsd_decay_steps} with lr_decay='wsd'; valid values: 1 "
-                          f"to steps - lr_warmup_steps ({s.steps - s.lr_warmup_steps})")
+    if s.lr_decay == "wsd" and not 0 < s.lr_wsd_decay_frac <= 1:
+        raise ConfigError(f"schedule.lr_wsd_decay_frac={_show(s.lr_wsd_decay_frac)} with lr_decay='wsd'; valid values: "
+                          f"in (0, 1]")
     if s.lr_warmup_steps and s.steps and s.lr_warmup_steps >= s.steps:
         raise ConfigError(f"schedule.lr_warmup_steps={s.lr_warmup_steps} must be below schedule.steps={s.steps}")
 

@@ -67,11 +67,11 @@ def test_lr_at_every_step_is_the_schedules_formula_in_any_order(decay, warmup):
     from mpo.trainer.lr_schedule import LrSchedule
 
     schedule = ScheduleSection(steps=20, lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup, lr_decay=decay,
-                               lr_wsd_decay_steps=6 if decay == "wsd" else 0, weight_decay=0.1)
+                               lr_wsd_decay_frac=0.3 if decay == "wsd" else 0.0, weight_decay=0.1)  # wsd: 5 of 17
     groups = [{"lr": 0.0, "weight_decay": 0.0, "wd_mult": 1.0}, {"lr": 0.0, "weight_decay": 0.0, "wd_mult": 0.0}]
     sched = LrSchedule(SimpleNamespace(param_groups=groups), schedule, lr=schedule.lr)
     for step in [*range(20), 7, 0, 19, 12]:
-        expected = _lr_reference(step, lr=1e-3, min_lr=1e-4, warmup=warmup, steps=20, decay=decay, wsd_steps=6)
+        expected = _lr_reference(step, lr=1e-3, min_lr=1e-4, warmup=warmup, steps=20, decay=decay, wsd_steps=5)
         assert sched.set_step(step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
         assert all(g["lr"] == pytest.approx(expected, rel=1e-12, abs=1e-15) for g in groups)
         assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0  # norms/biases: no decay
@@ -127,8 +127,8 @@ def test_weight_decay_and_adam_settings_reach_megatrons_optimizer(tmp_path):
     (["eval.prompts=0"], "eval.prompts=0; valid values: >= 1"),
     (["eval.every=5", "eval.task=nosuch:task"], "eval.task:"),
     (["schedule.lr_decay=foo"], "schedule.lr_decay='foo'; valid values: 'constant', 'linear', 'cosine', 'wsd'"),
-    (["schedule.lr_decay=wsd"], "schedule.lr_wsd_decay_steps=0 with lr_decay='wsd'; valid values: 1 to"),
-    (["schedule.lr_decay=wsd", "schedule.lr_wsd_decay_steps=101"], "schedule.lr_wsd_decay_steps=101 with"),
+    (["schedule.lr_decay=wsd"], "schedule.lr_wsd_decay_frac=0.0 with lr_decay='wsd'; valid values: in (0, 1]"),
+    (["schedule.lr_decay=wsd", "schedule.lr_wsd_decay_frac=1.5"], "schedule.lr_wsd_decay_frac=1.5 with"),
     (["schedule.lr_warmup_steps=-2"], "schedule.lr_warmup_steps=-2; valid values: >= 0"),
     (["schedule.lr_warmup_steps=100"], "schedule.lr_warmup_steps=100 must be below schedule.steps=100"),
     (["schedule.min_lr=0.01"], "schedule.min_lr=0.01 must be <= schedule.lr=0.001"),

@@ -4,11 +4,11 @@ megatron's optimizer, counted in RL steps.
 Every optimizer step of RL step s (schedule.updates_per_step of them) uses lr(s), megatron's formulas with
 num_steps = s: linear warmup from 0 over `schedule.lr_warmup_steps` (lr(s) = lr * s / warmup for s <= warmup), then
 `constant`, `linear` / `cosine` decay to `schedule.min_lr` over the rest of `schedule.steps`, or `wsd` (held, then
-linear to min_lr over the last `schedule.lr_wsd_decay_steps`). The schedule is a
-pure function of the step, set at the start of every step, so a resumed run continues it exactly (the step is trainer
-state already). The critic follows the same shape from its own `algorithm.critic_lr`, its floor scaled alike
-(min_lr * critic_lr / lr). Weight decay (`schedule.weight_decay`, constant) applies to matrices only: megatron's
-parameter groups exempt biases and norms.
+linear to min_lr over the last `schedule.lr_wsd_decay_frac` of the steps after warmup, at least one step). The
+schedule is a pure function of the step, set at the start of every step, so a resumed run continues it exactly (the
+step is trainer state already). The critic follows the same shape from its own `algorithm.critic_lr`, its floor
+scaled alike (min_lr * critic_lr / lr). Weight decay (`schedule.weight_decay`, constant) applies to matrices only:
+megatron's parameter groups exempt biases and norms.
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ def optimizer_settings(schedule: Any, *, lr: float) -> dict[str, float]:
             "adam_beta1": schedule.adam_beta1, "adam_beta2": schedule.adam_beta2, "adam_eps": schedule.adam_eps}
 
 
+def wsd_decay_steps(schedule: Any) -> int | None:
+    """The RL steps of WSD's final decay (lr_decay=wsd), else None."""
+    if schedule.lr_decay != "wsd":
+        return None
+    return max(1, round(schedule.lr_wsd_decay_frac * (max(schedule.steps, schedule.lr_warmup_steps + 1)
+                                                       - schedule.lr_warmup_steps)))
+
+
 class LrSchedule:
     """megatron's OptimizerParamScheduler on `optimizer`, positioned by RL step (see the module docstring)."""
 
@@ -33,7 +41,7 @@ class LrSchedule:
             optimizer, init_lr=0.0, max_lr=lr, min_lr=settings["min_lr"],
             lr_warmup_steps=schedule.lr_warmup_steps, lr_decay_steps=max(schedule.steps, schedule.lr_warmup_steps + 1),
             lr_decay_style="WSD" if schedule.lr_decay == "wsd" else schedule.lr_decay,
-            wsd_decay_steps=schedule.lr_wsd_decay_steps or None, lr_wsd_decay_style="linear",
+            wsd_decay_steps=wsd_decay_steps(schedule), lr_wsd_decay_style="linear",
             start_wd=schedule.weight_decay, end_wd=schedule.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
         self.optimizer = optimizer
 
