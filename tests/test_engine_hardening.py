@@ -188,27 +188,41 @@ def test_hardening_bad_temperature_is_refused_alone_and_a_concurrent_request_fin
     assert tiny["output_ids"] == a["output_ids"]
 
 
-POISON = 7  # the fake model below breaks on rows holding this token
+POISON = 7  # the fake model below gives NaN logits for rows holding this token, and fails its forward on POISON + 1
 
 
-def _fake_logits(ids: torch.Tensor) -> torch.Tensor:
-    logits = torch.zeros(*ids.shape, 16)
-    logits[..., 3] = 5.0
-    logits[(ids == POISON).any(-1)] = float("nan")
-    return logits
+class _FakeModel:
+    """The generator's model interface (mpo.engine.generator.BatchModel) over a fake: token 3 is always likeliest;
+    the cache is the rows' tokens so far."""
+
+    @staticmethod
+    def _logits(rows: list[list[int]], n: int) -> torch.Tensor:
+        if any(POISON + 1 in row for row in rows):
+            raise RuntimeError("the forward failed")
+        logits = torch.zeros(len(rows), n, 16)
+        logits[..., 3] = 5.0
+        logits[torch.tensor([POISON in row for row in rows])] = float("nan")
+        return logits
+
+    def prefill(self, ids, *, capacity, want_routes):
+        cache = ids.tolist()
+        return cache, self._logits(cache, ids.shape[1]), None
+
+    def decode(self, cache, ids, *, want_routes):
+        for row, token in zip(cache, ids.tolist()):
+            row.append(token)
+        return self._logits(cache, 1), None
+
+    def keep_rows(self, cache, rows):
+        cache[:] = [cache[i] for i in rows]
 
 
-def _fake_scorer(sequences, want_routes):
-    if any(POISON + 1 in s for s in sequences):
-        raise RuntimeError("scoring failed")
-    return [([0.0] * len(s), None) for s in sequences]
-
-
-@pytest.mark.parametrize("poison", [POISON, POISON + 1], ids=["hardening-decode", "hardening-score"])
+@pytest.mark.parametrize("poison", [POISON, POISON + 1], ids=["hardening-nan", "hardening-forward"])
 def test_hardening_a_failing_row_aborts_only_its_own_request(poison):
-    """The generator isolates failures: a row whose decode step (NaN logits) or scoring fails is aborted alone, the
-    request batched with it finishes. The model is faked: the real one cannot be made to fail for one row."""
-    generator = MpoGenerator(_fake_logits, _fake_scorer, vocab_size=16, max_batch=4)
+    """The generator isolates failures: a row whose logits are NaN, or whose presence makes the batch's forward
+    raise, is aborted alone; the request batched with it finishes. The model is faked: the real one cannot be made
+    to fail for one row."""
+    generator = MpoGenerator(_FakeModel(), vocab_size=16, max_batch=4)
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=3, sampling_seed=1)
         good, bad = generator.submit_many([[1, 2], [1, poison]], [params, params], timeout_s=30)

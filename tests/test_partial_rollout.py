@@ -16,6 +16,7 @@ from helpers.spawn import spawn_ranks
 
 PAUSE_AFTER = 3
 NEW_TOKENS = 8
+PROMPT = (1, 5, 9, 13, 3)
 
 
 def _partial_rollout(out_file: str) -> None:
@@ -32,19 +33,27 @@ def _partial_rollout(out_file: str) -> None:
     calls = [0]
     holder: dict = {}
 
-    def logits_fn(ids):
-        calls[0] += 1
-        out = engine.logits(ids)
-        if calls[0] == PAUSE_AFTER:  # the scheduler appends this step's token, then waits: a deterministic pause
-            holder["generator"].pause()
-        return out
+    class Paused:  # the engine's model, pausing the scheduler after its PAUSE_AFTER-th forward (prefill included)
+        def __getattr__(self, name):
+            return getattr(engine, name)
 
-    generator = holder["generator"] = MpoGenerator(logits_fn, engine.score, vocab_size=engine.vocab_size,
-                                                   weight_version="v0")
-    prompt = [1, 5, 9, 13, 3]
+        def _counted(self, out):
+            calls[0] += 1
+            if calls[0] == PAUSE_AFTER:  # the scheduler appends this step's token, then waits: a deterministic pause
+                holder["generator"].pause()
+            return out
+
+        def prefill(self, ids, **kw):
+            return self._counted(engine.prefill(ids, **kw))
+
+        def decode(self, cache, ids, **kw):
+            return self._counted(engine.decode(cache, ids, **kw))
+
+    generator = holder["generator"] = MpoGenerator(Paused(), vocab_size=engine.vocab_size, weight_version="v0")
+    prompt = list(PROMPT)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(response=generator.submit(
-        prompt, SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, sampling_seed=11))))
+        prompt, SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, sampling_seed=11), routed_experts=True)))
     thread.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (generator._active and len(generator._active[0].output) == PAUSE_AFTER):
@@ -58,13 +67,18 @@ def _partial_rollout(out_file: str) -> None:
     thread.join(timeout=60)
     meta = result["response"]["meta_info"]
     sequence = prompt + result["response"]["output_ids"]
-    scored = {}
+    scored, routes = {}, {}
     for name, weights in (("old", old), ("new", new)):
         engine.load_hf(weights)
-        scored[name] = engine.score([sequence], False)[0][0][len(prompt):]
+        [(logprobs, routes[name])] = engine.score([sequence], True)
+        scored[name] = logprobs[len(prompt):]
     generator.stop()
+    from mpo.rollout.protocol import decode_routed_experts
+
     torch.save({"versions": meta["output_token_weight_versions"],
-                "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]], "scored": scored}, out_file)
+                "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]], "scored": scored,
+                "routes": torch.from_numpy(decode_routed_experts(meta["routed_experts"], rows=len(sequence) - 1, num_layers=4, topk=2)),
+                "scored_routes": {k: torch.from_numpy(v) for k, v in routes.items()}}, out_file)
     torch.distributed.destroy_process_group()
 
 
@@ -78,3 +92,9 @@ def test_a_response_straddling_a_weight_update_keeps_per_token_versions_and_beha
     assert (old - new).abs()[:PAUSE_AFTER].max() > 1e-2, "the update must change these tokens' log-probs"
     assert (got[:PAUSE_AFTER] - old[:PAUSE_AFTER]).abs().max() <= 1e-5, (got, old)  # sampled under v0
     assert (got[PAUSE_AFTER:] - new[PAUSE_AFTER:]).abs().max() <= 1e-5, (got, new)  # sampled under v1
+    # Routes: every position's from the last weights (the engine re-runs the sequence under them after the update;
+    # the cache made under v0 is not extended), as the trainer's forward routes it at those weights.
+    routes, new_routes = out["routes"], out["scored_routes"]["new"]
+    assert routes.shape == new_routes.shape == (len(PROMPT) + NEW_TOKENS - 1, 4, 2)
+    assert torch.equal(routes.sort(-1).values, new_routes.sort(-1).values.to(routes.dtype))
+    assert not torch.equal(new_routes, out["scored_routes"]["old"]), "the update must change some routes"

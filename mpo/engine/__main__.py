@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runner = EngineModel.create(preset=args.preset, mcore_dir=args.mcore_dir, seed=args.seed, dtype=args.dtype,
                                 fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port, hf_dir=args.model_path)
-    generator = MpoGenerator(runner.logits, runner.score, vocab_size=runner.vocab_size, max_batch=args.max_batch,
+    generator = MpoGenerator(runner, vocab_size=runner.vocab_size, max_batch=args.max_batch,
                              num_experts=runner.model_cfg.num_experts)
     app = EngineApp(generator, info={
         "engine": "mpo", "model_path": args.model_path or args.mcore_dir or f"preset:{args.preset}",

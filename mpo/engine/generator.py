@@ -1,12 +1,22 @@
 """mpo's own generation engine: the mpo model (megatron-core GPTModel, TP1 in this process) behind SGLang's API.
 
-Continuous batching without a KV cache: each decode step re-runs the (tiny) model over the right-padded active rows
-and samples the next token from each row's last position. When a request finishes, its prompt+completion is scored
-by the same forward path the trainer uses (mpo.models.forward.run_microbatches), so the log-probs it returns equal
-the trainer's log-probs of those tokens at the same weights. A weight update can land between two decode steps of a
-request (async schedules): every token is stamped with the version it was sampled under, and a token sampled under
-weights that are gone when the response is scored gets the log-prob it had when it was sampled (the behaviour
-policy's), not the new weights'. Meant for CPU runs and tests; GPU clusters use SGLang.
+Batches with a KV cache (megatron-core's static inference context, read and filled by the model's own attention):
+queued rows start together as one batch; one prefill forward covers the positions every row already knows (up to
+the shortest prompt), then each decode step is one forward of one token per row at the next position, all rows at
+the same position (a row whose prompt is longer feeds its next prompt token there instead of a sampled one, as
+megatron's static-batch generation does). Rows that finish leave the batch; queued rows start when it is empty.
+
+The log-probs and routes a response carries come from these forwards: the log-prob of each sampled token under the
+logits it was sampled from (the raw model distribution: the same numbers the trainer's forward gives for that token
+at the same weights, to float rounding) and, per position, the routed experts of the forward that fed it (SGLang's
+routed_experts: position p < n-1). No separate scoring forward.
+
+Weight updates (async schedules) can land between two decode steps of a request: every token is stamped with the
+version it was sampled under and keeps the log-prob it was sampled with (the behaviour policy's). A cache built
+under old weights is never extended with new ones: the first step after an update re-runs the prefill over every
+position the rows already hold, under the new weights, so tokens sampled after the update see a context computed
+entirely by the new weights, and the routes (and prompt log-probs) a response returns are its last weights'. Meant
+for CPU runs and tests; GPU clusters use SGLang.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -23,8 +33,18 @@ from mpo.rollout.protocol import SamplingParams, check_token_ids
 
 GONE_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
-# Per finished request: (prompt+completion ids) -> (logprobs of every token [n], routed experts [n-1, L, K] or None)
-Scorer = Callable[[list[list[int]], bool], list[tuple[list[float], Any]]]
+
+class BatchModel(Protocol):
+    """What the generator needs of a model (mpo.engine.model.EngineModel; tests fake it)."""
+
+    def prefill(self, ids: torch.Tensor, *, capacity: int, want_routes: bool) -> tuple[Any, torch.Tensor, Any]:
+        """ids [b, n] host -> (cache, logits [b, n, V] fp32, routes [b, n, L, K] host or None)."""
+
+    def decode(self, cache: Any, ids: torch.Tensor, *, want_routes: bool) -> tuple[torch.Tensor, Any]:
+        """ids [b] host, the tokens at the cache's next position -> (logits [b, 1, V] fp32, routes or None)."""
+
+    def keep_rows(self, cache: Any, rows: list[int]) -> None:
+        """Keep only these rows of the cache, in this order."""
 
 
 @dataclass
@@ -38,45 +58,104 @@ class _Active:
     output: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version each output token was sampled under
     sampled_logprobs: list[float] = field(default_factory=list)  # each output token's log-prob when it was sampled
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log-prob (logprob_start_len >= 0)
     finish_reason: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     response: dict[str, Any] | None = None
     started: float = field(default_factory=time.time)
 
+    def token(self, position: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[position] if position < n else self.output[position - n]
 
-def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at (near-)zero temperature, else temperature + top_k + nucleus (top_p) sampling from fp32 logits [V].
-    Raises FloatingPointError on NaN/+inf logits (a broken row must fail its own request, not yield a token)."""
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
-        raise FloatingPointError("the model produced non-finite logits")
-    if sampling.greedy:
-        return int(logits.argmax())
+
+@dataclass
+class _Batch:
+    """Rows decoding together: every row holds the same number of cached positions (`fed`)."""
+
+    rows: list[_Active]
+    capacity: int  # positions the cache is allocated for: the longest prompt + max_new_tokens
+    want_routes: bool
+    cache: Any = None
+    version: str | None = None  # the weights the cache was computed under
+    fed: int = 0  # positions in the cache; every row knows its token at position `fed` once a step is done
+    routes: torch.Tensor | None = None  # [b, capacity, L, K] int32: the routes of every fed position
+
+    @classmethod
+    def of(cls, rows: list[_Active]) -> "_Batch":
+        return cls(rows, max(len(r.prompt) + r.sampling.max_new_tokens for r in rows),
+                   any(r.want_routes for r in rows))
+
+    def known(self) -> int:
+        """Positions every row knows the token of (what a prefill can feed): all fed ones and the next, or the
+        shortest prompt before the first step."""
+        return max(self.fed + 1, min(len(r.prompt) for r in self.rows))
+
+    def keep(self, model: BatchModel, index: list[int]) -> None:
+        self.rows = [self.rows[i] for i in index]
+        if self.cache is not None:
+            model.keep_rows(self.cache, index)
+        if self.routes is not None:
+            self.routes = self.routes[index]
+
+
+def _broken(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of [b, V]: True where the logits hold NaN or +inf (a broken row fails its own request)."""
+    return logits.isnan().any(-1) | logits.isposinf().any(-1)
+
+
+def _distributions(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Rows of fp32 logits [b, V] -> float64 sampling probabilities: temperature, then top_k, then nucleus (top_p)
+    (the most likely token always kept), for rows that share one set of sampling parameters."""
     scaled = logits.double() / sampling.temperature
-    if 0 < sampling.top_k < scaled.numel():
-        kth = scaled.topk(sampling.top_k).values[-1]
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the most likely token
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < sampling.top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+    return probs
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[_Active]) -> list[int | Exception]:
+    """One token per row from host fp32 logits [b, V]: the distributions are computed per group of rows sharing
+    sampling parameters (one batched op each, not a Python loop over tokens); each row then draws from its own
+    generator (a seeded request gives the same tokens whatever batch it is in)."""
+    broken = _broken(logits).tolist()
+    out: list[int | Exception] = [FloatingPointError("the model produced non-finite logits")] * len(rows)
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        if not broken[i]:
+            s = row.sampling
+            groups.setdefault((s.greedy, s.temperature, s.top_k, s.top_p), []).append(i)
+    for members in groups.values():
+        sampling = rows[members[0]].sampling
+        index = torch.tensor(members)
+        if sampling.greedy:
+            for i, token in zip(members, logits[index].argmax(-1).tolist()):
+                out[i] = token
+            continue
+        probs = _distributions(logits[index], sampling)
+        for k, i in enumerate(members):
+            out[i] = int(torch.multinomial(probs[k], 1, generator=rows[i].generator))
+    return out
 
 
 class MpoGenerator:
     """Schedules generate requests on one model; thread-safe `submit` returns SGLang-shaped response dicts."""
 
-    def __init__(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], scorer: Scorer, *, vocab_size: int,
-                 max_batch: int = 16, weight_version: str = "default", num_experts: int | None = None) -> None:
-        self.logits_fn = logits_fn  # [b, s] host ids -> [b, s, V] fp32 logits of the real vocabulary (any device)
-        self.scorer = scorer
+    def __init__(self, model: BatchModel, *, vocab_size: int, max_batch: int = 16,
+                 weight_version: str = "default", num_experts: int | None = None) -> None:
+        self.model = model
         self.vocab_size = vocab_size
         self.num_experts = num_experts  # the routes' compact dtype (uint8 up to 256); None: from the values
         self.max_batch = max_batch
         self.weight_version = weight_version
-        self.model_lock = threading.RLock()  # held for every model use: decode steps, scoring, weight updates
+        self.model_lock = threading.RLock()  # held for every model use: decode steps and weight updates
         self._pending: list[_Active] = []
-        self._active: list[_Active] = []
+        self._active: list[_Active] = []  # the running batch's rows
         self._cv = threading.Condition()
         self._paused = False
         self._stopped = False
@@ -166,42 +245,129 @@ class MpoGenerator:
 
     # -- scheduling --------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        batch: _Batch | None = None
         while True:
             with self._cv:
                 while not self._stopped and (self._paused or not (self._pending or self._active)):
                     self._cv.wait()
                 if self._stopped:
                     return
-                room = self.max_batch - len(self._active)
-                self._active.extend(self._pending[:room])
-                del self._pending[:room]
-                batch = list(self._active)
+                if not self._active:  # a new batch: the rows queued now, up to max_batch
+                    self._active = self._pending[: self.max_batch]
+                    del self._pending[: self.max_batch]
+                    batch = _Batch.of(list(self._active))
             try:
                 self._step(batch)
-                finished = [r for r in batch if r.finish_reason is not None and not r.done.is_set()]
-                if finished:
-                    with self._cv:
-                        self._active = [r for r in self._active if r.finish_reason is None]
-                    self._score_and_finish(finished)
             except Exception as exc:  # noqa: BLE001 - last resort: the scheduler thread must never die
-                for request in batch:
+                for request in batch.rows:
                     self._fail(request, exc)
 
-    def _step(self, batch: list[_Active]) -> None:
-        """One decode step. If the batched forward fails, each row is retried alone, so a failure aborts only the
-        requests it belongs to; the others keep generating."""
-        try:
-            self._decode_step(batch)
-            return
-        except Exception as exc:  # noqa: BLE001 - isolate below
-            if len(batch) == 1:
-                self._fail(batch[0], exc)
+    def _step(self, batch: _Batch) -> None:
+        """One forward for the batch (the prefill, or a decode step) and a token for each row. If the forward
+        fails, each row is tried alone, so a failure aborts only the requests it belongs to; the others go on."""
+        with self.model_lock, torch.no_grad():
+            alive = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]
+            if len(alive) < len(batch.rows):
+                batch.keep(self.model, alive)
+            if not batch.rows:
                 return
-        for request in batch:
+            version = self.weight_version  # updates apply under model_lock: this is the version of these logits
             try:
-                self._decode_step([request])
-            except Exception as exc:  # noqa: BLE001 - this request's failure, not the server's
-                self._fail(request, exc)
+                first, logits = self._forward(batch, version)
+            except Exception as exc:  # noqa: BLE001 - isolate below
+                self._isolate(batch, exc)
+                return
+            self._take_tokens(batch, first, logits, version)
+        done = [(i, r) for i, r in enumerate(batch.rows) if r.finish_reason is not None]
+        if done:
+            with self._cv:
+                self._active = [r for r in self._active if r.finish_reason is None]
+            for i, request in done:
+                self._finish(request, score=True, routes=self._routes_of(batch, i))
+
+    def _forward(self, batch: _Batch, version: str) -> tuple[int, torch.Tensor]:
+        """Feed the batch's next position(s): (first position fed, logits of the fed positions [b, n, V])."""
+        if batch.cache is None or batch.version != version:
+            # A new batch, or weights changed since its cache was computed: prefill every position all rows know.
+            n = batch.known()
+            ids = torch.tensor([[r.token(p) for p in range(n)] for r in batch.rows])
+            batch.cache = None  # an old cache is never extended with new weights
+            batch.cache, logits, routes = self.model.prefill(ids, capacity=batch.capacity,
+                                                             want_routes=batch.want_routes)
+            first = 0
+        else:
+            first = batch.fed
+            ids = torch.tensor([r.token(first) for r in batch.rows])
+            logits, routes = self.model.decode(batch.cache, ids, want_routes=batch.want_routes)
+        batch.version, batch.fed = version, first + logits.shape[1]
+        if routes is not None:
+            if batch.routes is None:
+                batch.routes = torch.zeros((len(batch.rows), batch.capacity, *routes.shape[2:]), dtype=routes.dtype)
+            batch.routes[:, first:batch.fed] = routes
+        return first, logits
+
+    def _take_tokens(self, batch: _Batch, first: int, logits: torch.Tensor, version: str) -> None:
+        """Logits at position p score the token at p + 1: the prompt tokens' log-probs where a request asked for
+        them, and, for rows past their prompt, the next token sampled from the last position."""
+        wants_prompt = [i for i, r in enumerate(batch.rows) if r.logprob_start_len >= 0]
+        if wants_prompt:  # rare (SGLang's logprob_start_len): the whole block to the host
+            logp = torch.log_softmax(logits[wants_prompt].double(), -1).cpu()
+            for k, i in enumerate(wants_prompt):
+                row = batch.rows[i]
+                for p in range(max(first + 1, row.logprob_start_len, 1), min(batch.fed + 1, len(row.prompt))):
+                    row.prompt_logprobs[p] = float(logp[k, p - 1 - first, row.prompt[p]])
+        # Each row's last position, on the model's device, then to the host in one copy: sampling runs on the host
+        # with each request's CPU generator, so a seed gives the same tokens whatever device the model is on.
+        last = logits[:, -1].cpu()
+        sampling = [i for i, r in enumerate(batch.rows)  # past its prompt, and not aborted while the forward ran
+                    if batch.fed >= len(r.prompt) and r.finish_reason is None]
+        if not sampling:
+            return
+        rows = [batch.rows[i] for i in sampling]
+        tokens = _sample_rows(last[sampling], rows)
+        # the behaviour policy's log-prob (raw model distribution, as the trainer's forward gives it)
+        logp_last = torch.log_softmax(last[sampling].double(), -1)
+        for k, (request, token) in enumerate(zip(rows, tokens)):
+            if isinstance(token, Exception):
+                request.finish_reason = {"type": "abort", "message": f"engine error: {type(token).__name__}: {token}"}
+                continue
+            request.output.append(token)
+            request.versions.append(version)
+            request.sampled_logprobs.append(float(logp_last[k, token]))
+            if token in request.sampling.stop_token_ids:
+                request.finish_reason = {"type": "stop", "matched": token}
+            elif len(request.output) >= request.sampling.max_new_tokens:
+                request.finish_reason = {"type": "length", "length": len(request.output)}
+
+    def _isolate(self, batch: _Batch, exc: Exception) -> None:
+        """The batch's forward raised: prefill each row alone; rows that fail alone are aborted, the others are
+        re-prefilled together at the next step. If none fails alone, the failure is the batch's: all are aborted."""
+        failed = []
+        if len(batch.rows) > 1:
+            n = batch.known()
+            for request in batch.rows:
+                try:
+                    self.model.prefill(torch.tensor([[request.token(p) for p in range(n)]]), capacity=batch.capacity,
+                                       want_routes=batch.want_routes)
+                except Exception as alone:  # noqa: BLE001 - this request's failure, not the server's
+                    failed.append((request, alone))
+        if not failed:
+            failed = [(request, exc) for request in batch.rows]
+        for request, error in failed:
+            request.finish_reason = {"type": "abort", "message": f"engine error: {type(error).__name__}: {error}"}
+        batch.cache = None  # the survivors' cache is rebuilt by the next step's prefill
+        with self._cv:
+            self._active = [r for r in self._active if r.finish_reason is None]
+        for request, _ in failed:
+            self._finish(request, score=False)
+
+    @staticmethod
+    def _routes_of(batch: _Batch, i: int) -> Any:
+        """SGLang's routed_experts: row p = routing of the token at input position p, for p < n-1, all layers."""
+        request = batch.rows[i]
+        if not request.want_routes or batch.routes is None:
+            return None
+        return batch.routes[i, : len(request.prompt) + len(request.output) - 1].numpy()
 
     def _fail(self, request: _Active, exc: BaseException) -> None:
         request.finish_reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
@@ -209,69 +375,13 @@ class MpoGenerator:
             self._active = [r for r in self._active if r is not request]
         self._finish(request, score=False)
 
-    def _decode_step(self, batch: list[_Active]) -> None:
-        rows = [r.prompt + r.output for r in batch]
-        lengths = [len(row) for row in rows]
-        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
-        with self.model_lock, torch.no_grad():
-            logits = self.logits_fn(ids)
-            version = self.weight_version  # updates apply under model_lock: this is the version of these logits
-            # Each row's last position, on the model's device, then to the host in one copy: sampling runs on the
-            # host with each request's CPU generator, so a seed gives the same tokens whatever device the model is on.
-            rows_index = torch.arange(len(rows), device=logits.device)
-            last = logits[rows_index, torch.tensor(lengths, device=logits.device) - 1].cpu()
-        for i, request in enumerate(batch):
-            if request.finish_reason is not None:
-                continue  # aborted meanwhile
-            try:
-                token = sample_next(last[i], request.sampling, request.generator)
-            except Exception as exc:  # noqa: BLE001 - fails this request only; the batch goes on
-                self._fail(request, exc)
-                continue
-            request.output.append(token)
-            request.versions.append(version)
-            # the behaviour policy's log-prob (raw model distribution, as the scorer's): kept for tokens whose
-            # weights are gone by the time the response is scored (an update arrived mid-response)
-            request.sampled_logprobs.append(float(last[i, token].double() - torch.logsumexp(last[i].double(), -1)))
-            if token in request.sampling.stop_token_ids:
-                request.finish_reason = {"type": "stop", "matched": token}
-            elif len(request.output) >= request.sampling.max_new_tokens:
-                request.finish_reason = {"type": "length", "length": len(request.output)}
-
-    def _score_and_finish(self, finished: list[_Active]) -> None:
-        """Score finished requests together; if that fails, one by one, so only a failing request is aborted."""
-        try:
-            scores = self._score(finished)
-        except Exception as exc:  # noqa: BLE001 - isolate below
-            if len(finished) == 1:
-                self._fail(finished[0], exc)
-                return
-            for request in finished:
-                self._score_and_finish([request])
-            return
-        scores, version = scores
-        for request, (logprobs, routes) in zip(finished, scores):
-            n_prompt = len(request.prompt)
-            for t, sampled_under in enumerate(request.versions):
-                if sampled_under != version:  # sampled before an update: the weights that scored it are not its own
-                    logprobs[n_prompt + t] = request.sampled_logprobs[t]
-            self._finish(request, score=True, logprobs=logprobs, routes=routes)
-
-    def _score(self, finished: list[_Active]) -> tuple[list[tuple[list[float], Any]], str]:
-        """The finished rows scored by the scorer, and the weight version that scored them."""
-        want_routes = any(r.want_routes for r in finished)
-        with self.model_lock, torch.no_grad():
-            return self.scorer([r.prompt + r.output for r in finished], want_routes), self.weight_version
-
-    def _finish(self, request: _Active, *, score: bool, logprobs: list[float] | None = None,
-                routes: Any = None) -> None:
+    def _finish(self, request: _Active, *, score: bool, routes: Any = None) -> None:
         from mpo.rollout.protocol import compact_routes
 
         if request.done.is_set():
             return  # answered already (aborted while its step ran)
         n_prompt = len(request.prompt)
+        score = score and request.finish_reason is not None and request.finish_reason.get("type") != "abort"
         meta: dict[str, Any] = {
             "id": request.rid,
             "finish_reason": request.finish_reason,
@@ -281,7 +391,7 @@ class MpoGenerator:
             "weight_version": self.weight_version,
             "e2e_latency": time.time() - request.started,
         }
-        completion_logprobs = logprobs[n_prompt:] if (score and logprobs is not None) else [0.0] * len(request.output)
+        completion_logprobs = request.sampled_logprobs if score else [0.0] * len(request.output)
         meta["output_token_logprobs"] = [[float(lp), int(tok), None]
                                          for lp, tok in zip(completion_logprobs, request.output)]
         meta["output_token_logprobs_length"] = len(request.output)
@@ -289,9 +399,10 @@ class MpoGenerator:
         meta["output_token_weight_versions"] = list(request.versions)
         # SGLang's shape: [logprob, token_id, text] per prompt token from logprob_start_len; position 0 has no logprob.
         start = request.logprob_start_len
-        meta["input_token_logprobs"] = [[None if p == 0 or not score else float(logprobs[p]), int(request.prompt[p]),
-                                         None] for p in range(max(start, 0), n_prompt)] if start >= 0 else []
-        if request.want_routes and routes is not None:
+        meta["input_token_logprobs"] = [[request.prompt_logprobs.get(p) if score and p > 0 else None,
+                                         int(request.prompt[p]), None]
+                                        for p in range(max(start, 0), n_prompt)] if start >= 0 else []
+        if score and request.want_routes and routes is not None:
             # compact [tokens, MoE layers, top_k] (uint8 up to 256 experts); the server writes it as raw bytes or,
             # for SGLang's JSON, as base64 int32 (mpo.rollout.frames)
             meta["routed_experts"] = compact_routes(routes, self.num_experts)

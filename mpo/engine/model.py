@@ -103,6 +103,47 @@ class EngineModel:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return self.model(ids, positions, None)[..., : self.vocab_size].float()
 
+    # -- KV-cached batch decoding (mpo.engine.generator) ---------------------------------------------------------
+    def prefill(self, ids: torch.Tensor, *, capacity: int, want_routes: bool) -> tuple[Any, torch.Tensor, Any]:
+        """Start a KV cache for the rows of `ids` [b, n] (host; every row has n known tokens): one causal forward
+        over positions 0..n-1, its keys and values kept for up to `capacity` positions in megatron-core's static
+        inference context (the model's own attention fills and reads it; no second model code path). Returns (the
+        cache, fp32 logits [b, n, V] on the model's device, routes [b, n, L, K] int32 on the host or None)."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        cache = StaticInferenceContext(ids.shape[0], capacity)
+        logits, routes = self._cached_forward(cache, ids, want_routes)
+        return cache, logits, routes
+
+    def decode(self, cache: Any, ids: torch.Tensor, *, want_routes: bool) -> tuple[torch.Tensor, Any]:
+        """One position more for every row of the cache: `ids` [b] (host) are the tokens at the cache's next
+        position. Returns (fp32 logits [b, 1, V] on the model's device, routes [b, 1, L, K] int32 or None)."""
+        return self._cached_forward(cache, ids[:, None], want_routes)
+
+    @staticmethod
+    def keep_rows(cache: Any, rows: list[int]) -> None:
+        """Keep only these rows of the cache, in this order (finished rows leave the batch: no compute for them)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer, (keys, values) in cache.key_value_memory_dict.items():  # [capacity, b, ...] per layer
+            cache.key_value_memory_dict[layer] = (keys[:, index.to(keys.device)], values[:, index.to(keys.device)])
+        cache.max_batch_size = len(rows)
+
+    def _cached_forward(self, cache: Any, ids: torch.Tensor, want_routes: bool) -> tuple[torch.Tensor, Any]:
+        from mpo.routing.capture import CaptureConfig
+
+        ids = ids.to(self.device)
+        start = cache.sequence_len_offset  # megatron's attention writes keys/values here and attends to [0, end)
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand_as(ids)
+        routes = None
+        if want_routes:
+            with self.routing.session(config=CaptureConfig(record=True, record_logprobs=False)) as capture:
+                out = self.model(ids, positions, None, inference_context=cache)
+            routes = capture.records[0].indices.to(torch.int32).cpu()
+        else:
+            out = self.model(ids, positions, None, inference_context=cache)
+        cache.sequence_len_offset = start + ids.shape[1]  # megatron's own generation loop advances it the same way
+        return out[..., : self.vocab_size].float(), routes
+
     def score(self, sequences: list[list[int]], want_routes: bool) -> list[tuple[list[float], Any]]:
         """Log-probs of every token of each sequence (position 0 gets 0), by the trainer's own forward path."""
         from mpo.models.forward import MicroBatch, run_microbatches
