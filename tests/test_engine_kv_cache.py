@@ -14,10 +14,12 @@ BUDGETS = [6, 3, 9, 1, 5]
 
 
 def _decode_and_score(out_file: str) -> None:
+    import numpy as np
+
     from mpo.engine.generator import MpoGenerator
     from mpo.engine.model import EngineModel
     from mpo.parallel.ports import free_port
-    from mpo.rollout.protocol import SamplingParams, decode_routed_experts
+    from mpo.rollout.protocol import SamplingParams
 
     engine = EngineModel.create(preset="tiny", mcore_dir=None, seed=5, dtype="fp32", fp32_lm_head=True,
                                 dist_port=free_port())
@@ -39,8 +41,8 @@ def _decode_and_score(out_file: str) -> None:
             "prompt": torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"][1:]], dtype=torch.float64),
             "first_prompt_logprob": meta["input_token_logprobs"][0][0],
             "reference": torch.tensor(reference, dtype=torch.float64),
-            "routes": torch.from_numpy(decode_routed_experts(meta["routed_experts"], rows=len(sequence) - 1,
-                                                             num_layers=4, topk=2)),
+            # the generator's compact [tokens, MoE layers, top_k] array (the server encodes it for the wire)
+            "routes": torch.from_numpy(np.asarray(meta["routed_experts"]).astype(np.int32)),
             "reference_routes": torch.from_numpy(routes)})
     torch.save(rows, out_file)
     torch.distributed.destroy_process_group()

@@ -73,11 +73,12 @@ def _partial_rollout(out_file: str) -> None:
         [(logprobs, routes[name])] = engine.score([sequence], True)
         scored[name] = logprobs[len(prompt):]
     generator.stop()
-    from mpo.rollout.protocol import decode_routed_experts
+    import numpy as np
 
     torch.save({"versions": meta["output_token_weight_versions"],
                 "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]], "scored": scored,
-                "routes": torch.from_numpy(decode_routed_experts(meta["routed_experts"], rows=len(sequence) - 1, num_layers=4, topk=2)),
+                # the generator's compact [tokens, MoE layers, top_k] array (the server encodes it for the wire)
+                "routes": torch.from_numpy(np.asarray(meta["routed_experts"]).astype(np.int32)),
                 "scored_routes": {k: torch.from_numpy(v) for k, v in routes.items()}}, out_file)
     torch.distributed.destroy_process_group()
 

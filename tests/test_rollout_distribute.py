@@ -185,15 +185,25 @@ def test_mpo_engine_answers_frames_when_asked_and_json_otherwise():
     from mpo.rollout.client import EngineClient
     from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 
-    def logits(ids):
-        return torch.zeros(ids.shape[0], ids.shape[1], 32)
+    def routes(rows: int, positions: range):
+        return torch.tensor([[[[(p + l) % EXPERTS, (p + l + 1) % EXPERTS] for l in range(LAYERS)]
+                              for p in positions]] * rows, dtype=torch.int32)
 
-    def scorer(sequences, want_routes):
-        return [([0.0] + [-0.5] * (len(s) - 1),
-                 np.array([[[(p + l) % EXPERTS, (p + l + 1) % EXPERTS] for l in range(LAYERS)]
-                           for p in range(len(s) - 1)]) if want_routes else None) for s in sequences]
+    class Model:  # the generator's model (mpo.engine.generator.BatchModel): uniform logits, routes by position
+        def prefill(self, ids, *, capacity, want_routes):
+            cache = {"next": ids.shape[1]}
+            placed = routes(ids.shape[0], range(ids.shape[1])) if want_routes else None
+            return cache, torch.zeros(*ids.shape, 32), placed
 
-    generator = MpoGenerator(logits, scorer, vocab_size=32, num_experts=EXPERTS)
+        def decode(self, cache, ids, *, want_routes):
+            position, cache["next"] = cache["next"], cache["next"] + 1
+            placed = routes(ids.shape[0], range(position, position + 1)) if want_routes else None
+            return torch.zeros(ids.shape[0], 1, 32), placed
+
+        def keep_rows(self, cache, rows):
+            pass
+
+    generator = MpoGenerator(Model(), vocab_size=32, num_experts=EXPERTS)
     app = EngineApp(generator, info={"enable_return_routed_experts": True, "context_length": 64})
     server = serve(app, "127.0.0.1", 0)
     try:
