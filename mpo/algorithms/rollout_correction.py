@@ -41,7 +41,8 @@ CORRECTION_DEFAULTS: dict[str, dict[str, float]] = {
 # collapses. Measured on the demo (issue #25; 100 steps, seed 1234, exact answers of the last 5 steps; one_step_off is
 # deterministic): one_step_off decoupled_seq 0.492 (0.94 at step 70, then a one-step policy move of 0.21 nats/token
 # it never recovered from), no correction 0.892 (gradient-norm spikes to 72), tis_token 0.925; async k=2
-# decoupled_seq 0.156 and 0.592, tis_token 0.933; sync 0.952.
+# decoupled_seq 0.156 and 0.592, tis_token 0.933; sync 0.952. tis_token alone still collapsed at seed 1 (0.11): the
+# off-policy modes also replay routes (algorithm.replay unset -> r3), and the demo decays lr late (README, #25).
 OFF_POLICY_DEFAULT = "tis_token"
 
 
