@@ -125,6 +125,7 @@ class Trainer:
         self.config = replace(self.config, algorithm=algorithm)
         self._offload = None  # the critic or the KL reference may change below: TrainerOffload made anew
         self.loss_spec = get_loss(algorithm.loss)
+        self.routing.router_logprobs = self.loss_spec.router_shift  # only RSPO / +rs read router log-probs
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
         self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
         self.correction = CorrectionConfig(resolve_rollout_correction(algorithm.rollout_correction,
