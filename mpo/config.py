@@ -328,6 +328,12 @@ class LoggingSection:
         checkpoint_every: steps between checkpoints (0: only at the end).
         checkpoint_async: write checkpoints in a background process (megatron's async torch_dist save) while
             training goes on; null means on with CUDA, off on CPU. The run's last checkpoint is always waited for.
+        checkpoint_format: how the distributed optimizer's state (Adam moments, fp32 master weights) is stored.
+            "dp_reshardable" (default): each data-parallel rank writes its own shard of the flat buffers, nothing is
+            gathered to one rank; such a checkpoint resumes only at the layout it was saved at. "fully_reshardable":
+            the state is mapped onto the parameters' global tensors (gathered over data parallelism to DP rank 0 in
+            host memory on save), loadable at any TP/PP/EP/DP layout. The run's last checkpoint (the export) is
+            always fully_reshardable. The plain optimizer's state is per model shard and reshardable either way.
         progress: show a progress bar on rank 0.
         wandb: also log every metrics row to Weights & Biases (rank 0; needs `pip install 'mpo[wandb]'`). The run's
             files go under out_dir/wandb; WANDB_MODE=offline (or WANDB_MODE=disabled) works without a network.
@@ -344,6 +350,7 @@ class LoggingSection:
     tensorboard: bool = True
     checkpoint_every: int = 5
     checkpoint_async: bool | None = None
+    checkpoint_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     progress: bool = True
     wandb: bool = False
     wandb_project: str = "mpo"

@@ -34,6 +34,16 @@ micro-batch and their gradient (2 x 4 x s b V / t). With sequence packing (sched
 micro-batch is one row of the token budget (s b = the budget; a sample longer than it runs alone). A fixed reserve covers the CUDA context, NCCL buffers and
 allocator fragmentation.
 
+Routing bookkeeping (mpo.routing.capture; per rank of a stage with L MoE layers, top-K, the rank's DP share of a step's
+rows x seq_len tokens T, one update's share T / updates_per_step, e = 1 byte per expert id up to 256 experts, else 2):
+  the old-logprob pass's records, kept for the step: T L K e (chosen experts), x 2 under replay (r2/r3: the router's
+  natural choice too), + 4 T L K (fp32 router log-probs) only when the loss reads them (RSPO / +rs);
+  R3: the engine's routes on the device for the step, 2 T L K (int16, -1 where there is no record);
+  one update pass's records: the same index bytes for T / updates_per_step tokens, + 8 per (log-probs at the chosen
+  and at the old experts) for RSPO;
+  replay (r2/r3): int64 replay indices, 8 x (micro-batch tokens) L K per micro-batch in flight (the routing call's,
+  kept by autograd until that micro-batch's backward; never cached for the whole pass).
+
 Engines (SGLang): bf16 weights of the whole model divided by the engine's TP; SGLang reserves mem_fraction of the GPU
 for weights plus KV cache, so the KV cache is what remains of that share; it must hold at least one full sequence.
 KV bytes per token: layers x 2 x kv_groups x head_dim x 2 / TP (GQA) or layers x (kv_lora_rank + rope_dim) x 2 (MLA's
@@ -193,6 +203,31 @@ def activation_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, 
     return int(total)
 
 
+def routing_parts(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, *, step_tokens: int,
+                  updates_per_step: int, microbatch_tokens: int, replay: str, router_logprobs: bool) -> dict[str, int]:
+    """Routing records and replay indices on one rank of stage `pp_rank`, by part (formula: module docstring).
+    `replay`: "none", "r2" or "r3"; `router_logprobs`: the loss reads router log-probs (RSPO / +rs)."""
+    chunks = parallel.stage_layers(m.num_layers)[pp_rank]
+    per_token = sum(1 for chunk in chunks for layer in chunk if layer >= m.first_k_dense) * m.router_topk
+    e = 1 if m.num_experts <= 256 else 2
+    replaying = replay in ("r2", "r3")
+    index = e * (2 if replaying else 1)
+    pp, rank = parallel.pipeline_parallel, pp_rank
+    in_flight = pp - rank if parallel.vpp == 1 else 2 * (pp - rank - 1) + (parallel.vpp - 1) * pp + 1
+    return {
+        "old records": int(step_tokens * per_token * (index + (4 if router_logprobs else 0))),
+        "engine routes": int(2 * step_tokens * per_token) if replay == "r3" else 0,
+        "update records": int(step_tokens / max(updates_per_step, 1) * per_token
+                              * (index + (8 if router_logprobs else 0))),
+        "replay indices": int(8 * microbatch_tokens * per_token * in_flight) if replaying else 0,
+    }
+
+
+def routing_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, **kwargs) -> int:
+    """The sum of routing_parts."""
+    return sum(routing_parts(m, parallel, pp_rank, **kwargs).values())
+
+
 @dataclass(frozen=True)
 class RoleMemory:
     """One GPU role's bytes, by item (printed in this order), and whether they fit."""
@@ -231,6 +266,7 @@ class PlanInputs:
 
 def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
     """Per GPU role (the heaviest trainer stage, each SGLang engine) the bytes it needs on `inputs.gpu_mem_gb`."""
+    from mpo.algorithms.registry import get_loss
     from mpo.algorithms.step_advantages import AdvantageConfig
     from mpo.config import model_config
 
@@ -245,6 +281,7 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
     distributed = par.distributed_optimizer is not False
     bf16 = config.model.dtype == "bf16"
     critic = AdvantageConfig(config.algorithm.advantage, dict(config.algorithm.advantage_args)).needs_critic
+    router_logprobs = get_loss(config.algorithm.loss).router_shift  # as the trainer's routing hooks
     rows = r.samples_per_prompt * config.data.prompts_per_step
     microbatches = max(1, -(-rows // (dp * config.schedule.updates_per_step * s.micro_batch_size)))
     # Activations scale with the tokens of one micro-batch: micro_batch_size rows of `seq` padded, or one packed row
@@ -271,6 +308,10 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
                           "critic optimizer": value.optimizer})
         items["activations"] = activation_bytes(m, par, rank, seq_len=act_seq, micro_batch_size=act_rows,
                                                 num_microbatches=microbatches, recompute=config.model.recompute)
+        items["routing records (R2/R3, RSPO)"] = routing_bytes(
+            m, par, rank, step_tokens=-(-rows // dp) * seq, updates_per_step=s.updates_per_step,
+            microbatch_tokens=act_seq * act_rows, replay=config.algorithm.replay or "none",
+            router_logprobs=router_logprobs)
         items["reserve (CUDA, NCCL, fragmentation)"] = RESERVE_BYTES
         role = RoleMemory(f"trainer (pipeline stage {rank} of {par.pipeline_parallel})", items, capacity,
                           f"TP{par.tensor_parallel} PP{par.pipeline_parallel} EP{par.expert_parallel} "

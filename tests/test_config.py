@@ -37,6 +37,8 @@ from mpo.config import ConfigError, load_config
      "has no bound 'cap'"),
     (["algorithm.kl_estimator=k9"], "unknown kl_estimator 'k9'"),
     (["data.retire_pass_rate=1.5"], "data.retire_pass_rate=1.5 must be in [0, 1]"),
+    (["logging.checkpoint_format=torch_dist"],
+     "logging.checkpoint_format='torch_dist'; valid values: 'dp_reshardable', 'fully_reshardable'"),
 ])
 def test_bad_config_fails_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -44,3 +44,18 @@ def test_plan_bytes_equal_allocated_tensors_at_tp2_ep2_pp2(allocated, distribute
             assert abs(planned - got[item]) <= 0.02 * got[item], (item, rank["pp_rank"], planned, got[item])
     # the distributed optimizer really shards: half the optimizer bytes at DP2 / expert-DP2
     assert all(r["distributed"]["optimizer"] < 0.6 * r["plain"]["optimizer"] for r in allocated)
+
+
+def test_plan_routing_records_equal_a_real_session(tmp_path):
+    """mpo plan's routing bookkeeping against real captures on the tiny model (3 micro-batches): an old-logprob pass's
+    records without router log-probs (no replay: chosen experts only), and under R2 with them (chosen and natural
+    experts, fp32 log-probs, as RSPO needs), byte for byte; and the pass's int64 replay indices are freed after each
+    routing call (none alive at the end of a forward-only pass, of one made per micro-batch and MoE layer)."""
+    from helpers import routing_worker
+
+    spawn_ranks(1, routing_worker.run_memory, str(tmp_path))
+    got = json.loads((tmp_path / "routing_memory.json").read_text())
+    for name in ("none", "r2_rspo"):
+        assert got[name]["measured"] > 0 and got[name]["measured"] == got[name]["planned"], got
+    assert got["r2_rspo"]["measured"] > 4 * got["none"]["measured"]  # the fp32 log-probs dominate when recorded
+    assert got["r2_rspo_int64_made"] >= 3 and got["r2_rspo_int64_alive"] == 0, got

@@ -5,8 +5,10 @@ One module fixture runs three jobs and the tests read their results:
     which the fixture kills with SIGKILL;
   * 4 ranks at TP2xEP2: the distributed optimizer against the plain one (3 steps from the same init), then the
     reference run: 2 steps, an async checkpoint (written while the run goes on), 2 more steps;
-  * 2 ranks: the distributed optimizer against the plain one at DP2 and EP2; the TP2xEP2 checkpoint resumed at EP2,
-    PP2 and DP2, 2 steps each; the killed run resumed from its previous checkpoint.
+  * 2 ranks: the distributed optimizer against the plain one at DP2 and EP2; the TP2xEP2 checkpoint (saved with
+    logging.checkpoint_format=fully_reshardable) resumed at EP2, PP2 and DP2, 2 steps each; the killed run resumed from
+    its previous checkpoint; at DP2, a routine (dp_reshardable) save resumed at DP2 and refused at EP2, and an export
+    save (the run's last: fully_reshardable) resumed at EP2 (issue #31 item 6).
 The reference for every comparison is an independent run: the plain optimizer, or the uninterrupted run.
 """
 
@@ -118,3 +120,46 @@ def test_hardening_another_models_checkpoint_is_one_line(runs):
     error = runs["other_model"].get("error", "")
     assert error.startswith("CheckpointError: ") and "\n" not in error, runs["other_model"]
     assert "another model's checkpoint" in error and "no older checkpoint" in error, error
+
+
+def test_dp_reshardable_routine_save_resumes_bit_exact_at_its_layout(runs):
+    """A routine save with the distributed optimizer (DP2) is dp_reshardable by default; resumed at the same layout
+    the next steps' losses are the uninterrupted run's bit for bit (Adam's moments and step count restored)."""
+    dp = runs["dp_reshardable"]
+    assert dp["routine"]["formats"] == {"": "dp_reshardable"}
+    assert dp["resumed_same"]["start"] == 2
+    assert dp["resumed_same"]["losses"] == dp["reference"]
+
+
+def test_dp_reshardable_gathers_no_adam_state_on_one_rank(runs):
+    """Reference: Adam's state is 12 bytes per parameter (fp32 master copy and two moments). dp_reshardable: the
+    two DP ranks write shard files of about the same size, neither holding the whole state; fully_reshardable (the
+    export) gathers it all onto DP rank 0, whose file holds at least that much. Same content in both: the totals
+    agree."""
+    dp = runs["dp_reshardable"]
+    adam = 12 * dp["params"]
+    routine, export = dp["routine"]["files"], dp["export"]["files"]
+    assert max(routine) <= 1.1 * min(routine), routine
+    assert max(routine) < adam, (routine, adam)
+    assert export[0] >= adam and export[0] >= 2 * export[1], (export, adam)
+    assert abs(sum(routine) - sum(export)) <= 0.05 * sum(export), (routine, export)
+
+
+def test_dp_reshardable_at_another_layout_is_one_line(runs):
+    """The dp_reshardable checkpoint resumed at EP2 (saved at DP2, EP1): one line naming the format, both layouts and
+    the way out, raised before any data is read."""
+    error = runs["dp_reshardable"]["resumed_other"].get("error", "")
+    assert error.startswith("CheckpointError: ") and "\n" not in error, error
+    assert "dp_reshardable" in error and "EP=1" in error and "EP=2" in error, error
+    assert "logging.checkpoint_format=fully_reshardable" in error, error
+
+
+def test_export_save_is_fully_reshardable_and_reshards(runs):
+    """The run's last save (schedule.steps reached) is fully_reshardable whatever logging.checkpoint_format says, and
+    resumes at another layout (DP2 -> EP2) with the uninterrupted run's next losses."""
+    dp = runs["dp_reshardable"]
+    assert dp["export"]["formats"] == {"": "fully_reshardable"}
+    resumed = dp["export_resumed_ep2"]
+    assert resumed["start"] == 2
+    for got, want in zip(resumed["losses"], dp["reference"], strict=True):
+        assert abs(got - want) <= 1e-5, (resumed["losses"], dp["reference"])

@@ -115,15 +115,14 @@ class _Session:
         # (s_local, b))
         self.raw: dict[tuple[int, int], tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
                                               tuple[int, int]]] = {}
-        self._local_cache: dict[tuple[str, int, int], Tensor] = {}
 
     def _local_tokens(self, kind: str, source: Sequence[MicroBatchRouting], layer: int,
                       s_local: int, b: int) -> Tensor:
-        """The record for this micro-batch and layer as megatron's local token layout [s_local*b, K] int64."""
-        key = (kind, self.microbatch, layer)
-        cached = self._local_cache.get(key)
-        if cached is not None:
-            return cached
+        """The record for this micro-batch and layer as megatron's local token layout [s_local*b, K] int64, made when
+        the router asks (once per micro-batch and layer) and not kept: it lives as long as the routing call, or until
+        the micro-batch's backward where autograd saves it (the gather at the replayed experts, the recompute FIFO).
+        The pass's records stay in their compact dtype; at 30B scale an int64 copy of every micro-batch's indices
+        would be ~10 GB during the old-logprob pass."""
         if self.microbatch >= len(source):
             raise RuntimeError(f"routing: {kind} has {len(source)} micro-batches, forward {self.microbatch} asked")
         rec = source[self.microbatch]
@@ -135,9 +134,7 @@ class _Session:
             raise ValueError(f"routing: {kind} record has {per_layer.shape[1]} positions, router needs "
                              f"{start + s_local}")
         local = per_layer[:, start:start + s_local].transpose(0, 1).reshape(s_local * b, -1)
-        local = local.to(device=self.hooks.device, dtype=torch.int64)
-        self._local_cache[key] = local
-        return local
+        return local.to(device=self.hooks.device, dtype=torch.int64)
 
     @property
     def num_microbatches(self) -> int:
@@ -170,13 +167,15 @@ class _Session:
 
     def _capture(self, tap: _RouterTap, idx: Tensor, natural: Tensor | None, s_local: int, b: int) -> None:
         logp = logp_at = None
-        if self.config.record_logprobs or self.gather_at is not None:
+        record_logprobs = self.config.record_logprobs and self.hooks.router_logprobs
+        gather_at = self.gather_at if self.hooks.router_logprobs else None
+        if record_logprobs or gather_at is not None:
             with torch.no_grad():
                 log_probs = torch.log_softmax(tap.logits.detach().float(), dim=-1)
-                if self.config.record_logprobs:
+                if record_logprobs:
                     logp = log_probs.gather(1, idx)
-                if self.gather_at is not None:
-                    at = self._local_tokens("gather_at", self.gather_at, tap.layer_number, s_local, b)
+                if gather_at is not None:
+                    at = self._local_tokens("gather_at", gather_at, tap.layer_number, s_local, b)
                     logp_at = log_probs.gather(1, at.clamp(min=0))
         small = idx.detach().to(self.hooks.index_dtype)
         natural_small = None if natural is None else natural.to(self.hooks.index_dtype)
@@ -215,6 +214,10 @@ class RoutingHooks:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         self.session_state: _Session | None = None
+        # False: no session computes the router's log-softmax (records' logp and logp_at stay None, gather_at is not
+        # read): a trainer whose loss reads no router log-probs (only RSPO / +rs do) keeps no fp32 [b, s, L, K]
+        # per micro-batch.
+        self.router_logprobs = True
         self.taps: list[_RouterTap] = []
         for chunk_index, chunk in enumerate(self.chunks):
             for module in chunk.modules():
@@ -322,8 +325,9 @@ class RoutingHooks:
         if not self.layers:
             for b, s in state.shapes:
                 empty = torch.empty((b, s, 0, self.topk), dtype=self.index_dtype, device=self.device)
-                logp = empty.float() if state.config.record_logprobs else None
-                out.append(MicroBatchRouting((), empty, logp, empty.float() if state.gather_at is not None else None,
+                logp = empty.float() if state.config.record_logprobs and self.router_logprobs else None
+                at = empty.float() if state.gather_at is not None and self.router_logprobs else None
+                out.append(MicroBatchRouting((), empty, logp, at,
                                              empty if state.replay is not None else None))
             return out
         for mb in range(state.num_microbatches):

@@ -7,6 +7,12 @@ at one parallel layout loads at another (TP, PP, EP, DP): the models through the
 optimizers' Adam moments mapped onto the parameters' global tensors (see OPTIMIZER_SHARDING). Saves and loads are fully parallel:
 each replicated shard is written by one data-parallel rank and read once, then exchanged.
 
+Formats of the distributed optimizer's state (`logging.checkpoint_format`, recorded per model in trainer_state.json as
+`optimizer_formats`): routine saves default to megatron's 'dp_reshardable' (each DP rank writes its own range of the
+flat buffers: no gather of Adam state onto one rank; loads only at the saved layout, checked before any data is read,
+one line otherwise); 'fully_reshardable' (model space, any layout) on request and for the run's last save (the
+export, `save(..., export=True)`). The plain optimizer's state is per model shard, model space in either case.
+
 Atomicity: all ranks write into step_<k>.tmp; each fsyncs what it wrote; only then rank 0 renames the directory to
 step_<k> and replaces `latest` (write, fsync, rename). A process killed anywhere before leaves `latest` naming the
 previous checkpoint, which stays intact. With `async_save` (default on GPU) the write runs in a background process and
@@ -45,6 +51,11 @@ log = logging.getLogger(__name__)
 # state by its position in the chain, which depends on the layout.
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
                       "distrib_optim_fully_reshardable_mem_efficient": True, "chained_optim_avoid_prefix": True}
+# Routine saves at scale: every DP rank writes the state it owns as it lies in the DistributedOptimizer's buckets (one
+# ShardedTensor per bucket, keyed by the model-parallel group and bucket index: layout-specific). ChainedOptimizer keys
+# it by chain position here (megatron adds the prefix for non-reshardable formats), which is fine at the same layout.
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+FORMATS = ("dp_reshardable", "fully_reshardable")
 TRAINER_STATE = "trainer_state.json"
 # Test hook (tests/test_trainer_state.py): "<rank>:<step>" makes that rank stop inside the save of that step, after its
 # shards are written and before the checkpoint is committed, and write its pid to <tmp dir>/stalled; the test then
@@ -100,14 +111,48 @@ def _rng_object(data: Any) -> Any:
     return ShardedObject("rng", data, (world,), (rank,), replica_id=0)
 
 
-def sharded_state(parts: list[Part], *, is_loading: bool, rng: bool) -> dict[str, Any]:
-    """The sharded state dict of every part (model, then its optimizer's state mapped onto the model's tensors)."""
+def is_distributed(optimizer: Any) -> bool:
+    """Whether a megatron (chained) optimizer shards its state over data parallelism (DistributedOptimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def part_format(part: Part, requested: str) -> str:
+    """The format `part`'s optimizer state is written in: `requested` for a DistributedOptimizer; the plain optimizer's
+    state is in model space already ('fully_reshardable')."""
+    if requested not in FORMATS:
+        raise ValueError(f"checkpoint format {requested!r}; valid values: {', '.join(FORMATS)}")
+    return requested if is_distributed(part.optimizer) else "fully_reshardable"
+
+
+def _fresh_non_param_state(state: Any) -> Any:
+    """For loading a dp_reshardable DistributedOptimizer state: its non-parameter entries (param groups: lr, betas,
+    ...) are ShardedObjects in that format; keep the freshly built optimizer's values instead (never read), as the
+    fully reshardable format does (see _skeleton; Adam's step comes from trainer_state.json)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+
+    if not isinstance(state, dict):
+        return state
+    if "param_state_sharding_type" not in state:  # a ChainedOptimizer's {index: optimizer state}
+        return {k: _fresh_non_param_state(v) for k, v in state.items()}
+    return {k: LocalNonpersistentObject(v.data) if isinstance(v, ShardedObject) and k != "param_state" else v
+            for k, v in state.items()}
+
+
+def sharded_state(parts: list[Part], *, is_loading: bool, rng: bool,
+                  formats: dict[str, str] | None = None) -> dict[str, Any]:
+    """The sharded state dict of every part: its model, then its optimizer's state in `formats[prefix]`
+    ('fully_reshardable': mapped onto the model's tensors; 'dp_reshardable': the DP rank's own bucket ranges)."""
     state: dict[str, Any] = {}
     for part in parts:
         model = part.gpt.sharded_state_dict(prefix=part.prefix)
         state[f"{part.prefix}model"] = model
-        state[f"{part.prefix}optimizer"] = part.optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                                             metadata=OPTIMIZER_SHARDING)
+        fmt = (formats or {}).get(part.prefix, "fully_reshardable")
+        dp = fmt == "dp_reshardable" and is_distributed(part.optimizer)
+        optimizer = part.optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                      metadata=DP_RESHARDABLE if dp else OPTIMIZER_SHARDING)
+        state[f"{part.prefix}optimizer"] = _fresh_non_param_state(optimizer) if dp and is_loading else optimizer
     if rng:
         state["rng"] = _rng_object(rng_state() if not is_loading else None)
     return state
@@ -157,7 +202,11 @@ class CheckpointError(RuntimeError):
 class DistCheckpointer:
     """Collective save/load of trainer checkpoints; see the module docstring."""
 
-    def __init__(self, out_dir: str | Path, *, keep: int = 2, async_save: bool = False) -> None:
+    def __init__(self, out_dir: str | Path, *, keep: int = 2, async_save: bool = False,
+                 format: str = "dp_reshardable") -> None:
+        if format not in FORMATS:
+            raise ValueError(f"logging.checkpoint_format={format!r}; valid values: {', '.join(FORMATS)}")
+        self.format = format  # routine saves' format; export saves are fully_reshardable
         self._need_bytes = 0  # the last save's estimated shard size (full-disk diagnosis)
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
@@ -228,9 +277,11 @@ class DistCheckpointer:
         return next((p for p in every if p), None)
 
     # -- save ------------------------------------------------------------------------------------------------------
-    def save(self, step: int, parts: list[Part], trainer_state: dict[str, Any], *, wait: bool = False) -> Path:
+    def save(self, step: int, parts: list[Part], trainer_state: dict[str, Any], *, wait: bool = False,
+             export: bool = False) -> Path:
         """Collective. Writes step_<step>; `trainer_state` (JSON-able, rank 0's) goes next to the shards. An async save
-        returns once the tensors are staged; `wait=True` (or the next save) finishes it."""
+        returns once the tensors are staged; `wait=True` (or the next save) finishes it. The optimizer state goes in
+        `self.format`, or fully_reshardable with `export=True` (a checkpoint to load at any layout)."""
         from megatron.core import dist_checkpointing
 
         self.wait()  # one save in flight at a time: the previous one commits first
@@ -242,14 +293,16 @@ class DistCheckpointer:
             with writing(tmp):
                 tmp.mkdir(parents=True)
         dist.barrier()
-        state = sharded_state(parts, is_loading=False, rng=True)
+        formats = {p.prefix: part_format(p, "fully_reshardable" if export else self.format) for p in parts}
+        state = sharded_state(parts, is_loading=False, rng=True, formats=formats)
         _writer_results_queue_dies_with_this_rank()
         self._need_bytes = _shard_bytes(parts)
         with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
                                               async_sharded_save=self.async_save,
                                               async_strategy="mcore")  # megatron's own queue (no NVRx here)
-        trainer_state = {**trainer_state, "optimizer_steps": {p.prefix: optimizer_step(p.optimizer) for p in parts}}
+        trainer_state = {**trainer_state, "optimizer_steps": {p.prefix: optimizer_step(p.optimizer) for p in parts},
+                         "optimizer_formats": formats}
         text = json.dumps(trainer_state, indent=1)  # fails here, before anything is committed, if not JSON-able
 
         def commit() -> None:
@@ -344,7 +397,19 @@ class DistCheckpointer:
 
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
         same_layout = trainer_state.get("layout") == layout
-        state = sharded_state(parts, is_loading=True, rng=same_layout)
+        # checkpoints from before optimizer_formats were all fully_reshardable
+        formats = trainer_state.get("optimizer_formats") or {p.prefix: "fully_reshardable" for p in parts}
+        pinned = [p for p in parts if formats.get(p.prefix) == "dp_reshardable"]
+        if pinned and (not same_layout or not all(is_distributed(p.optimizer) for p in pinned)):
+            here = _show_layout(layout) + ("" if all(is_distributed(p.optimizer) for p in pinned)
+                                           else " with the plain optimizer")
+            raise CheckpointError(
+                f"checkpoint {path} holds the {'/'.join(p.prefix or 'policy' for p in pinned)} distributed optimizer "
+                f"state in the dp_reshardable format, which loads only at the layout it was saved at (distributed "
+                f"optimizer, {_show_layout(trainer_state.get('layout'))}), not at {here}: resume at that layout, or "
+                "from a checkpoint saved with logging.checkpoint_format=fully_reshardable (the run's last checkpoint "
+                "always is)")
+        state = sharded_state(parts, is_loading=True, rng=same_layout, formats=formats)
         skeleton = _skeleton(state)
         loaded = _fill(skeleton, load_sharded(state, path, strategy=_strategies(path)))
         steps = trainer_state.get("optimizer_steps", {})
@@ -354,14 +419,27 @@ class DistCheckpointer:
             if part.prefix not in steps:
                 raise CheckpointFileError(f"no optimizer_steps[{part.prefix!r}] (not an mpo trainer checkpoint, or "
                                           "one without this model)", path / TRAINER_STATE)
-            part.optimizer.load_state_dict(with_optimizer_step(part.optimizer, loaded[f"{part.prefix}optimizer"],
-                                                               steps[part.prefix]))
+            # no_grad: megatron's dp_reshardable load copies into the main parameters outside of it (its fully
+            # reshardable load is decorated), and an fp32 model's main parameters are views of leaves requiring grad
+            with torch.no_grad():
+                part.optimizer.load_state_dict(with_optimizer_step(part.optimizer, loaded[f"{part.prefix}optimizer"],
+                                                                   steps[part.prefix]))
+                if formats.get(part.prefix) == "dp_reshardable":
+                    _set_per_parameter_step(part.optimizer, steps[part.prefix])
         if same_layout:
             set_rng_state(loaded["rng"])
         elif dist.get_rank() == 0:
             log.info("resharding checkpoint %s: saved at %s, loading at %s (RNG not restored)", path,
                      trainer_state.get("layout"), layout)
         return trainer_state
+
+
+def _show_layout(layout: Any) -> str:
+    if not isinstance(layout, dict):
+        return repr(layout)
+    short = {"world_size": "world", "tensor_parallel": "TP", "pipeline_parallel": "PP", "expert_parallel": "EP",
+             "expert_tensor_parallel": "ETP", "context_parallel": "CP"}
+    return " ".join(f"{short.get(k, k)}={v}" for k, v in layout.items())
 
 
 def _problem(path: Path, parts: list[Part]) -> str | None:
@@ -483,6 +561,16 @@ def optimizer_step(optimizer: Any) -> int:
     if len(steps) > 1:
         raise RuntimeError(f"optimizer parameters disagree on Adam's step count: {sorted(steps)}")
     return steps.pop() if steps else 0
+
+
+def _set_per_parameter_step(optimizer: Any, step: int) -> None:
+    """torch Adam (no TE or apex) keeps a `step` tensor per parameter, which megatron's dp_reshardable load copies from
+    the state dict it built to load into (the fresh optimizer's, step 0; the format does not store it): set each to
+    the checkpoint's step count, a tensor of its own (Adam increments them in place)."""
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = torch.full_like(state["step"], step)
 
 
 def with_optimizer_step(optimizer: Any, state: Any, step: int) -> Any:

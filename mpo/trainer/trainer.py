@@ -115,7 +115,8 @@ class Trainer:
         self.nonfinite_total = 0
         async_save = config.logging.checkpoint_async
         self.checkpoints = DistCheckpointer(config.logging.out_dir,
-                                            async_save=self.ctx.device.is_gpu if async_save is None else async_save)
+                                            async_save=self.ctx.device.is_gpu if async_save is None else async_save,
+                                            format=config.logging.checkpoint_format)
 
     # -- set-up helpers ------------------------------------------------------------------------------------------
     def set_algorithm(self, algorithm) -> None:
@@ -124,6 +125,7 @@ class Trainer:
         self.config = replace(self.config, algorithm=algorithm)
         self._offload = None  # the critic or the KL reference may change below: TrainerOffload made anew
         self.loss_spec = get_loss(algorithm.loss)
+        self.routing.router_logprobs = self.loss_spec.router_shift  # only RSPO / +rs read router log-probs
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
         self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
         self.correction = CorrectionConfig(resolve_rollout_correction(algorithm.rollout_correction,
@@ -499,14 +501,15 @@ class Trainer:
                 "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 
     def save(self, step: int, *, wait: bool = False) -> None:
-        """Collective: a reshardable checkpoint of step `step` (mpo.trainer.dist_checkpoint). The run's last save
-        and `wait=True` finish before returning; other async saves finish at the next save."""
-        wait = wait or step >= self.config.schedule.steps
-        self.checkpoints.save(step, self._checkpoint_parts(), self.trainer_state(step), wait=wait)
+        """Collective: a checkpoint of step `step` (mpo.trainer.dist_checkpoint) in logging.checkpoint_format; the
+        run's last save is the export: fully reshardable, finished before returning (as with `wait=True`); other
+        async saves finish at the next save."""
+        last = step >= self.config.schedule.steps
+        self.checkpoints.save(step, self._checkpoint_parts(), self.trainer_state(step), wait=wait or last, export=last)
 
     def resume(self) -> int:
-        """Load the newest checkpoint if there is one (saved at any parallel layout); returns the step to continue
-        from."""
+        """Load the newest checkpoint if there is one (a fully_reshardable one saved at any layout, a dp_reshardable
+        one at its own); returns the step to continue from."""
         parts = self._checkpoint_parts()
         # a damaged newest checkpoint falls back to an intact one
         path = self.checkpoints.resume_point(parts, group=self.ctx.object_group)

@@ -269,3 +269,57 @@ def run_golden_gamma(out_dir: str) -> None:
     torch.save(out, Path(out_dir) / "golden_gamma.pt")
     torch.distributed.destroy_process_group()
 
+
+
+def run_memory(out_dir: str) -> None:
+    """What routing bookkeeping holds, for mpo.memory_plan.routing_parts (tests/test_memory_plan.py): the bytes of an
+    old-logprob pass's records (natural, without router log-probs; R2 replay with them), and how many of the int64
+    replay index tensors a forward-only replay pass made are still alive at its end (inside the session)."""
+    import weakref
+
+    from mpo.memory_plan import routing_parts
+    from mpo.models.builder import build_model
+    from mpo.models.forward import run_microbatches
+    from mpo.routing import capture
+    from mpo.routing.capture import attach_routing_hooks
+
+    cfg, parallel, ctx = _setup({})
+    model = build_model(cfg, parallel, ctx.device)
+    hooks = attach_routing_hooks(model)
+    mbs, _, _ = batch()
+
+    def run():
+        return run_microbatches(model, mbs, vocab_size=VOCAB, forward_only=True)
+
+    def nbytes(records) -> int:
+        return sum(t.numel() * t.element_size() for r in records
+                   for t in (r.indices, r.logp, r.logp_at, r.natural) if t is not None)
+
+    made: list = []
+    original = capture._Session._local_tokens
+
+    def tracked(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    capture._Session._local_tokens = tracked
+    results: dict = {}
+    tokens = sum(mb.input_ids.numel() for mb in mbs)
+    for name, replay, logprobs in (("none", "none", False), ("r2_rspo", "r2", True)):
+        hooks.router_logprobs = logprobs
+        with hooks.session() as natural:
+            run()
+        replayed = None
+        if replay != "none":
+            made.clear()
+            with hooks.session(replay=natural.records) as replayed:
+                run()
+                alive = sum(ref() is not None for ref in made)
+            results[f"{name}_int64_made"], results[f"{name}_int64_alive"] = len(made), alive
+        records = (replayed or natural).records
+        planned = routing_parts(cfg, parallel, 0, step_tokens=tokens, updates_per_step=1,
+                                microbatch_tokens=mbs[0].input_ids.numel(), replay=replay, router_logprobs=logprobs)
+        results[name] = {"measured": nbytes(records), "planned": planned["old records"]}
+    capture._Session._local_tokens = original
+    Path(out_dir, "routing_memory.json").write_text(json.dumps(results))

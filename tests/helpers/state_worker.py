@@ -120,6 +120,59 @@ def bad_checkpoints(out_dir: str, intact: Path) -> dict:
     return results
 
 
+def _shard_files(checkpoint: Path) -> list[int]:
+    """The bytes of each rank's shard file (__<rank>_0.distcp) in a committed checkpoint."""
+    return [Path(checkpoint, f"__{r}_0.distcp").stat().st_size for r in range(dist.get_world_size())]
+
+
+def dp_reshardable(out_dir: str, save_at: int, more: int) -> dict:
+    """At DP2 with the distributed optimizer: a routine save (dp_reshardable, the default) at step `save_at`, then
+    `more` reference steps; its resume at DP2 (the next losses, bit for bit) and at EP2 (the one-line refusal); an
+    export save (the run's last, schedule.steps=save_at) of the same steps, resumed at EP2. Records each checkpoint's
+    shard file sizes, its optimizer_formats and the model's parameter count (each rank holds the whole model at DP2)."""
+    routine, export = Path(out_dir, "dp_routine"), Path(out_dir, "dp_export")
+    results: dict = {}
+    trainer = make_trainer(str(routine), "dp2", distributed_optimizer=True)
+    results["params"] = sum(p.numel() for p in trainer.gpt.parameters())
+    for step in range(save_at):
+        train_step(trainer, step)
+    trainer.save(save_at)
+    results["reference"] = [train_step(trainer, s) for s in range(save_at, save_at + more)]
+    step_dir = routine / "checkpoints" / f"step_{save_at}"
+    results["routine"] = {"files": _shard_files(step_dir),
+                          "formats": json.loads((step_dir / "trainer_state.json").read_text())["optimizer_formats"]}
+    del trainer
+    gc.collect()
+    trainer = make_trainer(str(routine), "dp2", distributed_optimizer=True)
+    start = trainer.resume()
+    results["resumed_same"] = {"start": start, "losses": [train_step(trainer, s) for s in range(start, start + more)]}
+    del trainer
+    gc.collect()
+    trainer = make_trainer(str(routine), "ep2", distributed_optimizer=True)
+    try:
+        results["resumed_other"] = {"start": trainer.resume()}
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        results["resumed_other"] = {"error": f"{type(exc).__name__}: {exc}"}
+    del trainer
+    gc.collect()
+    trainer = make_trainer(str(export), "dp2", distributed_optimizer=True, extra=[f"schedule.steps={save_at}"])
+    for step in range(save_at):
+        train_step(trainer, step)
+    trainer.save(save_at)
+    step_dir = export / "checkpoints" / f"step_{save_at}"
+    results["export"] = {"files": _shard_files(step_dir),
+                         "formats": json.loads((step_dir / "trainer_state.json").read_text())["optimizer_formats"]}
+    del trainer
+    gc.collect()
+    trainer = make_trainer(str(export), "ep2", distributed_optimizer=True, extra=[f"schedule.steps={save_at + more}"])
+    start = trainer.resume()
+    results["export_resumed_ep2"] = {"start": start,
+                                     "losses": [train_step(trainer, s) for s in range(start, start + more)]}
+    del trainer
+    gc.collect()
+    return results
+
+
 def _write(out_dir: str, name: str, results: dict) -> None:
     if dist.get_rank() == 0:
         Path(out_dir, name).write_text(json.dumps(results))
@@ -132,7 +185,9 @@ def four_ranks(out_dir: str, ckpt_dir: str, save_at: int, more: int) -> None:
     results = {"distributed_vs_plain": distributed_vs_plain(out_dir, "tp2ep2")}
     # An async save (megatron's background writer): training goes on while it writes, so the resumes below also show
     # that the checkpoint holds the state at save time, not what the next steps made of it.
-    trainer = make_trainer(ckpt_dir, "tp2ep2", distributed_optimizer=True, extra=["logging.checkpoint_async=true"])
+    # The format that reshards across TP/PP/EP (routine saves default to dp_reshardable, pinned to their layout).
+    trainer = make_trainer(ckpt_dir, "tp2ep2", distributed_optimizer=True,
+                           extra=["logging.checkpoint_async=true", "logging.checkpoint_format=fully_reshardable"])
     for step in range(save_at):
         train_step(trainer, step)
     trainer.save(save_at)
@@ -162,6 +217,7 @@ def two_ranks(out_dir: str, ckpt_dir: str, more: int, killed_dir: str) -> None:
     del trainer
     gc.collect()
     results.update(bad_checkpoints(out_dir, Path(killed_dir, "checkpoints", "step_1")))
+    results["dp_reshardable"] = dp_reshardable(out_dir, 2, more)
     _write(out_dir, "two_ranks.json", results)
     dist.destroy_process_group()
 
