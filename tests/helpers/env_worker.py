@@ -12,14 +12,15 @@ import torch
 
 def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config import RECIPES
-    from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, publisher
+    from mpo.config import load_config, model_config
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher
     from mpo.trainer.rows import rank_microbatches
     from mpo.trainer.trainer import Trainer
 
     config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", *overrides])
     trainer = Trainer(config)
-    engines = EngineSet(config, Path(out_dir))
+    engines = EngineSet(config, Path(out_dir), model_config(config))
     trainer.collector.connect(engines.handles)
     calls = []
     try:

@@ -14,7 +14,8 @@ LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
 def _trainer(out_dir: str, overrides: list[str]):
     from mpo.config import RECIPES
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, publisher, supervised_warm_start
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher, supervised_warm_start
     from mpo.trainer.trainer import Trainer
 
     # A short warm start: rewards then vary within groups, so every loss sees non-zero advantages.
@@ -24,7 +25,7 @@ def _trainer(out_dir: str, overrides: list[str]):
                                                      "schedule.lr=0.002", *overrides])
     trainer = Trainer(config)
     supervised_warm_start(trainer)
-    engines = EngineSet(config, Path(out_dir)) if trainer.rank == 0 else None
+    engines = EngineSet(config, Path(out_dir), trainer.model_cfg) if trainer.rank == 0 else None
     if engines is not None:
         trainer.collector.connect(engines.handles)
     weights = publisher(trainer, engines)
