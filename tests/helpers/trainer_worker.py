@@ -153,7 +153,8 @@ def nonfinite(out_dir: str) -> None:
     overrides = ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1", "algorithm.filter_zero_variance=false"]
     with _worker_run(out_dir, "nonfinite", overrides) as (trainer, _, _, results):
         before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        trainer._loss_fn = lambda *denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
+        trainer.policy.loss_fn = lambda *denominators: (
+            lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
         results["steps"] = []
         try:
             for step in range(3):
@@ -221,6 +222,6 @@ def critic_fits(out_dir: str, updates: int) -> None:
         torch.distributed.broadcast_object_list(box, src=0)
         dp_rank, dp_size = trainer._dp()
         mbs = rank_microbatches(box[0], dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=16)
-        trainer._old_forward(mbs)
+        trainer.policy.old_forward(mbs)
         trainer.critic.advantages(mbs)
         results["value_loss"] = [trainer.critic.update(mbs)["critic/value_loss"] for _ in range(updates)]
