@@ -95,9 +95,7 @@ class Correction:
     valid: Tensor
 
     def counted(self, counts: tuple[float, float]) -> Correction:
-        """The same correction with its metrics as partial means over global (valid, kept) `counts` (the mini-batch's,
-        from :func:`correction_counts`): weights and mask do not depend on them, so nothing is recomputed but the
-        metrics."""
+        """Its metrics as partial means over the mini-batch's (valid, kept) `counts` (:func:`correction_counts`)."""
         return replace(self, metrics=_metrics(self.log_ratio, self.valid, self.mask_out.to(torch.bool), self.weights,
                                                counts))
 

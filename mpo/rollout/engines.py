@@ -1,9 +1,6 @@
-"""Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they die.
-
-The weight-update side (the set's one WeightSync, the re-push of the last weights to a restarted engine) is made by
-mpo.weight_sync.transports.engine_set_sync and kept here, so that restarts and updates share one lock; the client
-side imports nothing of mpo.weight_sync (which imports it).
-"""
+"""Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
+die. Its WeightSync and the re-push to a restarted engine come from mpo.weight_sync.transports.engine_set_sync (the
+client side imports nothing of mpo.weight_sync, which imports it); restarts and updates share one lock."""
 
 from __future__ import annotations
 
@@ -112,10 +109,6 @@ class EngineSet:
                 except subprocess.TimeoutExpired:
                     return False
         return False
-
-    def remember(self, named: list, version: str) -> None:
-        if self.processes:
-            self.last_weights = (named, version)
 
     @property
     def clients(self):

@@ -147,11 +147,6 @@ class Trainer:
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage()
 
-    def _full_state(self) -> dict[str, torch.Tensor] | None:
-        from mpo.models.full_state import gather_full_state
-
-        return gather_full_state(self.gpt)
-
     # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
     def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
         """Step `step`'s batch from the engines (mpo.trainer.collect.Collector)."""

@@ -11,34 +11,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpo.algorithms import (
-    CorrectionConfig,
-    PolicyBatch,
-    all_reduce_metrics,
-    apply_rollout_correction,
-    compute_global_denominators,
-    compute_policy_loss,
-    correction_counts,
-    merge_metrics,
-    positive_nll,
-)
+from mpo.algorithms import (CorrectionConfig, PolicyBatch, all_reduce_metrics, apply_rollout_correction,
+                            compute_global_denominators, compute_policy_loss, correction_counts, merge_metrics,
+                            positive_nll)
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
 
 
 @dataclass
 class PolicyUpdate:
-    """The trainer's parts one update needs; made anew by Trainer.set_algorithm (the loss, correction and KL
-    reference belong to the algorithm section).
-
-    Attributes:
-        model: the DDP-wrapped policy megatron's schedule runs; gpt: its unwrapped GPTModel (the KL reference's
-            weights are swapped into it); optimizer: the policy's.
-        routing: the routing hooks (capture, replay); model_cfg: the MoEModelConfig.
-        algorithm: the algorithm section; loss_spec / loss_cfg: its registered loss and hyper-parameters;
-            correction: the rollout correction; reference: the KL reference weights (host), or None.
-        device: the compute device; dp_group / pp_group: data- and pipeline-parallel groups; clock: PhaseClock.
-    """
+    """The trainer's parts one update needs (made anew by Trainer.set_algorithm: the loss, the correction and the KL
+    reference belong to the algorithm section). `model` is the DDP-wrapped policy megatron's schedule runs, `gpt` its
+    unwrapped GPTModel (the KL reference's weights are swapped into it), `reference` the KL reference (host) or None."""
 
     model: Any
     gpt: torch.nn.Module

@@ -139,7 +139,7 @@ class Publisher:
                 if len(streamer.senders) > 1:
                     log.warning("local engines with %d pipeline stages: a restarted engine gets only stage 0's "
                                 "weights until the next sync", len(streamer.senders))
-                engines.remember(remembered, version)
+                engines.last_weights = (remembered, version)
             if digest is not None:
                 merged: dict[str, str] = {}
                 for part in digests:
