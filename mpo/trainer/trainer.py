@@ -110,12 +110,10 @@ class Trainer:
         the weights at this moment."""
         self.config = replace(self.config, algorithm=algorithm)
         self._offload = None  # the critic or the KL reference may change below: TrainerOffload made anew
-        self.loss_spec = get_loss(algorithm.loss)
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
-        self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
-        self.correction = CorrectionConfig(resolve_rollout_correction(algorithm.rollout_correction,
-                                                                      self.config.schedule.mode),
-                                           **algorithm.rollout_correction_args)
+        loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
+        kind = resolve_rollout_correction(algorithm.rollout_correction, self.config.schedule.mode)
+        correction = CorrectionConfig(kind, **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
         if getattr(self, "collector", None) is not None:
             self.collector.set_algorithm(self.config, self.advantages)
@@ -125,7 +123,7 @@ class Trainer:
             self.critic = Critic(self)  # initialised from the policy as it is now
         self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
         self.policy = PolicyUpdate(self.model, self.gpt, self.optimizer, self.routing, self.model_cfg, algorithm,
-                                   self.loss_spec, self.loss_cfg, self.correction, self.reference, device=self.device,
+                                   get_loss(algorithm.loss), loss_cfg, correction, self.reference, device=self.device,
                                    dp_group=self.dp_group, pp_group=self.pp_group, clock=self.clock)
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
