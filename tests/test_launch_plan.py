@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
-from mpo.config import load_config
+from mpo.config import load_config, model_config
 
 REPO = Path(__file__).resolve().parents[1]
 GSPO = "mpo/recipes/qwen3_30b_a3b_gspo.yaml"
@@ -150,7 +150,8 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
     """rollout.sync=distributed with 4 SGLang engines of TP4 on gpu3/gpu4 and trainer rank 0 on gpu1: the group has
     1 + 16 ranks, each engine its own block of ranks, and a rendezvous the other nodes can route to. The trainer's
     EngineSet, built from the resolved config its ranks read, must make exactly that group."""
-    from mpo.trainer.loop import EngineSet
+    from mpo.rollout.engines import EngineSet
+    from mpo.weight_sync.transports import engine_set_sync
 
     plan = _plan(GSPO, ["rollout.api_key=KEY"])
     group = plan.weight_sync
@@ -163,7 +164,8 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
     resolved.write_text(plan.resolved_config)
     config = load_config(resolved)
     assert config.rollout.sync == "distributed"
-    sync = EngineSet(config, tmp_path).weight_sync(bucket_bytes=1 << 20)  # external URLs: nothing starts
+    # external URLs: nothing starts
+    sync = engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
     assert sync.master_address == "gpu1" and sync.tp_sizes == [4, 4, 4, 4]
     # One local node: engines and trainer share it, loopback is right.
     local = _plan(DEMO, ["rollout.num_engines=2"], hosts=("127.0.0.1",), gpus=0)
@@ -172,11 +174,12 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
 
 
 def test_engine_set_refuses_distributed_sync_with_loopback_master_and_remote_engines(tmp_path):
-    from mpo.trainer.loop import EngineSet
+    from mpo.rollout.engines import EngineSet
+    from mpo.weight_sync.transports import engine_set_sync
 
     config = load_config(DEMO, ["rollout.urls=[http://engine-host:30000]", "rollout.sync=distributed"])
     with pytest.raises(ValueError, match="rollout.sync_master_address"):
-        EngineSet(config, tmp_path).weight_sync(bucket_bytes=1 << 20)
+        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
 
 
 def _without_host_port(argv) -> list[str]:
@@ -192,11 +195,12 @@ def _without_host_port(argv) -> list[str]:
 
 
 def test_engine_set_refuses_tensor_sync_to_sglang_on_another_node(tmp_path):
-    from mpo.trainer.loop import EngineSet
+    from mpo.rollout.engines import EngineSet
+    from mpo.weight_sync.transports import engine_set_sync
 
     config = load_config(GSPO, ["rollout.urls=[http://engine-host:30000]", "rollout.sync=tensor"])
     with pytest.raises(ValueError, match="engine http://engine-host:30000 is on another node: set rollout.sync="):
-        EngineSet(config, tmp_path).weight_sync(bucket_bytes=1 << 20)
+        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
 
 
 def test_plan_and_engine_set_start_the_same_engine(tmp_path):
@@ -205,14 +209,15 @@ def test_plan_and_engine_set_start_the_same_engine(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from mpo.trainer.loop import EngineSet
+    from mpo.rollout.engines import EngineSet
 
     # validation reads model.mcore_dir's metadata: a real (one-tensor) torch_dist checkpoint
     dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     overrides = ["rollout.api_key=KEY", "rollout.engine_dtype=bf16", "seed=7", f"model.mcore_dir={tmp_path}/ckpt"]
     plan = _plan(DEMO, overrides, hosts=("n1",), gpus=0, engine_python=sys.executable)
     planned = [p for p in plan.nodes[0].processes if p.kind == "engine"][0]
-    local = EngineSet.local_processes(load_config(DEMO, overrides), tmp_path)[0]
+    demo = load_config(DEMO, overrides)
+    local = EngineSet.local_processes(demo, tmp_path, model_config(demo))[0]
     assert _without_host_port(planned.argv) == _without_host_port(local.command)
     command = " ".join(planned.argv)
     assert "--dtype bf16" in command and "--seed 7" in command and f"--mcore-dir {tmp_path}/ckpt" in command

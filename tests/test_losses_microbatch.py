@@ -68,10 +68,12 @@ CORRECTED = [(name, kind) for name in ("grpo", "gspo", "cispo", "dppo_kl")
              for kind in ("none", "tis_token", "tis_seq", "icepop_token", "mis_seq")]
 
 
+@pytest.mark.parametrize("applied", [False, True], ids=["in-loss", "applied-once"])
 @pytest.mark.parametrize("name,kind", CORRECTED, ids=[f"microbatch-correction-{n}-{k}" for n, k in CORRECTED])
-def test_corrected_microbatches_match_full_batch(name, kind):
+def test_corrected_microbatches_match_full_batch(name, kind, applied):
     """Rollout correction with denominators over the kept tokens: micro-batches sum to the full-batch loss,
-    gradient and metrics (the correction metrics included)."""
+    gradient and metrics (the correction metrics included). applied-once: the corrections made for the denominators
+    are handed to the loss (counted over the mini-batch), as the trainer does, instead of being recomputed there."""
     from mpo.algorithms import CorrectionConfig, apply_rollout_correction, correction_counts
 
     data = random_batch(seed=3)
@@ -87,9 +89,10 @@ def test_corrected_microbatches_match_full_batch(name, kind):
     counts = correction_counts([b.mask for b in batches], corrections)
     param = data["logp_new"].clone().requires_grad_(True)
     total, metrics = 0.0, []
-    for mb in MICRO_BATCHES:
+    for mb, corrected in zip(MICRO_BATCHES, corrections):
         out = compute_policy_loss(name, make_batch(data, mb, param[mb], with_rollout=True), cfg, denoms,
-                                  correction=correction, correction_counts=counts)
+                                  correction=correction, correction_counts=counts,
+                                  corrected=corrected.counted(counts) if applied else None)
         out.loss.backward()
         total += out.loss.item()
         metrics.append(out.metrics)

@@ -20,7 +20,7 @@ from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import LossConfig
 from .kl import kl_penalty
 from .metrics import masked_max, masked_min
-from .rollout_correction import CorrectionConfig, apply_rollout_correction
+from .rollout_correction import Correction, CorrectionConfig, apply_rollout_correction
 from .router_shift import RouterShift, router_shift_gamma
 
 LossFn = Callable[[LossContext, Any], tuple[Tensor, dict[str, Tensor]]]
@@ -128,6 +128,7 @@ def compute_policy_loss(
     denominators: GlobalDenominators | None = None,
     correction: CorrectionConfig | None = None,
     correction_counts: tuple[float, float] | None = None,
+    corrected: Correction | None = None,
 ) -> LossOutput:
     """Loss and metrics of one micro-batch for the registered loss ``name``.
 
@@ -143,13 +144,16 @@ def compute_policy_loss(
             ``batch.logp_rollout`` is given, also without a correction.
         correction_counts: global (valid, kept) token counts of the mini-batch
             (:func:`~mpo.algorithms.rollout_correction.correction_counts`); default: this batch's own.
+        corrected: this batch's correction when the caller already applied it (the trainer does, for the global
+            denominators), its metrics counted at ``correction_counts`` (:meth:`Correction.counted`); used as is.
     """
     spec = get_loss(name)
     cfg = config if config is not None else spec.make_config()
     if not isinstance(cfg, spec.config_cls):
         raise ValueError(f"loss {name!r} expects a {spec.config_cls.__name__}, got {type(cfg).__name__}")
-    corrected = None
-    if batch.logp_rollout is not None:
+    if corrected is not None:
+        batch = replace(batch, mask=corrected.mask_out)
+    elif batch.logp_rollout is not None:
         corrected = apply_rollout_correction(batch.logp_old, batch.logp_rollout, batch.mask,
                                              correction or CorrectionConfig(), correction_counts)
         batch = replace(batch, mask=corrected.mask_out)

@@ -11,7 +11,7 @@ correction off.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -86,11 +86,19 @@ class CorrectionConfig:
 
 @dataclass(frozen=True)
 class Correction:
-    """``weights [B, T]`` (stop-gradient, 0 at dropped tokens and padding), ``mask_out [B, T]`` and the metrics."""
+    """``weights [B, T]`` (stop-gradient, 0 at dropped tokens and padding), ``mask_out [B, T]`` and the metrics;
+    ``log_ratio`` (d, 0 off the valid tokens) and ``valid`` let :meth:`counted` redo the metrics at other counts."""
 
     weights: Tensor
     mask_out: Tensor
     metrics: dict[str, Tensor]
+    log_ratio: Tensor
+    valid: Tensor
+
+    def counted(self, counts: tuple[float, float]) -> Correction:
+        """Its metrics as partial means over the mini-batch's (valid, kept) `counts` (:func:`correction_counts`)."""
+        return replace(self, metrics=_metrics(self.log_ratio, self.valid, self.mask_out.to(torch.bool), self.weights,
+                                               counts))
 
 
 def apply_rollout_correction(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor, config: CorrectionConfig,
@@ -124,9 +132,16 @@ def apply_rollout_correction(logp_old: Tensor, logp_rollout: Tensor, mask: Tenso
         keep = valid & (seq_ratio >= config.lower) & (seq_ratio <= config.upper)
         weights = torch.clamp(seq_ratio, max=config.cap)
     weights = torch.where(keep, weights, 0.0)
+    return Correction(weights=weights, mask_out=keep.to(mask.dtype), log_ratio=d, valid=valid,
+                      metrics=_metrics(d, valid, keep, weights, counts))
+
+
+def _metrics(d: Tensor, valid: Tensor, keep: Tensor, weights: Tensor,
+             counts: tuple[float, float] | None) -> dict[str, Tensor]:
     rejected = valid & ((weights == 0) | ~keep)
+    dtype = d.dtype
     n_valid, n_kept = counts if counts is not None else (float(valid.sum()), float(keep.sum()))
-    metrics = {
+    return {
         "mismatch_k1": masked_partial_mean(-d, valid, n_valid),
         "mismatch_k3": masked_partial_mean(torch.expm1(-d) + d, valid, n_valid),
         "masked_frac": masked_partial_mean(rejected.to(dtype), valid, n_valid),
@@ -134,7 +149,6 @@ def apply_rollout_correction(logp_old: Tensor, logp_rollout: Tensor, mask: Tenso
         "is_weight_min": masked_min(weights, keep),
         "is_weight_max": masked_max(weights, keep),
     }
-    return Correction(weights=weights, mask_out=keep.to(mask.dtype), metrics=metrics)
 
 
 def correction_counts(masks: Sequence[Tensor], corrections: Sequence[Correction],

@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     shape_tokens: dict[str, int] = {}
     for name in variants:
         mbs = microbatches(name)
-        trainer._old_forward(mbs)
+        trainer.policy.old_forward(mbs)
         shape_tokens[name] = sum(mb.input_ids.numel() for mb in mbs)
         index = {id(s): i for i, s in enumerate(samples)}
         logprobs[name] = {index[id(s)]: mb.extras["logp_old"][j, s.prompt_len:len(s.ids)].tolist()
@@ -93,8 +93,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
             dist.barrier()
             start = time.perf_counter()
             mbs = microbatches(name)
-            records, _ = trainer._old_forward(mbs)
-            trainer._update(mbs, records, config.data.prompts_per_step, None)
+            records, _ = trainer.policy.old_forward(mbs)
+            trainer.policy.update(mbs, records, config.data.prompts_per_step, None)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)

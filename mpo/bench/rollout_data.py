@@ -204,7 +204,7 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
                for mb in mbs]
         mine = [s for mb in mbs for s in mb.extras["samples"][: mb.extras["n_real"]]]
         for mb in mbs:
-            placed = trainer._engine_routes(mb)
+            placed = trainer.policy.engine_routes(mb)
             assert placed is not None and placed.select(trainer.routing.layers).indices.shape[2] == \
                 len(trainer.routing.layers)
         del mbs

@@ -1,6 +1,6 @@
 """The one builder of an engine's command line and environment.
 
-The launcher (launch/plan.py) and the trainer's local EngineSet (mpo/trainer/loop.py via
+The launcher (launch/plan.py) and the trainer's local EngineSet (mpo/rollout/engines.py via
 mpo.rollout.local_engine) both start engines; both call `engine_command`, so dtype, seed, checkpoint, routed
 experts and the key cannot drift between them.
 

@@ -11,7 +11,6 @@ R2); the new weights are pushed to the engines; metrics and, every few steps, a 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -19,28 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpo.algorithms import (
-    CorrectionConfig,
-    PolicyBatch,
-    all_reduce_metrics,
-    apply_rollout_correction,
-    compute_global_denominators,
-    compute_policy_loss,
-    correction_counts,
-    get_loss,
-    make_loss_config,
-    merge_metrics,
-    positive_nll,
-)
+from mpo.algorithms import CorrectionConfig, get_loss, make_loss_config
 from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
 from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to_dict
 from mpo.data.retirement import PromptRetirement
-from mpo.models.forward import MicroBatch, run_microbatches
-from mpo.parallel.collectives import all_reduce_
+from mpo.models.forward import MicroBatch
 from mpo.trainer.collect import Collector
 from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
 from mpo.trainer.offload import TrainerOffload, offload_enabled
 from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
+from mpo.trainer.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +85,7 @@ class Trainer:
         self.lr_schedule = LrSchedule(self.optimizer, config.schedule, lr=config.schedule.lr)
         self.routing = attach_routing_hooks(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.critic = None  # built by set_algorithm for gae / vapo
         self.set_algorithm(config.algorithm)
         from mpo.trainer.tasks import make_task
@@ -109,7 +97,6 @@ class Trainer:
                                    context_length=self.model_cfg.max_position_embeddings, advantages=self.advantages)
         if engines:  # rank 0 only: (EngineClient, restart callable or None) pairs
             self.collector.connect(engines)
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -124,13 +111,12 @@ class Trainer:
         the weights at this moment."""
         self.config = replace(self.config, algorithm=algorithm)
         self._offload = None  # the critic or the KL reference may change below: TrainerOffload made anew
-        self.loss_spec = get_loss(algorithm.loss)
-        self.routing.router_logprobs = self.loss_spec.router_shift  # only RSPO / +rs read router log-probs
+        loss_spec = get_loss(algorithm.loss)
+        self.routing.router_logprobs = loss_spec.router_shift  # only RSPO / +rs read router log-probs
         kl = {"kl_coef": algorithm.kl_coef, "kl_estimator": algorithm.kl_estimator} if algorithm.kl_coef > 0 else {}
-        self.loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
-        self.correction = CorrectionConfig(resolve_rollout_correction(algorithm.rollout_correction,
-                                                                      self.config.schedule.mode),
-                                           **algorithm.rollout_correction_args)
+        loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
+        kind = resolve_rollout_correction(algorithm.rollout_correction, self.config.schedule.mode)
+        correction = CorrectionConfig(kind, **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
         if getattr(self, "collector", None) is not None:
             self.collector.set_algorithm(self.config, self.advantages)
@@ -139,6 +125,9 @@ class Trainer:
 
             self.critic = Critic(self)  # initialised from the policy as it is now
         self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
+        self.policy = PolicyUpdate(self.model, self.gpt, self.optimizer, self.routing, self.model_cfg, algorithm,
+                                   loss_spec, loss_cfg, correction, self.reference, device=self.device,
+                                   dp_group=self.dp_group, pp_group=self.pp_group, clock=self.clock)
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """The initial weights, kept on the host for the KL reference forward."""
@@ -158,11 +147,6 @@ class Trainer:
     @property
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage()
-
-    def _full_state(self) -> dict[str, torch.Tensor] | None:
-        from mpo.models.full_state import gather_full_state
-
-        return gather_full_state(self.gpt)
 
     # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
     def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
@@ -197,193 +181,6 @@ class Trainer:
 
     def _dp(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
-
-    def _engine_routes(self, mb: MicroBatch):
-        from mpo.routing import RolloutRoutes, place_rollout_routes
-
-        rows = [[RolloutRoutes(torch.from_numpy(s.routes), len(s.ids))] if s.routes is not None else []
-                for s in mb.extras["samples"]]
-        if not any(rows):
-            return None
-        seq = mb.input_ids.shape[1]
-        # the routes' layers: a stage's own once distributed (mpo.trainer.distribute), else every engine layer
-        first = next(s for s in mb.extras["samples"] if s.routes is not None)
-        for i, row in enumerate(rows):
-            if not row:  # padding row: no engine record; -1 routes it naturally
-                n = len(mb.extras["samples"][i].ids)
-                shape = (n - 1, first.routes.shape[1], self.model_cfg.router_topk)
-                rows[i] = [RolloutRoutes(torch.full(shape, -1, dtype=torch.int32), n)]
-        if mb.packing is not None:  # the samples end to end in one row
-            rows = [[seq for row in rows for seq in row]]
-        return place_rollout_routes(rows, seq, first.route_layers)
-
-    def _old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
-        from mpo.routing import agreement_metrics, replay_forced_metrics
-
-        vocab = self.model_cfg.vocab_size
-        # Engine routes of this stage's layers, placed once per micro-batch: R3 replays them here and in the updates.
-        for mb in microbatches:
-            routes = self._engine_routes(mb)
-            # placed on the host from the engine's arrays; replayed and compared on the compute device
-            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers).to(self.device)
-        engine_routes = [mb.extras["engine_routes"] for mb in microbatches]
-        replay = None
-        if self.config.algorithm.replay == "r3":
-            if any(r is None for r in engine_routes):
-                raise RuntimeError("algorithm.replay=r3 but the engines returned no routed experts")
-            replay = engine_routes
-        with self.routing.session(replay=replay) as old:
-            outs = run_microbatches(self.model, microbatches, vocab_size=vocab, forward_only=True)
-        metrics: dict[str, float] = {}
-        if self.reference is not None:
-            outs_ref = self._reference_logprobs(microbatches)
-        for i, mb in enumerate(microbatches):
-            if outs:
-                mb.extras["logp_old"] = outs[i]["logprobs"]
-                if self.reference is not None:
-                    mb.extras["logp_ref"] = outs_ref[i]
-        valid = [mb.model_layout(mb.extras["mask"]).bool() for mb in microbatches]  # as the routing records
-        layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
-        if all(r is not None for r in engine_routes):
-            # Against the trainer's natural choice: under R3 the replayed experts equal the engine's by construction.
-            metrics.update(agreement_metrics(engine_routes, [r.natural_choice() for r in old.records], valid,
-                                             prefix="routing/rollout_vs_old", **layers))
-        metrics.update(replay_forced_metrics(old.records, valid, prefix="routing/old_replay", **layers))
-        if outs:  # train-vs-rollout log-prob mismatch, over the loss tokens
-            diff = torch.zeros(2, dtype=torch.float64, device=self.device)
-            for mb in microbatches:
-                m = mb.extras["mask"]
-                diff[0] += ((mb.extras["logp_old"] - mb.extras["rollout_logprobs"]).abs() * m).sum()
-                diff[1] += m.sum()
-            all_reduce_(diff, group=self.dp_group)
-            metrics["train_rollout_logprob_absdiff"] = (diff[0] / diff[1].clamp(min=1)).item()
-        return old.records, metrics
-
-    def _reference_logprobs(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
-        current = {k: v.detach().clone() for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        self.gpt.load_state_dict(self.reference, strict=False)
-        try:
-            outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
-        finally:
-            self.gpt.load_state_dict(current, strict=False)
-        return [o["logprobs"] for o in outs]
-
-    def _router_shifts(self, microbatches: list[MicroBatch], old_records: list, replay: list | None) -> None:
-        """RSPO / +rs: gamma per token from the current router at the old experts (a forward-only probe pass, so the
-        pipeline all-reduce happens outside megatron's schedule). The probe replays what the update replays: the
-        router inputs of layer l depend on the experts used in layers < l, so gamma must come from the same routing
-        as the update's forward (same weights, same routes: the same router log-probs)."""
-        from mpo.routing import router_shift
-
-        with self.routing.session(replay=replay, gather_at=old_records) as probe:
-            run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
-        for mb, old, cur in zip(microbatches, old_records, probe.records):
-            shift = router_shift(old, cur, self.loss_cfg.gamma_min, position_ids=mb.position_ids,
-                                 pp_group=self.pp_group)
-            if mb.packing is not None:  # gammas of the packed row -> the loss's sample layout
-                shift = type(shift)(*(None if f is None else mb.packing.unpack(f) for f in
-                                      (shift.log_gamma, shift.gamma_raw, shift.abs_logdiff)))
-            mb.extras["router_shift"] = shift
-
-    def _loss_fn(self, denominators, counts: tuple[float, float] | None, positive_tokens: float):
-        """The micro-batch loss: the policy loss (with the rollout correction and its mismatch metrics where the
-        engine's log-probs are known) plus VAPO's positive-example NLL when enabled."""
-        algo, name, cfg = self.config.algorithm, self.config.algorithm.loss, self.loss_cfg
-
-        def loss_fn(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
-            x = mb.extras
-            batch = PolicyBatch(logp_new=logprobs, logp_old=x["logp_old"], advantages=x["advantages"],
-                                mask=x["mask"], group_ids=x["group_ids"], logp_ref=x.get("logp_ref"),
-                                router_shift=x.get("router_shift"), entropy=entropy,
-                                logp_rollout=x["rollout_logprobs"] if counts is not None else None)
-            out = compute_policy_loss(name, batch, cfg, denominators, correction=self.correction,
-                                      correction_counts=counts)
-            loss, metrics = out.loss, dict(out.metrics)
-            if algo.positive_nll_coef > 0:
-                nll, nll_metrics = positive_nll(logprobs, x["mask"], x["rewards"], coef=algo.positive_nll_coef,
-                                                threshold=algo.positive_nll_threshold,
-                                                num_positive_tokens=positive_tokens)
-                loss = loss + nll
-                metrics.update(nll_metrics)
-            return loss, {k: v.detach() for k, v in metrics.items()}
-
-        return loss_fn
-
-    def _loss_denominators(self, microbatches: list[MicroBatch], num_groups: int):
-        """Global denominators of one mini-batch: over the tokens the rollout correction keeps (where the engine's
-        log-probs are known: the last pipeline stage, which computes the loss), the correction's token counts, and
-        the positive-response token count of VAPO's NLL. Collectives over the DP group."""
-        real = [mb.extras["n_real"] for mb in microbatches]
-        masks = [mb.extras["mask"][:n] for mb, n in zip(microbatches, real)]
-        counts = None
-        if all("logp_old" in mb.extras for mb in microbatches):
-            corrections = [apply_rollout_correction(mb.extras["logp_old"][:n], mb.extras["rollout_logprobs"][:n],
-                                                    mask, self.correction)
-                           for mb, n, mask in zip(microbatches, real, masks)]
-            counts = correction_counts(masks, corrections, self.dp_group)
-            masks = [c.mask_out for c in corrections]
-        denominators = compute_global_denominators(
-            masks, [mb.extras["group_ids"][:n] for mb, n in zip(microbatches, real)],
-            [mb.extras["advantages"][:n] for mb, n in zip(microbatches, real)],
-            num_groups=num_groups, process_group=self.dp_group)
-        positive = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.config.algorithm.positive_nll_coef > 0:
-            threshold = self.config.algorithm.positive_nll_threshold
-            for mb in microbatches:
-                positive += (mb.extras["mask"].bool() & (mb.extras["rewards"] >= threshold)[:, None]).sum()
-            all_reduce_(positive, group=self.dp_group)
-        return denominators, counts, float(positive)
-
-    def _grads_finite(self, loss_ok: bool) -> bool:
-        flag = torch.tensor([0.0 if loss_ok else 1.0], device=self.device)
-        for param in self.model.parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is not None and not torch.isfinite(grad).all():
-                flag[0] = 1.0
-                break
-        all_reduce_(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
-
-    def _update(self, microbatches: list[MicroBatch], old_records: list, num_groups: int,
-                engine_routes: list | None) -> dict[str, float]:
-        from mpo.routing import agreement_metrics, replay_forced_metrics
-
-        algo = self.config.algorithm
-        denominators, counts, positive_tokens = self._loss_denominators(microbatches, num_groups)
-        replay = old_records if algo.replay == "r2" else engine_routes if algo.replay == "r3" else None
-        if self.loss_spec.router_shift:
-            self._router_shifts(microbatches, old_records, replay)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        with self.clock("forward_backward"), \
-                self.routing.session(replay=replay, gather_at=old_records, backward=True) as current:
-            outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size,
-                                    loss_fn=self._loss_fn(denominators, counts, positive_tokens))
-        metrics: dict[str, float] = {}
-        loss_ok = True
-        if outs:
-            metric_names = [k for k in outs[0] if k not in ("logprobs", "entropy", "logits")]
-            merged = merge_metrics([{k: o[k] for k in metric_names} for o in outs])
-            merged = all_reduce_metrics(merged, self.dp_group)
-            metrics = {k: float(v) for k, v in merged.items()}
-            loss_ok = math.isfinite(metrics.get("loss", 0.0))
-        valid = [mb.model_layout(mb.extras["mask"]).bool() for mb in microbatches]  # as the routing records
-        layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
-        natural = lambda records: [r.natural_choice() for r in records]  # noqa: E731 - what the routers chose
-        metrics.update(agreement_metrics(natural(old_records), natural(current.records), valid,
-                                         prefix="routing/old_vs_update", **layers))
-        metrics.update(replay_forced_metrics(current.records, valid, prefix="routing/update_replay", **layers))
-        if self._grads_finite(loss_ok):
-            with self.clock("optimizer"):
-                success, grad_norm, _ = self.optimizer.step()
-            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            metrics["nonfinite_skipped"] = 0.0
-            self.nonfinite_in_row = 0
-        else:
-            metrics["nonfinite_skipped"] = 1.0
-            self.nonfinite_in_row += 1
-            self.nonfinite_total += 1
-        return metrics
 
     def step_batch(self, step: int, source=None) -> tuple[list[Sample], dict[str, float]]:
         """Step `step`'s samples on every rank (rank 0 collects them from `source`, default collect) and the rollout
@@ -440,7 +237,7 @@ class Trainer:
             per_update = self.pass_microbatches([samples[u::updates] for u in range(updates)])
         flat = [mb for mbs in per_update for mb in mbs]
         with self.clock("old_logprob_pass"):
-            old_records, old_metrics = self._old_forward(flat)
+            old_records, old_metrics = self.policy.old_forward(flat)
         metrics.update(old_metrics)
         if self.critic is not None:
             metrics.update(self.critic.advantages(flat))
@@ -451,7 +248,9 @@ class Trainer:
             records = old_records[offset : offset + len(mbs)]
             engine_routes = [mb.extras["engine_routes"] for mb in mbs] if cfg.algorithm.replay == "r3" else None
             with self.clock(f"update{len(update_metrics)}"):
-                update = {} if critic_only else self._update(mbs, records, cfg.data.prompts_per_step, engine_routes)
+                update = {} if critic_only else self.policy.update(mbs, records, cfg.data.prompts_per_step,
+                                                                   engine_routes)
+            self._count_nonfinite(update)
             if self.critic is not None:
                 update.update(self.critic.update(mbs))
             update_metrics.append(update)
@@ -472,6 +271,12 @@ class Trainer:
         merged = next(m for m in gathered if m is not None)
         merged.update(rollout_metrics)
         return merged
+
+    def _count_nonfinite(self, update: dict[str, float]) -> None:
+        if "nonfinite_skipped" in update:  # an update ran (not a critic warm-up step)
+            skipped = update["nonfinite_skipped"] > 0
+            self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
+            self.nonfinite_total += int(skipped)
 
     def stop_if_nonfinite(self, next_step: int) -> None:
         """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint, then stop saying why."""

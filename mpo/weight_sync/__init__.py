@@ -38,10 +38,11 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
     engine copies the values out before it answers, so the sender may reuse the slot right after.
   Why every sender talks to the engines itself rather than forwarding to rank 0: at 32 GPUs with PP4 the stages'
   bytes leave from four NICs instead of converging on one, and no rank holds more than its buckets.
-* publisher.py (Publisher, made once per run in mpo.trainer.loop.run): rank 0 holds the engines (EngineSet) and
-  opens the session on every engine before any bucket and closes it after every sender finished, so the new weights
-  take effect at once; every other sender gets the engine URLs from rank 0 (one small broadcast per sync) and pushes
-  with its own WeightSync (distributed: its own group, rendezvous at its address on the route to the engines).
+* publisher.py (Publisher, made once per run in mpo.trainer.loop.run): rank 0 holds the engines (EngineSet, in
+  mpo.rollout.engines; its one WeightSync comes from transports.engine_set_sync) and opens the session on every
+  engine before any bucket and closes it after every sender finished, so the new weights take effect at once; every
+  other sender gets the engine URLs from rank 0 (one small broadcast per sync) and pushes with its own WeightSync
+  (distributed: its own group, rendezvous at its address on the route to the engines).
 * verify.py: mpo's engine reports sha256 over (name, per-tensor sha256) in name order. Each sender hashes the
   tensors it pushed as the engine stores them (engine dtype); only the name -> digest map meets on rank 0, which
   compares the combined checksum with every engine's. SGLang has no checksum for MoE models: the engines'

@@ -64,11 +64,11 @@ class Publisher:
         named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
-        from mpo.weight_sync.transports import WeightSync
+        from mpo.weight_sync.transports import WeightSync, engine_set_sync
 
         r = self.config.rollout
         if self.engines is not None:
-            return self.engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
+            return engine_set_sync(self.engines, bucket_bytes=r.bucket_mb << 20)
         key = (*info["urls"], info["transport"])
         if self._sync is None or self._urls != key:
             self.close()
@@ -85,6 +85,7 @@ class Publisher:
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
+        from mpo.weight_sync.transports import engine_set_sync
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
         started = time.perf_counter()
@@ -92,7 +93,7 @@ class Publisher:
         r, m = self.config.rollout, self.config.model
         info: list[Any] = [None]
         if engines is not None:
-            sync0 = engines.weight_sync(bucket_bytes=r.bucket_mb << 20)
+            sync0 = engine_set_sync(engines, bucket_bytes=r.bucket_mb << 20)
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
                      "tp_sizes": list(sync0.tp_sizes)}]
         dist.broadcast_object_list(info, src=0)
@@ -138,7 +139,7 @@ class Publisher:
                 if len(streamer.senders) > 1:
                     log.warning("local engines with %d pipeline stages: a restarted engine gets only stage 0's "
                                 "weights until the next sync", len(streamer.senders))
-                engines.remember(remembered, version)
+                engines.last_weights = (remembered, version)
             if digest is not None:
                 merged: dict[str, str] = {}
                 for part in digests:

@@ -401,3 +401,19 @@ class WeightSync:
         finally:
             torch.distributed.destroy_process_group(self.group)
             self.group = None
+
+
+def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
+    """Rank 0's one WeightSync for an EngineSet (mpo.rollout.engines), made on first use and kept on the set (its
+    distributed group, if any, is made once and reused every step; EngineSet.stop closes it). A local engine that the
+    set restarts gets the weights last pushed over the tensor path."""
+    if engines.sync is None:
+        sync = WeightSync(engines.clients, engine=engines.engine, transport=engines.transport,
+                          bucket_bytes=bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
+                          master_address=engines.sync_master_address)
+        if engines.transport != "distributed":  # a dead member would leave the group's collectives hanging
+            sync.expendable = engines.exited
+        engines.sync = sync
+        engines.give_weights = lambda client, named, version: WeightSync(
+            [client], engine="mpo", transport="tensor").push(named, version)
+    return engines.sync

@@ -88,6 +88,7 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
     must fail on rank 0 (after every collective, so the ranks stay in step); with that expert restored it passes."""
     import json
 
+    from mpo.models.full_state import gather_full_state
     from mpo.models.hf_mapping import mapping_for
     from helpers.trainer_worker import _worker_run
     from mpo.rollout.client import EngineError
@@ -95,7 +96,7 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
 
     with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, engines, weights, results):
         results["fresh"] = weights.verify_by_probe()
-        full = trainer._full_state()
+        full = gather_full_state(trainer.gpt)
         layer, expert = trainer.model_cfg.num_layers - 1, trainer.model_cfg.num_experts - 1
         if engines is not None:
             prefix = f"model.layers.{layer}.mlp.experts.{expert}."

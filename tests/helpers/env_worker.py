@@ -12,14 +12,15 @@ import torch
 
 def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config import RECIPES
-    from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, publisher
+    from mpo.config import load_config, model_config
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher
     from mpo.trainer.rows import rank_microbatches
     from mpo.trainer.trainer import Trainer
 
     config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", *overrides])
     trainer = Trainer(config)
-    engines = EngineSet(config, Path(out_dir))
+    engines = EngineSet(config, Path(out_dir), model_config(config))
     trainer.collector.connect(engines.handles)
     calls = []
     try:
@@ -36,14 +37,14 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
         trainer.collector._generate = recorded
         samples, metrics = trainer.collect(0)
         mbs = rank_microbatches(samples, dp_rank=0, dp_size=1, micro_batch_size=len(samples))
-        records, old_metrics = trainer._old_forward(mbs)
+        records, old_metrics = trainer.policy.old_forward(mbs)
         mb, record = mbs[0], records[0]
         # the same samples packed (sequence packing, block-diagonal mask on the local spec), under the same R3 replay
         from dataclasses import replace
 
         trainer.config = replace(config, schedule=replace(config.schedule, max_tokens_per_microbatch=512))
         packed = trainer.pass_microbatches([samples])[0]
-        trainer._old_forward(packed)
+        trainer.policy.old_forward(packed)
         trainer.config = config
         by_sample = {id(ps): (pmb, j) for pmb in packed for j, ps in enumerate(pmb.extras["samples"])}
         rows = []

@@ -121,14 +121,14 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, layouts: dict[str, list[str]]
         world = dist.get_world_size()
         trainer.collect = lambda step: (samples, {})  # noqa: B023 - fixed rollouts, same on every layout
         captured: list = []
-        original = trainer._old_forward
+        original = trainer.policy.old_forward
 
         def old_forward(microbatches, _original=original, _trainer=trainer):
             out = _original(microbatches)
             captured.extend(_old_logprobs_by_row(_trainer, microbatches))
             return out
 
-        trainer._old_forward = old_forward
+        trainer.policy.old_forward = old_forward
         metrics = trainer.train_step(0)
         grads = gather_full_state(trainer.gpt, grads=True)
         probe = isolation(trainer) if name == "packed-dp2" else None

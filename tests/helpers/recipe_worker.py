@@ -26,7 +26,8 @@ SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_paral
 
 def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dict[str, str]) -> None:
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, publisher
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
 
     results: dict = {}
@@ -37,7 +38,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
                                       f"logging.out_dir={out_dir}/{name}",
                                       f"rollout.urls=[{urls[probe.rollout.engine]}]"])
         trainer = Trainer(config)
-        engines = EngineSet(config, Path(out_dir) / name) if trainer.rank == 0 else None
+        engines = EngineSet(config, Path(out_dir) / name, trainer.model_cfg) if trainer.rank == 0 else None
         if engines is not None:
             trainer.collector.connect(engines.handles)
         try:

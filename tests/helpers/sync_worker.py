@@ -61,7 +61,8 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
     from mpo.config import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.weight_sync.verify import weights_checksum
-    from mpo.trainer.loop import EngineSet, publisher
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
 
     import mpo.weight_sync.gather  # noqa: F401  (the tree under test: its path is recorded below)
@@ -79,7 +80,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
             f"rollout.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
         trainer = trainer or Trainer(config)
         trainer.config = config
-        engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
         weights = publisher(trainer, engines)
         owner_config = owner_config or config
         owner = owner or engines
@@ -161,10 +162,11 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
     from mpo.models.full_state import gather_full_state
     from mpo.weight_sync.verify import weights_checksum
     from mpo.trainer.loop import publisher
+    from mpo.weight_sync.transports import engine_set_sync
 
     threads, old_pid = [], None
     if engines is not None:
-        sync = engines.weight_sync(trainer.config.rollout.bucket_mb << 20)
+        sync = engine_set_sync(engines, trainer.config.rollout.bucket_mb << 20)
         process, push_bucket = engines.processes[0], sync.push_bucket
         old_pid = process.process.pid
 
@@ -201,8 +203,10 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
     from mpo.config import RECIPES
     from mpo.config import load_config
     from mpo.rollout.client import EngineError
-    from mpo.trainer.loop import EngineSet, publisher
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
+    from mpo.weight_sync.transports import engine_set_sync
 
     results: dict = {}
     trainer = None
@@ -214,7 +218,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
             f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0"])
         trainer = trainer or Trainer(config)
         trainer.config = config
-        engines = EngineSet(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
+        engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
         weights = publisher(trainer, engines)
         try:
             perturb(trainer.gpt, scale=0.05 * (i + 1))
@@ -227,7 +231,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
                 metrics = weights.publish(f"{transport}-{i}")  # raises if the probe disagrees
             if engines is not None:
                 results[transport] = {"metrics": metrics, "stale_error": stale,
-                                      "tp_sizes": engines.weight_sync(1 << 20).tp_sizes}
+                                      "tp_sizes": engine_set_sync(engines, 1 << 20).tp_sizes}
         finally:
             if engines is not None:
                 engines.stop()

@@ -14,7 +14,8 @@ LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
 def _trainer(out_dir: str, overrides: list[str]):
     from mpo.config import RECIPES
     from mpo.config import load_config
-    from mpo.trainer.loop import EngineSet, publisher, supervised_warm_start
+    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import publisher, supervised_warm_start
     from mpo.trainer.trainer import Trainer
 
     # A short warm start: rewards then vary within groups, so every loss sees non-zero advantages.
@@ -24,7 +25,7 @@ def _trainer(out_dir: str, overrides: list[str]):
                                                      "schedule.lr=0.002", *overrides])
     trainer = Trainer(config)
     supervised_warm_start(trainer)
-    engines = EngineSet(config, Path(out_dir)) if trainer.rank == 0 else None
+    engines = EngineSet(config, Path(out_dir), trainer.model_cfg) if trainer.rank == 0 else None
     if engines is not None:
         trainer.collector.connect(engines.handles)
     weights = publisher(trainer, engines)
@@ -152,7 +153,8 @@ def nonfinite(out_dir: str) -> None:
     overrides = ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1", "algorithm.filter_zero_variance=false"]
     with _worker_run(out_dir, "nonfinite", overrides) as (trainer, _, _, results):
         before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        trainer._loss_fn = lambda *denominators: (lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
+        trainer.policy.loss_fn = lambda *denominators: (
+            lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
         results["steps"] = []
         try:
             for step in range(3):
@@ -220,6 +222,6 @@ def critic_fits(out_dir: str, updates: int) -> None:
         torch.distributed.broadcast_object_list(box, src=0)
         dp_rank, dp_size = trainer._dp()
         mbs = rank_microbatches(box[0], dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=16)
-        trainer._old_forward(mbs)
+        trainer.policy.old_forward(mbs)
         trainer.critic.advantages(mbs)
         results["value_loss"] = [trainer.critic.update(mbs)["critic/value_loss"] for _ in range(updates)]
