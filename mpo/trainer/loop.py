@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from mpo.config import TrainConfig
 from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.parallel.collectives import all_reduce_
 from mpo.rollout.engines import EngineSet
 from mpo.trainer.evaluation import Evaluator, due
 from mpo.trainer.metrics_log import MetricsLog, wandb_settings
@@ -71,8 +72,11 @@ def supervised_warm_start(trainer: Trainer) -> float:
         trainer.optimizer.zero_grad()
         outs = run_microbatches(trainer.model, mbs, vocab_size=trainer.model_cfg.vocab_size, loss_fn=loss_fn)
         trainer.optimizer.step()
-        if outs:
+        if outs:  # this rank's share of the global loss (each share divides by every rank's tokens)
             loss_value = sum(float(o["sft_loss"]) for o in outs)
+    if cfg.schedule.sft_steps and trainer.is_last_stage:  # the last step's loss: the shares summed over DP
+        total = torch.tensor([loss_value], dtype=torch.float64)
+        loss_value = all_reduce_(total, group=trainer.dp_group).item()
     for group in trainer.optimizer.param_groups:
         group["lr"] = cfg.schedule.lr
     return loss_value
