@@ -220,7 +220,7 @@ def test_weight_sync_distributed_path_reaches_every_engine(engines, tmp_path):
 
 
 def test_weight_sync_shm_path_checksum_and_refusals(engines, tmp_path):
-    """rollout.sync=shm from a plain list of tensors (every bucket through WeightSync's shared spill buffer): the
+    """sync.transport=shm from a plain list of tensors (every bucket through WeightSync's shared spill buffer): the
     engine's checksum equals the trainer's; a locator outside the shm directory, one reaching past its file, and a
     wrong shape are refused with the reason, and the engine still serves."""
     import json

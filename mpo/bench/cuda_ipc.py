@@ -1,5 +1,5 @@
 """Weight sync over CUDA IPC on one GPU: the ~1.5B-parameter `gpu_1b` model's HF tensors, in buckets, through
-`mpo.weight_sync.wire.cuda_ipc_payload` (what `rollout.sync=cuda_ipc` sends a colocated SGLang engine) to a receiver
+`mpo.weight_sync.wire.cuda_ipc_payload` (what `sync.transport=cuda_ipc` sends a colocated SGLang engine) to a receiver
 process on the same GPU, which maps each bucket from its IPC handle and copies it into its own preallocated weights
 (as SGLang's flattened-bucket loader copies into its parameters), then acknowledges, so the sender may reuse the memory.
 

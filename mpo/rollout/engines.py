@@ -30,10 +30,10 @@ class EngineSet:
 
         r = config.rollout
         self.processes: list[LocalEngineProcess] = []
-        self.engine, self.transport = r.engine, r.sync
+        self.engine, self.transport = r.engine, config.sync.transport
         # The distributed weight-update group: one rank per engine TP rank, rendezvous at trainer rank 0.
         self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1
-        self.sync_master_address = r.sync_master_address or "127.0.0.1"
+        self.sync_master_address = config.sync.master_address or "127.0.0.1"
         # The set's one WeightSync (mpo.weight_sync.transports.engine_set_sync makes it once; stop() closes it).
         self.sync: Any = None
         # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.

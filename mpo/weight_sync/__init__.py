@@ -19,7 +19,7 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
   converted and pushed from the other (double buffering). Holders keep at most two buckets of sends in flight. Peak
   extra memory on any rank is two slots plus one bucket's conversion copies, whatever the model size (measured:
   `python -m mpo.bench weight_sync --sweep`).
-  Same-host pieces on CPU (`rollout.host_shared_memory`, default on when the training device is the CPU): gloo's
+  Same-host pieces on CPU (`sync.host_shared_memory`, default on when the training device is the CPU): gloo's
   only path between two processes of one host is TCP over loopback, several times slower than memcpy, so the
   sender's slots are shared-memory files (shared_memory.py) and same-host holders write their pieces straight into
   place, told by a small "go" message when the slot is free and answering "done".

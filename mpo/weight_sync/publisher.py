@@ -39,12 +39,12 @@ class Publisher:
         from mpo.models.hf_mapping import mapping_for
         from mpo.weight_sync.gather import WeightStreamer
 
-        r = config.rollout
+        s = config.sync
         self.config, self.model_cfg, self.engines = config, model_cfg, engines
         self.object_group, self.score_probes = object_group, score_probes
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
-                                       bucket_bytes=r.bucket_mb << 20, device=device,
-                                       host_shared_memory=r.host_shared_memory)
+                                       bucket_bytes=s.bucket_mb << 20, device=device,
+                                       host_shared_memory=s.host_shared_memory)
         self._sync = None  # a non-zero sender's WeightSync, for the engine URLs in self._urls
         self._urls: tuple = ()
         self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
@@ -68,14 +68,14 @@ class Publisher:
 
         r = self.config.rollout
         if self.engines is not None:
-            return engine_set_sync(self.engines, bucket_bytes=r.bucket_mb << 20)
+            return engine_set_sync(self.engines, bucket_bytes=self.config.sync.bucket_mb << 20)
         key = (*info["urls"], info["transport"])
         if self._sync is None or self._urls != key:
             self.close()
             clients = [EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s) for url in info["urls"]]
             host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
-                                    bucket_bytes=r.bucket_mb << 20, tp_sizes=info["tp_sizes"],
+                                    bucket_bytes=self.config.sync.bucket_mb << 20, tp_sizes=info["tp_sizes"],
                                     master_address=routable_address(host))
             self._urls = key
         return self._sync
@@ -93,7 +93,7 @@ class Publisher:
         r, m = self.config.rollout, self.config.model
         info: list[Any] = [None]
         if engines is not None:
-            sync0 = engine_set_sync(engines, bucket_bytes=r.bucket_mb << 20)
+            sync0 = engine_set_sync(engines, bucket_bytes=self.config.sync.bucket_mb << 20)
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
                      "tp_sizes": list(sync0.tp_sizes)}]
         dist.broadcast_object_list(info, src=0)

@@ -50,18 +50,18 @@ TRANSPORTS: dict[str, Transport] = {
 
 
 def check_transport(transport: str, engine: str, *, off_host: str | None = None) -> None:
-    """Raise ValueError (one line, naming rollout.sync) unless `transport` serves `engine` engines; `off_host`
+    """Raise ValueError (one line, naming sync.transport) unless `transport` serves `engine` engines; `off_host`
     describes an engine that is not on the trainer's host (node), if there is one."""
     spec = TRANSPORTS.get(transport)
     if spec is None:
-        raise ValueError(f"rollout.sync must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+        raise ValueError(f"sync.transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
     if engine not in spec.engines:
         takes = [repr(name) for name, t in TRANSPORTS.items() if engine in t.engines]
-        raise ValueError(f"rollout.sync={transport!r} is {spec.what}; rollout.engine={engine!r} takes sync "
+        raise ValueError(f"sync.transport={transport!r} is {spec.what}; rollout.engine={engine!r} takes "
                          f"{', '.join(takes[:-1])} or {takes[-1]}")
     if off_host is not None and engine in spec.same_host:
-        raise ValueError(f"rollout.sync={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
-                         f"rollout.sync='distributed'")
+        raise ValueError(f"sync.transport={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
+                         f"sync.transport='distributed'")
 
 
 def make_buckets(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
@@ -170,8 +170,8 @@ class WeightSync:
         check_transport(transport, engine, off_host=remote and f"engine {remote} is on another node")
         far = next((url for url, host in hosts.items() if not is_loopback(host)), None)
         if transport == "distributed" and far is not None and is_loopback(master_address):
-            raise ValueError(f"rollout.sync='distributed': engine {far} cannot reach trainer rank 0 at "
-                             f"{master_address}; set rollout.sync_master_address to an address of this host that "
+            raise ValueError(f"sync.transport='distributed': engine {far} cannot reach trainer rank 0 at "
+                             f"{master_address}; set sync.master_address to an address of this host that "
                              f"the engines can route to (the launcher sets it)")
         self.clients = list(clients)
         self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
@@ -279,7 +279,7 @@ class WeightSync:
         The engines must run on this node's GPUs; the tensors stay alive until every engine replied."""
         if not torch.cuda.is_available():
             raise EngineError(self.clients[0].url, "/update_weights_from_tensor",
-                              "rollout.sync='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
+                              "sync.transport='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
                               retryable=False)
         device = torch.device("cuda", torch.cuda.current_device())
         for run in split_by_dtype(bucket):

@@ -76,8 +76,8 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
         urls = [f"rollout.urls=[{owner.clients[0].url}]"] if owner is not None else []
         config = load_config(RECIPES / "demo_cpu.yaml", [
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
-            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0", *urls,
-            f"rollout.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
+            f"sync.transport={transport}", "sync.bucket_mb=1", "schedule.sft_steps=0", *urls,
+            f"sync.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
@@ -166,7 +166,7 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
 
     threads, old_pid = [], None
     if engines is not None:
-        sync = engine_set_sync(engines, trainer.config.rollout.bucket_mb << 20)
+        sync = engine_set_sync(engines, trainer.config.sync.bucket_mb << 20)
         process, push_bucket = engines.processes[0], sync.push_bucket
         old_pid = process.process.pid
 
@@ -215,7 +215,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
             f"model.hf_dir={hf_dir}", f"model.mcore_dir={mcore_dir}", "model.fp32_lm_head=false",
             "rollout.engine=sglang", f"rollout.urls=[{url}]", f"rollout.tensor_parallel={tp_size}",
-            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0"])
+            f"sync.transport={transport}", "sync.bucket_mb=1", "schedule.sft_steps=0"])
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
