@@ -555,12 +555,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         data = _read_yaml(Path(path))
     data = apply_overrides(data, list(overrides))
     config = _build(TrainConfig, data, "")
-    if config.algorithm.rollout_correction is None:  # resolved here, so check-config prints what the run uses
-        kind = resolve_rollout_correction(None, config.schedule.mode)
-        config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, rollout_correction=kind))
-    if config.algorithm.replay is None:
-        replay = resolve_replay(config.schedule.mode, config.rollout.router_in_front)
-        config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, replay=replay))
+    a, mode = config.algorithm, config.schedule.mode  # unset ones resolved here: check-config prints what a run uses
+    config = dataclasses.replace(config, algorithm=dataclasses.replace(
+        a, rollout_correction=resolve_rollout_correction(a.rollout_correction, mode),
+        replay=a.replay if a.replay is not None else resolve_replay(mode, config.rollout.router_in_front)))
     validate(config)
     return config
 
