@@ -37,7 +37,7 @@ def random_hf_weights(model_cfg, seed: int, device: str = "cuda") -> list[tuple[
 def buckets_of(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive single-dtype runs of at most `bucket_bytes` (a tensor larger than that is a bucket of its own)."""
     from mpo.weight_sync.wire import split_by_dtype
-    from mpo.weight_sync.transports import make_buckets
+    from mpo.bench._util import make_buckets
 
     return [bucket for run in split_by_dtype(named) for bucket in make_buckets(run, bucket_bytes)]
 

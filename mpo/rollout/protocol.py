@@ -240,7 +240,7 @@ class GenerateResult:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: dict[str, Any]
-    weight_version: str | None = None
+    weight_version: int | None = None  # the engine's, as mpo's int (weight_version())
     routed_experts: np.ndarray | None = None  # [prompt+completion-1, MoE layers, top_k], compact_routes' dtype
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -281,16 +281,37 @@ class GenerateResult:
                 routed = compact_routes(decode_routed_experts(wire, rows=rows, num_layers=num_layers, topk=topk),
                                         num_experts)
             meta = {k: v for k, v in meta.items() if k != "routed_experts"}  # one copy of the routes, not two
+        if meta.get("output_token_weight_versions") is not None:
+            meta = {**meta, "output_token_weight_versions": token_versions(meta["output_token_weight_versions"])}
         return cls(
             prompt_ids=list(request.input_ids),
             output_ids=output_ids,
             output_logprobs=(triples.astype(np.float64).tolist() if isinstance(triples, np.ndarray)  # frames: [n]
                              else [float(t[0]) for t in triples]),
             finish_reason=meta.get("finish_reason") or {},
-            weight_version=meta.get("weight_version"),
+            weight_version=weight_version(meta.get("weight_version")),
             routed_experts=routed,
             meta=meta,
         )
+
+
+def weight_version(stamp: Any) -> int | None:
+    """An engine's weight-version stamp as mpo's version number: the trainer publishes str(int) (SGLang's
+    weight_version is a string); another stamp ("default" before the first update) is None."""
+    if isinstance(stamp, (int, np.integer)) and not isinstance(stamp, bool):
+        return int(stamp)
+    return int(stamp) if isinstance(stamp, str) and stamp.isascii() and stamp.isdigit() else None
+
+
+def token_versions(stamps: Any) -> np.ndarray:
+    """Per-token weight-version stamps (meta_info.output_token_weight_versions) as int64, -1 where unknown; one
+    weight_version() per distinct stamp, not per token."""
+    values = np.asarray(stamps)
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    unique, inverse = np.unique(values.astype(str), return_inverse=True)
+    parsed = [weight_version(u) for u in unique.tolist()]
+    return np.array([-1 if v is None else v for v in parsed], dtype=np.int64)[inverse.reshape(-1)]
 
 
 def route_dtype(num_experts: int) -> np.dtype:

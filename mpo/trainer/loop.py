@@ -39,13 +39,18 @@ def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[l
 
 
 def publisher(trainer: Trainer, engines: EngineSet | None):
-    """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines."""
+    """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines. In
+    sync mode a collect whose engines were all restarted (stale) has every rank publish its last version again."""
     from mpo.weight_sync.publisher import Publisher
 
-    return Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
-                     stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
-                     object_group=trainer.ctx.object_group, engines=engines,
-                     score_probes=functools.partial(_trainer_probe_logprobs, trainer))
+    weights = Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
+                        stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
+                        object_group=trainer.ctx.object_group, engines=engines,
+                        score_probes=functools.partial(_trainer_probe_logprobs, trainer))
+    trainer.republish = lambda: weights.publish(weights.version)
+    if trainer.config.schedule.mode == "sync":  # off-policy, rank 0's producer thread must not start a collective
+        trainer.collector.republish = lambda: trainer._distributor().republish()
+    return weights
 
 
 def supervised_warm_start(trainer: Trainer) -> float:
@@ -121,7 +126,7 @@ def run(config: TrainConfig) -> None:
             sft_loss = supervised_warm_start(trainer)
             if trainer.rank == 0:
                 log.info("supervised warm start: %d steps, final loss %.4f", config.schedule.sft_steps, sft_loss)
-        weights.publish(version=f"step{start}")
+        weights.publish(version=start)
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
                                      progress=config.logging.progress, start_step=start, wandb=wandb_settings(config),
@@ -142,7 +147,7 @@ def run(config: TrainConfig) -> None:
                 schedule.before_sync()
             try:
                 with trainer.clock("sync"):
-                    metrics.update(weights.publish(version=f"step{step + 1}"))
+                    metrics.update(weights.publish(version=step + 1))
             finally:
                 if schedule is not None:
                     schedule.after_sync(step + 1)

@@ -95,8 +95,10 @@ class Trainer:
         self.collector = Collector(self.config, self.task, clock=self.clock,  # rank 0 samples, retires, keeps the set
                                    retirement=PromptRetirement(retire) if retire is not None else None,
                                    context_length=self.model_cfg.max_position_embeddings, advantages=self.advantages)
-        if engines:  # rank 0 only: (EngineClient, restart callable or None) pairs
+        if engines:  # rank 0 only: EngineHandle fields (client, restart or None[, current])
             self.collector.connect(engines)
+        # Every rank: publish the weights last published again (loop.publisher sets it; Distributor.republish)
+        self.republish = None
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -186,13 +188,14 @@ class Trainer:
         """Step `step`'s samples on every rank (rank 0 collects them from `source`, default collect) and the rollout
         metrics (rank 0's)."""
         source = source or self.collect
+        distribute = self._distributor()  # made (collectively) before rank 0 collects: it may ask for a re-publish
         with self.clock("collect"):
             samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
         # Every other rank waits here while rank 0 generates: on the gloo object group
         # (parallel.distributed_timeout_s), which holds none of the offloaded storages. Each rank receives its
         # data-parallel share with its stage's routes, the rest as lengths (mpo.trainer.distribute).
         with self.clock("broadcast"):
-            samples = self._distributor()(samples, updates=self.config.schedule.updates_per_step,
+            samples = distribute(samples, updates=self.config.schedule.updates_per_step,
                                           dp_size=self._dp()[1],
                                           packed=bool(self.config.schedule.max_tokens_per_microbatch))
         return samples, rollout_metrics
@@ -203,7 +206,8 @@ class Trainer:
         if getattr(self, "_distribute", None) is None:
             self._distribute = Distributor(self.ctx.object_group, dp_rank=self._dp()[0], layers=self.routing.layers,
                                            num_layers=self.model_cfg.num_layers,
-                                           first_k_dense=self.model_cfg.first_k_dense)
+                                           first_k_dense=self.model_cfg.first_k_dense,
+                                           republish=lambda: self.republish())
         return self._distribute
 
     def train_step(self, step: int, source=None) -> dict[str, float]:

@@ -24,7 +24,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     trainer.collector.connect(engines.handles)
     calls = []
     try:
-        publisher(trainer, engines).publish("v0")
+        publisher(trainer, engines).publish(0)
         generate = trainer.collector._generate
 
         def recorded(requests):

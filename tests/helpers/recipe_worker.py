@@ -43,7 +43,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
             trainer.collector.connect(engines.handles)
         try:
             metrics = trainer.train_step(0)
-            metrics.update(publisher(trainer, engines).publish("v1"))
+            metrics.update(publisher(trainer, engines).publish(1))
         finally:
             trainer.task.close()
             if engines is not None:
