@@ -491,8 +491,7 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
     return value
 
 
-# Fields that moved to another section: their old name fails naming the new one.
-MOVED = {"rollout.sync": "sync.transport", "rollout.bucket_mb": "sync.bucket_mb",
+MOVED = {"rollout.sync": "sync.transport", "rollout.bucket_mb": "sync.bucket_mb",  # old name: fails naming the new
          "rollout.sync_master_address": "sync.master_address", "rollout.host_shared_memory": "sync.host_shared_memory"}
 
 

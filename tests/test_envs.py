@@ -56,7 +56,8 @@ class _Prompt:
 
 class _ScriptedEngine:
     """Stands in for the engines: each turn's tokens come from `turns` (per turn, the same for every episode);
-    routes are [prompt+completion-1, 1, 2] with each row holding its position, versions 3 (as mpo.rollout.protocol parses the engine's "3")."""
+    routes are [prompt+completion-1, 1, 2] with each row holding its position, versions 3 (as mpo.rollout.protocol
+    parses the engine's "3")."""
 
     def __init__(self, turns: list[list[int]]) -> None:
         self.turns, self.calls = turns, []

@@ -109,8 +109,8 @@ def _distribute_worker(out: str) -> None:
     rank = dist.get_rank()
     dp_rank, layers = rank % 2, ((1, 2, 3), (4, 5, 6))[rank // 2]
     republished = []
-    distributor = Distributor(dist.group.WORLD, dp_rank=dp_rank, layers=layers, num_layers=LAYERS,
-                              republish=lambda: republished.append(dist.all_reduce(torch.ones(1)) or 1))
+    distributor = Distributor(dist.group.WORLD, dp_rank=dp_rank, layers=layers, num_layers=LAYERS)
+    distributor.on_republish = lambda: republished.append(dist.all_reduce(torch.ones(1)) or 1)
     samples = _samples(10) if rank == 0 else None
     if rank == 0:  # a sync-mode collect that found its engines stale: every rank publishes (a collective) again
         distributor.republish()
@@ -241,13 +241,13 @@ def test_mpo_engine_answers_frames_when_asked_and_json_otherwise():
 # -- rank 0's version bookkeeping -------------------------------------------------------------------------------------
 def test_version_numbers_and_versions_jsonl_summary(tmp_path):
     from mpo.rollout.protocol import token_versions, weight_version
-    from mpo.trainer.collect import _versions
     from mpo.trainer.metrics_log import MetricsLog
 
     stamps = ["3", "3", "4", "default", "4"]  # as the engine stamps them: str(version), "default" before any update
     assert token_versions(stamps).tolist() == [3, 3, 4, -1, 4]
-    assert _versions(token_versions(stamps), 9, 5).tolist() == [3, 3, 4, 9, 4]
-    assert _versions(None, 7, 3).tolist() == [7, 7, 7]
+    assert token_versions(stamps, 9, 5).tolist() == [3, 3, 4, 9, 4]
+    assert token_versions(token_versions(stamps), 9).tolist() == [3, 3, 4, 9, 4]  # as collect gets them
+    assert token_versions(None, 7, 3).tolist() == token_versions([], 7, 3).tolist() == [7, 7, 7]
     assert token_versions([5, None]).tolist() == [5, -1] and token_versions([]).tolist() == []
     assert weight_version("step3") is None and weight_version(7) == 7 and weight_version("\u00b2") is None
     versions = [np.array([3, 3, 4, 4, 3]), [5], []]

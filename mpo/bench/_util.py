@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 
 def init_single_rank():
@@ -16,10 +16,9 @@ def init_single_rank():
 def make_buckets(named: list, bucket_bytes: int) -> list[list]:
     """Consecutive groups of HF-named tensors of at most bucket_bytes each (a larger tensor is a bucket of its own)."""
     buckets: list[list] = []
-    size = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or (buckets[-1] and size + nbytes > bucket_bytes):
+        if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append((name, tensor))
@@ -27,21 +26,10 @@ def make_buckets(named: list, bucket_bytes: int) -> list[list]:
     return buckets
 
 
-@dataclass
-class Pushed:
-    seconds: float
-    bytes: int
-    buckets: int
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9)
-
-
-def push_whole(sync, named: list, version) -> Pushed:
+def push_whole(sync, named: list, version) -> SimpleNamespace:
     """Every tensor of `named` (a whole model's HF-named tensors) to every engine of WeightSync `sync`, in buckets of
     its bucket_bytes inside one weight-update session tagged `version`: the benches' and tests' one-process push (the
-    trainer streams its shards instead: mpo.weight_sync.publisher)."""
+    trainer streams its shards instead: mpo.weight_sync.publisher). Returns its seconds, bytes, buckets, bytes_per_s."""
     started = time.perf_counter()
     buckets = make_buckets(named, sync.bucket_bytes)
     sync.begin_session()
@@ -50,4 +38,5 @@ def push_whole(sync, named: list, version) -> Pushed:
             sync.push_bucket(bucket, version)
     finally:
         sync.end_session()
-    return Pushed(time.perf_counter() - started, sum(t.numel() * t.element_size() for _, t in named), len(buckets))
+    seconds, nbytes = time.perf_counter() - started, sum(t.numel() * t.element_size() for _, t in named)
+    return SimpleNamespace(seconds=seconds, bytes=nbytes, buckets=len(buckets), bytes_per_s=nbytes / max(seconds, 1e-9))

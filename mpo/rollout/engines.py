@@ -1,10 +1,7 @@
 """Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
-die. Its WeightSync comes from mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of
-mpo.weight_sync, which imports it); restarts and updates share one lock.
-
-A restarted engine holds its initial weights: it is stale, and the rollout pool gives it no work, until the next
-weight sync streams it the current ones (every step's publish reaches every engine; one that died during a publish
-is restarted after it and streamed to once more). No copy of the weights is kept for it."""
+die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Its WeightSync comes from
+mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of mpo.weight_sync, which imports it);
+restarts and updates share one lock."""
 
 from __future__ import annotations
 
@@ -40,9 +37,7 @@ class EngineSet:
         self.sync_master_address = config.sync.master_address or "127.0.0.1"
         # The set's one WeightSync (mpo.weight_sync.transports.engine_set_sync makes it once; stop() closes it).
         self.sync: Any = None
-        # URLs of local engines restarted since a weight sync last reached them (the module docstring). External
-        # engines are restarted by whoever runs them.
-        self.stale: set[str] = set()
+        self.stale: set[str] = set()  # URLs of local engines restarted since a weight sync last reached them
         # Restarts (the rollout pool's, on its thread) and weight updates (the trainer's) one at a time: in async mode
         # the producer restarts a killed engine while the trainer syncs, whose pause then hit a dead engine.
         self._engine_lock = threading.RLock()
@@ -57,8 +52,7 @@ class EngineSet:
                              "are started by the launcher (launch/) and passed as rollout.urls")
         for process in self.local_processes(config, out_dir, model):
             self.processes.append(process.start())
-        # (client, restart, current): mpo.rollout.pool.EngineHandle's fields
-        self.handles = [(p.client, functools.partial(self._restart, p), functools.partial(self.current, p.url))
+        self.handles = [(p.client, functools.partial(self._restart, p), lambda url=p.url: url not in self.stale)
                         for p in self.processes]
 
     @staticmethod
@@ -84,10 +78,6 @@ class EngineSet:
                 return  # restarted (or found healthy) while this caller waited for the lock
             process.restart()
             self.stale.add(process.url)
-
-    def current(self, url: str) -> bool:
-        """Whether the engine at `url` holds the weights last published (may take rollout work)."""
-        return url not in self.stale
 
     @contextlib.contextmanager
     def updating(self):

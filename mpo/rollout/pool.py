@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class StaleEngines(RuntimeError):
-    """Requests left undone because the engines that could take them were restarted and wait for the current weights
-    (EngineHandle.current)."""
+    """Requests left undone: the engines that could take them were restarted, waiting for the current weights."""
 
 
 @dataclass
@@ -31,9 +30,7 @@ class EngineHandle:
 
     client: EngineClient
     restart: Callable[[], None] | None = None
-    # current(): whether the engine may take work now (False: restarted, it waits for the current weights: a request
-    # it holds is not begun, and its queued requests go to the others); None: always
-    current: Callable[[], bool] | None = None
+    current: Callable[[], bool] | None = None  # may it take work now (False: restarted, no current weights yet)?
     restarts: int = 0
     failures: int = 0
     _lock: asyncio.Lock | None = field(default=None, repr=False)
@@ -137,12 +134,11 @@ class RolloutPool:
             raise failure[0]
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
-            stale = [e.client.url for e in self.engines if e.current is not None and not e.current()]
-            message = (f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing (engines: "
-                       f"{', '.join(e.client.url for e in self.engines)})")
-            if stale:
-                raise StaleEngines(f"{message}; restarted, waiting for the next weight sync: {', '.join(stale)}")
-            raise RuntimeError(message)
+            stale = ", ".join(e.client.url for e in self.engines if e.current is not None and not e.current())
+            raise (StaleEngines if stale else RuntimeError)(
+                f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing (engines: "
+                f"{', '.join(e.client.url for e in self.engines)})"
+                + (f"; restarted, waiting for the next weight sync: {stale}" if stale else ""))
         return results  # type: ignore[return-value]
 
     async def _recover(self, engine: EngineHandle) -> bool:

@@ -298,20 +298,19 @@ class GenerateResult:
 def weight_version(stamp: Any) -> int | None:
     """An engine's weight-version stamp as mpo's version number: the trainer publishes str(int) (SGLang's
     weight_version is a string); another stamp ("default" before the first update) is None."""
-    if isinstance(stamp, (int, np.integer)) and not isinstance(stamp, bool):
-        return int(stamp)
-    return int(stamp) if isinstance(stamp, str) and stamp.isascii() and stamp.isdigit() else None
+    text = str(stamp) if isinstance(stamp, (int, np.integer, str)) and not isinstance(stamp, bool) else ""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
-def token_versions(stamps: Any) -> np.ndarray:
-    """Per-token weight-version stamps (meta_info.output_token_weight_versions) as int64, -1 where unknown; one
-    weight_version() per distinct stamp, not per token."""
-    values = np.asarray(stamps)
-    if values.dtype.kind in "iu":
-        return values.astype(np.int64)
-    unique, inverse = np.unique(values.astype(str), return_inverse=True)
-    parsed = [weight_version(u) for u in unique.tolist()]
-    return np.array([-1 if v is None else v for v in parsed], dtype=np.int64)[inverse.reshape(-1)]
+def token_versions(stamps: Any, default: int = -1, count: int = 0) -> np.ndarray:
+    """Per-token weight-version stamps (meta_info.output_token_weight_versions; None or none: `count` unstamped
+    tokens, as from SGLang) as int64, `default` where unknown; one weight_version() per distinct stamp."""
+    values = np.asarray(stamps if stamps is not None and len(stamps) else [-1] * count)
+    if values.dtype.kind not in "iu":
+        unique, inverse = np.unique(values.astype(str), return_inverse=True)  # "None" for None: unknown
+        values = np.array([-1 if (v := weight_version(u)) is None else v for u in unique.tolist()],
+                          dtype=np.int64)[inverse.reshape(-1)]
+    return np.where(values < 0, default, values).astype(np.int64)
 
 
 def route_dtype(num_experts: int) -> np.dtype:

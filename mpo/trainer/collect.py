@@ -9,10 +9,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from mpo.rollout.protocol import GenerateRequest, SamplingParams
+from mpo.rollout.protocol import GenerateRequest, SamplingParams, token_versions
 from mpo.trainer.rows import Sample
 
 if TYPE_CHECKING:
@@ -31,15 +30,6 @@ def _sampling_seed(seed: int, step: int, index: int, round_: int = 0) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
-def _versions(stamps, default: int, count: int) -> np.ndarray:
-    """A result's per-token versions (int64 [count]): the engine's stamps (mpo.rollout.protocol.token_versions), an
-    unknown one (-1), or all of them when the engine stamps none (SGLang), `default`: the version at submission."""
-    if stamps is None or not len(stamps):
-        return np.full(count, default, dtype=np.int64)
-    stamps = np.asarray(stamps, dtype=np.int64)
-    return np.where(stamps < 0, default, stamps)
-
-
 class Collector:
     """Rank 0's rollouts for the trainer: `config` (its algorithm section may change: set_algorithm), the run's
     `task` and prompt `retirement` (shared with the trainer's checkpoint), `clock` for phase times and the model's
@@ -49,9 +39,7 @@ class Collector:
         self.config, self.task, self.retirement, self.clock = config, task, retirement, clock
         self.context_length, self.advantages = context_length, advantages
         self.pool = None
-        # Sync mode: every rank publishes the weights again (Distributor.republish), for engines that were all
-        # restarted mid-rollout (mpo.rollout.engines); None (off-policy: rank 0's producer thread): the rollout fails.
-        self.republish = None
+        self.republish = None  # sync mode: Distributor.republish, for engines all restarted mid-rollout (stale)
         self.samples_log: list[dict] = []  # a few decoded responses of the last collect (samples.jsonl)
 
     def connect(self, engines: list) -> None:
@@ -106,8 +94,9 @@ class Collector:
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
                           loss_mask=r.meta.get("loss_mask"),
-                          versions=_versions(r.meta.get("output_token_weight_versions"), version,
-                                             len(r.output_ids)))
+                          # unknown (-1) or unstamped (SGLang): the version at submission, the oldest possible
+                          versions=token_versions(r.meta.get("output_token_weight_versions"), version,
+                                                  len(r.output_ids)))
                    for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
         # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
         # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.

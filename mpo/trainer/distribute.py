@@ -13,8 +13,7 @@ Which data-parallel rank trains on a sample is :func:`dp_owners`: the split Trai
 lengths with schedule.max_tokens_per_microbatch, mpo.trainer.packing). A rank that ever reads another rank's sample
 fails loudly (Elsewhere raises), so the two cannot drift apart silently.
 
-Rank 0 may first ask every rank to publish the weights again (Distributor.republish: a sync-mode collect whose
-engines were all restarted mid-rollout, which hold no current weights; mpo.rollout.engines); then it collects again.
+Rank 0 may first ask every rank to publish the weights again (Distributor.republish; mpo.weight_sync tells when).
 
 Transport: point-to-point sends on the gloo object group (parallel.distributed_timeout_s: every rank waits there while
 rank 0 generates), the same on GPU and CPU. Ranks with the same data-parallel rank and stage (tensor / context
@@ -95,15 +94,14 @@ class Distributor:
         dp_rank: this rank's data-parallel rank.
         layers: the MoE layer numbers of this rank's pipeline stage (its routing hooks' layers).
         num_layers, first_k_dense: the model's layer count and dense first layers (to index the engine's routes).
-        republish: this rank's side of a collective weight publish (see republish()).
     """
 
-    def __init__(self, group, *, dp_rank: int, layers: tuple[int, ...], num_layers: int, first_k_dense: int = 0,
-                 republish: Callable[[], None] | None = None):
+    def __init__(self, group, *, dp_rank: int, layers: tuple[int, ...], num_layers: int, first_k_dense: int = 0):
         self.group = group
         self.rank = dist.get_rank()
         self.me = (dp_rank, tuple(layers))
-        self.num_layers, self.first_k_dense, self.on_republish = num_layers, first_k_dense, republish
+        self.num_layers, self.first_k_dense = num_layers, first_k_dense
+        self.on_republish: Callable[[], None] | None = None  # this rank's side of a weight publish (republish())
         self.ranks: list = [None] * dist.get_world_size()  # every rank's (dp_rank, layers)
         dist.all_gather_object(self.ranks, self.me, group=self.group)
 

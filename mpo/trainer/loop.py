@@ -39,17 +39,19 @@ def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[l
 
 
 def publisher(trainer: Trainer, engines: EngineSet | None):
-    """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines. In
-    sync mode a collect whose engines were all restarted (stale) has every rank publish its last version again."""
+    """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines."""
     from mpo.weight_sync.publisher import Publisher
 
     weights = Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
                         stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
                         object_group=trainer.ctx.object_group, engines=engines,
                         score_probes=functools.partial(_trainer_probe_logprobs, trainer))
-    trainer.republish = lambda: weights.publish(weights.version)
-    if trainer.config.schedule.mode == "sync":  # off-policy, rank 0's producer thread must not start a collective
-        trainer.collector.republish = lambda: trainer._distributor().republish()
+    distribute = trainer._distributor()  # collective when new, as this is
+    distribute.on_republish = lambda: weights.publish(weights.version)
+    # sync mode: a collect whose engines were all restarted (stale) has every rank publish again (off-policy, rank 0's
+    # producer thread must not start a collective)
+    if trainer.config.schedule.mode == "sync":
+        trainer.collector.republish = distribute.republish
     return weights
 
 

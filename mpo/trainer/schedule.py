@@ -6,7 +6,7 @@
   engines between requests), so every token is at most 1 version stale.
 * async: the producer keeps the engines busy: it starts the batch of step p as soon as the engines hold version
   >= p - schedule.max_staleness, and the weight sync does not wait for it: the push pauses the engines in place
-  (SGLang's pause_generation(mode="in_place") inside WeightSync.push), swaps the weights and continues, so a partial
+  (SGLang's pause_generation(mode="in_place") in WeightSync.begin_session), swaps the weights and continues, so a partial
   rollout finishes under the new weights. The mpo engine stamps every generated token with the weight version it
   was sampled under (meta_info.output_token_weight_versions); for engines that do not (SGLang), every token gets the
   version current when its batch was submitted, the oldest it can have (staleness is then an upper bound).

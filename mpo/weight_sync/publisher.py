@@ -58,8 +58,8 @@ class Publisher:
         return metrics
 
     def _sender_sync(self, info: dict):
-        """This sender's WeightSync: rank 0 uses the EngineSet's; other senders make theirs for the engines rank 0
-        named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
+        """This sender's WeightSync: rank 0 uses the EngineSet's (`info` unread); other senders make theirs for the
+        engines rank 0 named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
         from mpo.weight_sync.transports import WeightSync, engine_set_sync
@@ -83,7 +83,6 @@ class Publisher:
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
-        from mpo.weight_sync.transports import engine_set_sync
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
         started = time.perf_counter()
@@ -91,9 +90,8 @@ class Publisher:
         r, m = self.config.rollout, self.config.model
         info: list[Any] = [None]
         if engines is not None:
-            sync0 = engine_set_sync(engines, bucket_bytes=self.config.sync.bucket_mb << 20)
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
-                     "tp_sizes": list(sync0.tp_sizes)}]
+                     "tp_sizes": list(self._sender_sync({}).tp_sizes)}]
         dist.broadcast_object_list(info, src=0)
         info = info[0]
         if info is None:  # no engines: nothing to push

@@ -174,14 +174,14 @@ def retirement(out_dir: str, steps: int) -> None:
     overrides = ["data.digits=2", "algorithm.filter_zero_variance=false", "data.retire_pass_rate=0.0"]
     with _worker_run(out_dir, "retirement", overrides) as (trainer, _, _, results):
         sampled: list[list[list[int]]] = []
-        collect = trainer.collect
+        collect = trainer.collector.collect
 
         def collect_and_record(step):
             samples, metrics = collect(step)
             sampled.append(sorted({tuple(s.ids[: s.prompt_len]) for s in samples}))
             return samples, metrics
 
-        trainer.collect = collect_and_record
+        trainer.collector.collect = collect_and_record
         for step in range(steps):
             trainer.train_step(step)
         trainer.save(steps)
@@ -217,7 +217,7 @@ def critic_fits(out_dir: str, updates: int) -> None:
     with _worker_run(out_dir, "critic", ["algorithm.filter_zero_variance=false"]) as (trainer, _, _, results):
         trainer.set_algorithm(AlgorithmSection(loss="grpo", advantage="gae", filter_zero_variance=False,
                                                critic_lr=0.001, value_clip=10.0))
-        samples, _ = trainer.collect(0) if trainer.rank == 0 else (None, {})
+        samples, _ = trainer.collector.collect(0) if trainer.rank == 0 else (None, {})
         box = [samples]
         torch.distributed.broadcast_object_list(box, src=0)
         dp_rank, dp_size = trainer._dp()
