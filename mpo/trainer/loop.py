@@ -46,7 +46,7 @@ def publisher(trainer: Trainer, engines: EngineSet | None):
                         stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
                         object_group=trainer.ctx.object_group, engines=engines,
                         score_probes=functools.partial(_trainer_probe_logprobs, trainer))
-    distribute = trainer._distributor()  # collective when new, as this is
+    distribute = trainer.distributor()  # collective when new, as this is
     distribute.on_republish = lambda: weights.publish(weights.version)
     # sync mode: a collect whose engines were all restarted (stale) has every rank publish again (off-policy, rank 0's
     # producer thread must not start a collective)

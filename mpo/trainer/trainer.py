@@ -188,12 +188,13 @@ class Trainer:
         # (parallel.distributed_timeout_s), which holds none of the offloaded storages. Each rank receives its
         # data-parallel share with its stage's routes, the rest as lengths (mpo.trainer.distribute).
         with self.clock("broadcast"):
-            samples = self._distributor()(samples, updates=self.config.schedule.updates_per_step,
+            samples = self.distributor()(samples, updates=self.config.schedule.updates_per_step,
                                           dp_size=self._dp()[1],
                                           packed=bool(self.config.schedule.max_tokens_per_microbatch))
         return samples, rollout_metrics
 
-    def _distributor(self):
+    def distributor(self):
+        """This rank's Distributor (mpo.trainer.distribute); made on first use, a collective on every rank."""
         from mpo.trainer.distribute import Distributor
 
         if getattr(self, "_distribute", None) is None:
