@@ -117,11 +117,11 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class WeightSyncGroup:
-    """The process group `rollout.sync: distributed` makes, as this plan places it (mpo.weight_sync).
+    """The process group `sync.transport: distributed` makes, as this plan places it (mpo.weight_sync).
 
     Attributes:
         master_address: where every engine reaches trainer global rank 0, which hosts the group's rendezvous:
-            trainer node 0's host (the trainer gets it as rollout.sync_master_address). The port is picked free by
+            trainer node 0's host (the trainer gets it as sync.master_address). The port is picked free by
             rank 0 when it makes the group and sent to the engines with /init_weights_update_group.
         world_size: 1 (trainer rank 0) + every engine's TP ranks.
         rank_offsets: engine i's first rank (its TP ranks are rank_offsets[i] .. + tp_sizes[i] - 1).
@@ -276,7 +276,8 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
             if node >= trainer_nodes:
                 try:
-                    check_transport(r.sync, r.engine, off_host=f"engine{i} is placed on rollout node {hosts[node]}")
+                    check_transport(config.sync.transport, r.engine,
+                                    off_host=f"engine{i} is placed on rollout node {hosts[node]}")
                 except ValueError as exc:
                     raise PlanError(str(exc)) from None
             local = len(engines[node])
@@ -302,7 +303,7 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
         world_size, offsets = group_layout(tp_sizes)
         weight_sync = WeightSyncGroup(master_address=hosts[0], world_size=world_size, rank_offsets=tuple(offsets),
                                       tp_sizes=tp_sizes)
-        trainer_overrides = (f"rollout.urls=[{','.join(urls)}]", f"rollout.sync_master_address={hosts[0]}")
+        trainer_overrides = (f"rollout.urls=[{','.join(urls)}]", f"sync.master_address={hosts[0]}")
     resolved = load_config(options.config_path, [*options.overrides, *trainer_overrides])
     resolved_text = yaml.safe_dump(to_dict(resolved), sort_keys=False)
     resolved_path = f"{run_dir}/config.yaml"

@@ -61,12 +61,6 @@ class RolloutSection:
         top_p: nucleus mass.
         api_key: sent as a bearer token to every engine.
         request_timeout_s: a request slower than this counts as a hung engine.
-        sync: weight-sync path after each step (mpo.weight_sync.gather: one sender per pipeline stage): "tensor"
-            (HTTP payload; SGLang engines must be on the trainer's node), "distributed" (a process group between
-            each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes), "cuda_ipc"
-            (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only) or "shm"
-            (mpo engines on the trainer's host read the buckets in place from shared memory; CPU).
-        bucket_mb: weight-sync bucket size.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.
@@ -74,16 +68,10 @@ class RolloutSection:
             tensor_parallel engines on each rollout node.
         colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
             it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
-        host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a sync bucket through shared-memory
-            slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.weight_sync.gather). None: on when
-            training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
         offload_trainer: with colocated engines, every trainer rank moves its parameters and optimizer state to
             (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
             trains (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident (when both
             fit, it saves the host copies' time every step).
-        sync_master_address: the address engines reach trainer rank 0 at for sync="distributed" (it hosts the
-            weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
-            sets trainer node 0's host.
         env: multi-turn episodes (mpo.envs): a registered environment (calculator) or a plug-in "module:Class"
             built from each data row, whose reset() gives the opening messages and step(assistant_text) answers
             each turn with (messages, reward, done); the episode's reward is the sum of its turns' rewards, and
@@ -102,18 +90,39 @@ class RolloutSection:
     top_p: float = 1.0
     api_key: str | None = None
     request_timeout_s: float = 300.0
-    sync: Literal["tensor", "distributed", "cuda_ipc", "shm"] = "tensor"
-    bucket_mb: int = 64
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
     tensor_parallel: int = 1
     env: str | None = None
     max_turns: int = 4
     max_tokens_per_turn: int | None = None
-    sync_master_address: str | None = None
     colocate: bool = False
-    host_shared_memory: bool | None = None
     offload_trainer: bool | None = None
+
+
+@dataclass(frozen=True)
+class SyncSection:
+    """The weight sync after each step: the trainer's weights streamed to the engines (mpo.weight_sync).
+
+    Attributes:
+        transport: how buckets reach the engines (one sender per pipeline stage; mpo.weight_sync.transports):
+            "tensor" (HTTP payload; SGLang engines must be on the trainer's node), "distributed" (a process group
+            between each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes),
+            "cuda_ipc" (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only)
+            or "shm" (mpo engines on the trainer's host read the buckets in place from shared memory; CPU).
+        bucket_mb: bucket size.
+        master_address: the address engines reach trainer rank 0 at for transport="distributed" (it hosts the
+            weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
+            sets trainer node 0's host.
+        host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a bucket through shared-memory
+            slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.weight_sync.gather). None: on when
+            training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
+    """
+
+    transport: Literal["tensor", "distributed", "cuda_ipc", "shm"] = "tensor"
+    bucket_mb: int = 64
+    master_address: str | None = None
+    host_shared_memory: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -366,6 +375,7 @@ class TrainConfig:
     model: ModelSection = ModelSection()
     parallel: ParallelConfig = ParallelConfig()
     rollout: RolloutSection = RolloutSection()
+    sync: SyncSection = SyncSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     data: DataSection = DataSection()
     reward: RewardSection = RewardSection()
@@ -481,6 +491,10 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
     return value
 
 
+MOVED = {"rollout.sync": "sync.transport", "rollout.bucket_mb": "sync.bucket_mb",  # old name: fails naming the new
+         "rollout.sync_master_address": "sync.master_address", "rollout.host_shared_memory": "sync.host_shared_memory"}
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
@@ -491,6 +505,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        if f"{where}{unknown[0]}" in MOVED:
+            raise ConfigError(f"{where}{unknown[0]} moved to {MOVED[where + unknown[0]]}")
         raise ConfigError(f"unknown field {where}{unknown[0]}; valid fields{' of ' + prefix if prefix else ''}: "
                           f"{', '.join(sorted(known))}")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
@@ -538,12 +554,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         data = _read_yaml(Path(path))
     data = apply_overrides(data, list(overrides))
     config = _build(TrainConfig, data, "")
-    if config.algorithm.rollout_correction is None:  # resolved here, so check-config prints what the run uses
-        kind = resolve_rollout_correction(None, config.schedule.mode)
-        config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, rollout_correction=kind))
-    if config.algorithm.replay is None:
-        replay = resolve_replay(config.schedule.mode, config.rollout.router_in_front)
-        config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, replay=replay))
+    a, mode = config.algorithm, config.schedule.mode  # unset ones resolved here: check-config prints what a run uses
+    config = dataclasses.replace(config, algorithm=dataclasses.replace(
+        a, rollout_correction=resolve_rollout_correction(a.rollout_correction, mode),
+        replay=a.replay if a.replay is not None else resolve_replay(mode, config.rollout.router_in_front)))
     validate(config)
     return config
 
@@ -630,7 +644,7 @@ def validate(config: TrainConfig) -> None:
     from mpo.weight_sync.transports import check_transport
 
     try:
-        check_transport(r.sync, r.engine)
+        check_transport(config.sync.transport, r.engine)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
@@ -763,8 +777,8 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),
-    "rollout.bucket_mb": (lambda v: v >= 1, ">= 1"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
+    "sync.bucket_mb": (lambda v: v >= 1, ">= 1"),
     "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
     "rollout.max_tokens_per_turn": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),

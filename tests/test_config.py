@@ -39,6 +39,10 @@ from mpo.config import ConfigError, load_config
     (["data.retire_pass_rate=1.5"], "data.retire_pass_rate=1.5 must be in [0, 1]"),
     (["logging.checkpoint_format=torch_dist"],
      "logging.checkpoint_format='torch_dist'; valid values: 'dp_reshardable', 'fully_reshardable'"),
+    (["rollout.sync=shm"], "rollout.sync moved to sync.transport"),
+    (["rollout.bucket_mb=8"], "rollout.bucket_mb moved to sync.bucket_mb"),
+    (["rollout.sync_master_address=h"], "rollout.sync_master_address moved to sync.master_address"),
+    (["rollout.host_shared_memory=false"], "rollout.host_shared_memory moved to sync.host_shared_memory"),
 ])
 def test_bad_config_fails_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

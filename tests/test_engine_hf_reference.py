@@ -27,6 +27,7 @@ from mpo.rollout.client import EngineError
 from mpo.rollout.local_engine import LocalEngineProcess
 from mpo.rollout.pool import EngineHandle, RolloutPool
 from mpo.rollout.protocol import GenerateRequest, SamplingParams
+from mpo.bench._util import push_whole
 from mpo.weight_sync.transports import WeightSync
 from mpo.weight_sync.verify import (ProbeCoverage, covering_probes, run_probes, verify_by_probe, verify_checksum,
                                     weights_checksum)
@@ -136,7 +137,7 @@ def test_engine_matches_transformers_after_weight_sync(engine, checkpoints):
     loaded with the new weights, and its checksum equals theirs."""
     named = _named(checkpoints[1])
     sync = WeightSync([engine.client], engine="mpo", transport="tensor", bucket_bytes=32 << 10)
-    report = sync.push(named, version="hf1")
+    report = push_whole(sync, named, version=1)
     verify_checksum(sync.clients, weights_checksum(named))
     assert report.buckets > 1
     _assert_rollouts_match(engine, checkpoints[1], "after sync")
@@ -144,7 +145,7 @@ def test_engine_matches_transformers_after_weight_sync(engine, checkpoints):
 
 def test_probe_input_logprobs_and_routes_match_transformers(engine, checkpoints):
     """The probe path (input_token_logprobs with logprob_start_len=0, routed experts of every input position)."""
-    _full_sync(engine, checkpoints[1], "hf1")
+    _full_sync(engine, checkpoints[1], 1)
     reference = _load(checkpoints[1])
     run = run_probes(engine.client, [PROBE], num_layers=CFG.num_layers, topk=CFG.router_topk)[0]
     logprobs, routes = hf_forward(reference, PROBE)
@@ -153,10 +154,10 @@ def test_probe_input_logprobs_and_routes_match_transformers(engine, checkpoints)
     assert np.array_equal(np.sort(run.routes, -1), routes[: len(PROBE) - 1].sort(-1).values.numpy())
 
 
-def _full_sync(engine, directory: Path, version: str) -> list[tuple[str, torch.Tensor]]:
+def _full_sync(engine, directory: Path, version: int) -> list[tuple[str, torch.Tensor]]:
     named = _named(directory)
     sync = WeightSync([engine.client], engine="mpo")
-    sync.push(named, version=version)
+    push_whole(sync, named, version=version)
     verify_checksum(sync.clients, weights_checksum(named))
     return named
 
@@ -173,7 +174,7 @@ def test_stale_expert_fails_verification(engine, checkpoints):
     the covering probe. The skipped expert is one a short probe never routes to, so that probe passes (what a
     probe that ignores coverage would have accepted); the probe built from the engine's routes covers it."""
     short = PROBE[:4]  # 3 scored positions x top-2 = 6 picks < 8 experts: some expert of every layer is missed
-    _full_sync(engine, checkpoints[1], "hf1")
+    _full_sync(engine, checkpoints[1], 1)
     reference = _load(checkpoints[2])
     layer, expert = _expert_missed_by(short, hf_forward(reference, short)[1])
     prefix = f"model.layers.{layer}.mlp.experts.{expert}."
@@ -182,7 +183,7 @@ def test_stale_expert_fails_verification(engine, checkpoints):
     assert len(named) - len(stale) == 3, f"expected gate/up/down of {prefix}*"
 
     sync = WeightSync([engine.client], engine="mpo")
-    sync.push(stale, version="hf2-stale")
+    push_whole(sync, stale, version=3)
     with pytest.raises(EngineError, match="weights differ from the trainer's"):
         verify_checksum(sync.clients, weights_checksum(named))
     # The short probe misses the stale expert: its log-probs still equal transformers' with the new weights.
@@ -198,7 +199,7 @@ def test_stale_expert_fails_verification(engine, checkpoints):
           f"covering probe of {len(probes)} sequences / {sum(map(len, probes))} tokens routes {hits} tokens to it: "
           f"{caught.value}", file=sys.stderr)
 
-    _full_sync(engine, checkpoints[2], "hf2")
+    _full_sync(engine, checkpoints[2], 2)
     assert verify_by_probe(sync.clients, probes, trainer) <= LOGPROB_TOL
 
 

@@ -56,7 +56,8 @@ class _Prompt:
 
 class _ScriptedEngine:
     """Stands in for the engines: each turn's tokens come from `turns` (per turn, the same for every episode);
-    routes are [prompt+completion-1, 1, 2] with each row holding its position, versions "step3"."""
+    routes are [prompt+completion-1, 1, 2] with each row holding its position, versions 3 (as mpo.rollout.protocol
+    parses the engine's "3")."""
 
     def __init__(self, turns: list[list[int]]) -> None:
         self.turns, self.calls = turns, []
@@ -70,7 +71,7 @@ class _ScriptedEngine:
             routes = np.repeat(np.arange(rows, dtype=np.int32)[:, None, None], 2, axis=2)
             results.append(GenerateResult(list(q.input_ids), list(out), [-0.5 - 0.01 * k for k in range(len(out))],
                                           {"type": "stop"}, routed_experts=routes,
-                                          meta={"output_token_weight_versions": ["step3"] * len(out)}))
+                                          meta={"output_token_weight_versions": [3] * len(out)}))
         return results, 0
 
 
@@ -109,7 +110,7 @@ def test_env_episode_is_prompt_turns_and_rendered_observation_exactly(tokenizer)
     assert list(engine.calls[1][0].input_ids) == r.prompt_ids + turn1 + obs
     assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.output_ids) - 1
     assert r.routed_experts[:, 0, 0].tolist() == list(range(len(r.prompt_ids) + len(r.output_ids) - 1))
-    assert r.meta["output_token_weight_versions"] == ["step3"] * len(r.output_ids)
+    assert r.meta["output_token_weight_versions"] == [3] * len(r.output_ids)
     assert rewards == [0.75] and stats.turns == 2 and stats.errors == 0
     assert stats.metrics()["loss_token_frac"] == (len(turn1) + len(turn2)) / len(r.output_ids)
 

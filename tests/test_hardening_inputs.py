@@ -400,7 +400,7 @@ OUT_OF_RANGE = {
     "logging.checkpoint_every=-1": "logging.checkpoint_every=-1; valid values: >= 0",
     "rollout.request_timeout_s=-5": "rollout.request_timeout_s=-5.0; valid values: > 0",
     "data.digits=0": "data.digits=0; valid values: >= 1",
-    "rollout.bucket_mb=0": "rollout.bucket_mb=0; valid values: >= 1",
+    "sync.bucket_mb=0": "sync.bucket_mb=0; valid values: >= 1",
 }
 
 

@@ -71,7 +71,7 @@ def test_four_node_gpu_plan_matches_expected():
     assert plan.placement == "disaggregated"
     urls = ["http://gpu3:30000", "http://gpu3:30001", "http://gpu4:30002", "http://gpu4:30003"]
     assert list(plan.engine_urls) == urls
-    assert plan.trainer_overrides == (f"rollout.urls=[{','.join(urls)}]", "rollout.sync_master_address=gpu1")
+    assert plan.trainer_overrides == (f"rollout.urls=[{','.join(urls)}]", "sync.master_address=gpu1")
     import yaml
 
     data = yaml.safe_load(plan.resolved_config)  # what every trainer rank reads: the config plus the engine URLs
@@ -139,7 +139,7 @@ def test_ports_derive_from_job_id_and_agree():
     (["world_size=12", "parallel.expert_parallel=4"], 4, 8, "not a multiple of the 8 GPUs"),
     (["world_size=48"], 4, 8, "needs 6 nodes"),
     ([], 4, 0, "needs GPU nodes"),
-    (["rollout.sync=tensor"], 4, 8, "engine0 is placed on rollout node g2: set rollout.sync='distributed'"),
+    (["sync.transport=tensor"], 4, 8, "engine0 is placed on rollout node g2: set sync.transport='distributed'"),
 ])
 def test_plan_errors_name_the_problem(overrides, hosts, gpus, message):
     with pytest.raises(PlanError, match=message):
@@ -147,7 +147,7 @@ def test_plan_errors_name_the_problem(overrides, hosts, gpus, message):
 
 
 def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
-    """rollout.sync=distributed with 4 SGLang engines of TP4 on gpu3/gpu4 and trainer rank 0 on gpu1: the group has
+    """sync.transport=distributed with 4 SGLang engines of TP4 on gpu3/gpu4 and trainer rank 0 on gpu1: the group has
     1 + 16 ranks, each engine its own block of ranks, and a rendezvous the other nodes can route to. The trainer's
     EngineSet, built from the resolved config its ranks read, must make exactly that group."""
     from mpo.rollout.engines import EngineSet
@@ -163,7 +163,7 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
     resolved = tmp_path / "config.yaml"
     resolved.write_text(plan.resolved_config)
     config = load_config(resolved)
-    assert config.rollout.sync == "distributed"
+    assert config.sync.transport == "distributed"
     # external URLs: nothing starts
     sync = engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
     assert sync.master_address == "gpu1" and sync.tp_sizes == [4, 4, 4, 4]
@@ -177,8 +177,8 @@ def test_engine_set_refuses_distributed_sync_with_loopback_master_and_remote_eng
     from mpo.rollout.engines import EngineSet
     from mpo.weight_sync.transports import engine_set_sync
 
-    config = load_config(DEMO, ["rollout.urls=[http://engine-host:30000]", "rollout.sync=distributed"])
-    with pytest.raises(ValueError, match="rollout.sync_master_address"):
+    config = load_config(DEMO, ["rollout.urls=[http://engine-host:30000]", "sync.transport=distributed"])
+    with pytest.raises(ValueError, match="sync.master_address"):
         engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
 
 
@@ -198,8 +198,8 @@ def test_engine_set_refuses_tensor_sync_to_sglang_on_another_node(tmp_path):
     from mpo.rollout.engines import EngineSet
     from mpo.weight_sync.transports import engine_set_sync
 
-    config = load_config(GSPO, ["rollout.urls=[http://engine-host:30000]", "rollout.sync=tensor"])
-    with pytest.raises(ValueError, match="engine http://engine-host:30000 is on another node: set rollout.sync="):
+    config = load_config(GSPO, ["rollout.urls=[http://engine-host:30000]", "sync.transport=tensor"])
+    with pytest.raises(ValueError, match="engine http://engine-host:30000 is on another node: set sync.transport="):
         engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
 
 

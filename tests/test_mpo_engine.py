@@ -175,7 +175,7 @@ def test_weight_sync_tensor_path_checksum_and_logprobs_follow(engines, tmp_path)
     assert trainer["buckets"] > 1  # small buckets: units (QKV, gate/up) span several of them
     # The engine's new greedy output, scored by the trainer with the same new weights.
     after = RolloutPool([EngineHandle(engine.client)]).generate([prompt])[0]
-    assert after.weight_version == "v1"
+    assert after.weight_version == 1
     spawn_check = tmp_path / "after.pt"
     spawn_ranks(1, engine_worker.score_perturbed, str(spawn_check), list(after.prompt_ids + after.output_ids))
     ref = torch.load(spawn_check, weights_only=True)
@@ -220,7 +220,7 @@ def test_weight_sync_distributed_path_reaches_every_engine(engines, tmp_path):
 
 
 def test_weight_sync_shm_path_checksum_and_refusals(engines, tmp_path):
-    """rollout.sync=shm from a plain list of tensors (every bucket through WeightSync's shared spill buffer): the
+    """sync.transport=shm from a plain list of tensors (every bucket through WeightSync's shared spill buffer): the
     engine's checksum equals the trainer's; a locator outside the shm directory, one reaching past its file, and a
     wrong shape are refused with the reason, and the engine still serves."""
     import json
@@ -258,6 +258,7 @@ def test_weight_sync_shm_path_checksum_and_refusals(engines, tmp_path):
 
 
 def test_distributed_shape_mismatch_names_engine_and_tensor(engines):
+    from mpo.bench._util import push_whole
     from mpo.weight_sync.transports import WeightSync
 
     client = engines[1].client
@@ -265,7 +266,7 @@ def test_distributed_shape_mismatch_names_engine_and_tensor(engines):
     try:
         with pytest.raises(EngineError, match=r"engine http://.*update_weights_from_distributed returned HTTP 400: "
                                               r".*'lm_head.weight' has shape \(3, 3\)"):
-            sync.push([("lm_head.weight", torch.zeros(3, 3))], version="bad")
+            push_whole(sync, [("lm_head.weight", torch.zeros(3, 3))], version=1)
         assert client.healthy()
     finally:
         sync.close()

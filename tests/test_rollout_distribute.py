@@ -108,9 +108,14 @@ def _distribute_worker(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     dp_rank, layers = rank % 2, ((1, 2, 3), (4, 5, 6))[rank // 2]
+    republished = []
     distributor = Distributor(dist.group.WORLD, dp_rank=dp_rank, layers=layers, num_layers=LAYERS)
+    distributor.on_republish = lambda: republished.append(dist.all_reduce(torch.ones(1)) or 1)
     samples = _samples(10) if rank == 0 else None
+    if rank == 0:  # a sync-mode collect that found its engines stale: every rank publishes (a collective) again
+        distributor.republish()
     got = distributor(samples, updates=2, dp_size=2, packed=False)
+    assert republished == [1]
     reference = _samples(10)
     owners = dp_owners([len(s.ids) for s in reference], updates=2, dp_size=2, packed=False)
     for s, g, owner in zip(reference, got, owners):
@@ -235,13 +240,16 @@ def test_mpo_engine_answers_frames_when_asked_and_json_otherwise():
 
 # -- rank 0's version bookkeeping -------------------------------------------------------------------------------------
 def test_version_numbers_and_versions_jsonl_summary(tmp_path):
+    from mpo.rollout.protocol import token_versions, weight_version
     from mpo.trainer.metrics_log import MetricsLog
-    from mpo.trainer.schedule import version_number, version_numbers
 
-    stamps = ["step3", "step3", "step4", "default", "step4"]
-    assert version_numbers(stamps, 9, 5).tolist() == [version_number(v, 9) for v in stamps] == [3, 3, 4, 9, 4]
-    assert version_numbers(None, 7, 3).tolist() == [7, 7, 7]
-    assert version_numbers([5, None], 2, 2).tolist() == [5, 2]
+    stamps = ["3", "3", "4", "default", "4"]  # as the engine stamps them: str(version), "default" before any update
+    assert token_versions(stamps).tolist() == [3, 3, 4, -1, 4]
+    assert token_versions(stamps, 9, 5).tolist() == [3, 3, 4, 9, 4]
+    assert token_versions(token_versions(stamps), 9).tolist() == [3, 3, 4, 9, 4]  # as collect gets them
+    assert token_versions(None, 7, 3).tolist() == token_versions([], 7, 3).tolist() == [7, 7, 7]
+    assert token_versions([5, None]).tolist() == [5, -1] and token_versions([]).tolist() == []
+    assert weight_version("step3") is None and weight_version(7) == 7 and weight_version("\u00b2") is None
     versions = [np.array([3, 3, 4, 4, 3]), [5], []]
     for per_token in (False, True):
         out = tmp_path / str(per_token)

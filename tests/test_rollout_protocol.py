@@ -27,11 +27,11 @@ def test_routed_experts_count_mismatch_is_an_error():
 def test_generate_result_parses_sglang_response():
     request = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=2), return_routed_experts=True)
     body = {"text": "", "output_ids": [7, 8], "meta_info": {
-        "finish_reason": {"type": "length", "length": 2}, "weight_version": "v3",
+        "finish_reason": {"type": "length", "length": 2}, "weight_version": "3",
         "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]],
         "routed_experts": encode_routed_experts(np.ones((4, 3, 2), dtype=np.int32))}}
     result = GenerateResult.from_json(request, body, num_layers=3, topk=2)
-    assert result.output_logprobs == [-0.5, -1.5] and result.weight_version == "v3"
+    assert result.output_logprobs == [-0.5, -1.5] and result.weight_version == 3
     assert result.routed_experts.shape == (4, 3, 2) and not result.aborted
 
 
@@ -102,3 +102,50 @@ def test_two_event_loops_share_an_engine_client_without_closing_each_others_conn
         assert slow == {"reply": {"path": "/slow"}}, slow
     finally:
         server.shutdown()
+
+
+class _FakeEngine:
+    """An EngineClient stand-in: answers every request with its own prompt's first id; `dies` after its first call."""
+
+    def __init__(self, url: str, dies: bool = False) -> None:
+        self.url, self.dies, self.calls = url, dies, 0
+
+    async def generate_batch(self, requests, *, timeout_s=None):
+        from mpo.rollout.client import EngineError
+
+        self.calls += 1
+        if self.dies:
+            raise EngineError(self.url, "/generate", "connection refused", retryable=True)
+        return [GenerateResult(list(q.input_ids), [q.input_ids[0]], [0.0], {"type": "stop"}) for q in requests]
+
+    def healthy(self, timeout_s=30.0) -> bool:
+        return not self.dies
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_restarted_engine_takes_no_work_until_it_is_current():
+    """mpo.rollout.engines: a restarted engine is stale until a weight sync reaches it. The pool gives a stale engine
+    no work (the others take its share); with none current left it raises StaleEngines naming the engine."""
+    from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool, StaleEngines
+
+    requests = [GenerateRequest((i + 1, 0)) for i in range(6)]
+    stale = _FakeEngine("http://stale")
+    fresh = _FakeEngine("http://fresh")
+    pool = RolloutPool([EngineHandle(stale, current=lambda: False), EngineHandle(fresh, current=lambda: True)])
+    assert [r.output_ids for r in pool.generate(requests)] == [[i + 1] for i in range(6)]
+    assert stale.calls == 0 and fresh.calls == 6
+    current = [True]
+    victim = _FakeEngine("http://victim", dies=True)
+
+    def restart() -> None:  # as EngineSet._restart: back up, but stale
+        victim.dies, current[0] = False, False
+
+    pool = RolloutPool([EngineHandle(victim, restart=restart, current=lambda: current[0])],
+                       PoolConfig(backoff_s=0, max_concurrency_per_engine=1))
+    with pytest.raises(StaleEngines, match="restarted, waiting for the next weight sync: http://victim"):
+        pool.generate(requests)
+    assert victim.calls == 1
+    current[0] = True  # the next weight sync reached it
+    assert [r.output_ids for r in pool.generate(requests)] == [[i + 1] for i in range(6)]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mpo.trainer.rows import Sample
-from mpo.trainer.schedule import RolloutSchedule, version_number
+from mpo.trainer.schedule import RolloutSchedule
 
 
 def _run(mode: str, k: int, steps: int = 8, train_s: float = 0.01, gen_s: float = 0.005):
@@ -96,7 +96,9 @@ def test_producer_errors_reach_the_trainer():
 
 
 def test_versions_parse_and_bad_mode():
-    assert version_number("step12", 0) == 12 and version_number("default", 3) == 3 and version_number(None, 4) == 4
+    from mpo.rollout.protocol import weight_version
+
+    assert weight_version("12") == 12 and weight_version("default") is None and weight_version(None) is None
     with pytest.raises(ValueError, match="schedule.mode='bogus'; valid values: sync, one_step_off, async"):
         RolloutSchedule(lambda s, v: ([], {}), "bogus", 1, start=0, steps=1)
 

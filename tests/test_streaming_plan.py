@@ -76,10 +76,10 @@ def test_cuda_ipc_sync_is_sglang_only():
     from mpo.config import RECIPES
     from mpo.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="rollout.sync='cuda_ipc' is SGLang's colocated GPU path"):
-        load_config(RECIPES / "demo_cpu.yaml", ["rollout.sync=cuda_ipc"])
-    with pytest.raises(ConfigError, match="rollout.sync"):
-        load_config(RECIPES / "demo_cpu.yaml", ["rollout.sync=ipc"])  # not a transport
+    with pytest.raises(ConfigError, match="sync.transport='cuda_ipc' is SGLang's colocated GPU path"):
+        load_config(RECIPES / "demo_cpu.yaml", ["sync.transport=cuda_ipc"])
+    with pytest.raises(ConfigError, match="sync.transport"):
+        load_config(RECIPES / "demo_cpu.yaml", ["sync.transport=ipc"])  # not a transport
 
 
 def test_to_hf_views_are_the_hf_values_without_copies():

@@ -19,7 +19,7 @@ LAYOUTS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2
 # concurrently, distributed senders each make their own group and take turns). "/gloo": the pieces reach their
 # sender over gloo (the path NCCL takes on GPU) instead of being written into its shared-memory slot (the CPU
 # default; strided in place for TP2's row-parallel slices). "shm": the engine reads the buckets from those slots.
-# The first transport's EngineSet starts the engine and keeps the last weights for a restart (checked too).
+# The first transport's EngineSet starts the engine.
 TRANSPORTS = {"tp2xep2": ["shm", "distributed/gloo"], "ep2xpp2": ["tensor/gloo", "distributed", "shm"],
               "hardening-dp4": ["shm", "tensor/gloo"]}
 
@@ -31,7 +31,7 @@ def test_streaming_sync_reaches_the_engine_without_a_full_gather(tmp_path, layou
     results = json.loads((tmp_path / "sync.json").read_text())
     if race:
         assert results["restart_race"] == {"restarted": True, "engine_matches_full_gather": True}, results
-        assert results["death_race"] == {"restarted": True, "engine_matches_full_gather": True}, results
+        assert results["death_race"] == {"restarted": True, "engine_matches_full_gather": True, "stale": []}, results
     assert results["leftover_after_stop"] == []
     assert results["mpo_path"].startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     for transport in TRANSPORTS[layout]:
@@ -40,8 +40,6 @@ def test_streaming_sync_reaches_the_engine_without_a_full_gather(tmp_path, layou
         assert got["leftover_shm_files"] == [], "a sync left its shared-memory slots behind"
         assert got["engine_changed"], f"{transport}: the engine still has its initial weights"
         assert got["engine_matches_full_gather"], f"{transport}: engine weights differ from the trainer's"
-        if layout != "ep2xpp2":  # one sender: the copies kept for a restarted engine are the whole model
-            assert got["kept_for_restart_matches"], f"{transport}: the weights kept for a restart differ"
         metrics = got["metrics"]
         assert metrics["sync_bytes"] > 0 and metrics["sync_buckets"] > 1
         assert metrics["sync_senders"] == (2 if layout == "ep2xpp2" else 1)

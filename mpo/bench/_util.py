@@ -1,6 +1,9 @@
-"""Shared set-up for benchmarks that run megatron in this one process."""
+"""Shared helpers of the benchmarks: a one-rank megatron world, a whole model pushed to engines in one session."""
 
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 
 def init_single_rank():
@@ -8,3 +11,32 @@ def init_single_rank():
     from mpo.parallel import ParallelConfig, initialize_parallel
 
     return initialize_parallel(ParallelConfig(), rank=0, world_size=1)
+
+
+def make_buckets(named: list, bucket_bytes: int) -> list[list]:
+    """Consecutive groups of HF-named tensors of at most bucket_bytes each (a larger tensor is a bucket of its own)."""
+    buckets: list[list] = []
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return buckets
+
+
+def push_whole(sync, named: list, version) -> SimpleNamespace:
+    """Every tensor of `named` (a whole model's HF-named tensors) to every engine of WeightSync `sync`, in buckets of
+    its bucket_bytes inside one weight-update session tagged `version`: the benches' and tests' one-process push (the
+    trainer streams its shards instead: mpo.weight_sync.publisher). Returns its seconds, bytes, buckets, bytes_per_s."""
+    started = time.perf_counter()
+    buckets = make_buckets(named, sync.bucket_bytes)
+    sync.begin_session()
+    try:
+        for bucket in buckets:
+            sync.push_bucket(bucket, version)
+    finally:
+        sync.end_session()
+    seconds, nbytes = time.perf_counter() - started, sum(t.numel() * t.element_size() for _, t in named)
+    return SimpleNamespace(seconds=seconds, bytes=nbytes, buckets=len(buckets), bytes_per_s=nbytes / max(seconds, 1e-9))

@@ -1,5 +1,5 @@
 """Weight sync over CUDA IPC on one GPU: the ~1.5B-parameter `gpu_1b` model's HF tensors, in buckets, through
-`mpo.weight_sync.wire.cuda_ipc_payload` (what `rollout.sync=cuda_ipc` sends a colocated SGLang engine) to a receiver
+`mpo.weight_sync.wire.cuda_ipc_payload` (what `sync.transport=cuda_ipc` sends a colocated SGLang engine) to a receiver
 process on the same GPU, which maps each bucket from its IPC handle and copies it into its own preallocated weights
 (as SGLang's flattened-bucket loader copies into its parameters), then acknowledges, so the sender may reuse the memory.
 
@@ -37,7 +37,7 @@ def random_hf_weights(model_cfg, seed: int, device: str = "cuda") -> list[tuple[
 def buckets_of(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive single-dtype runs of at most `bucket_bytes` (a tensor larger than that is a bucket of its own)."""
     from mpo.weight_sync.wire import split_by_dtype
-    from mpo.weight_sync.transports import make_buckets
+    from mpo.bench._util import make_buckets
 
     return [bucket for run in split_by_dtype(named) for bucket in make_buckets(run, bucket_bytes)]
 

@@ -93,7 +93,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     from mpo.rollout.client import EngineClient
     from mpo.weight_sync.gather import WeightStreamer
     from mpo.weight_sync.transports import WeightSync
-    from mpo.weight_sync.verify import combine_digests, tensor_digest
+    from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
     tp, ep, pp = layout
     parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp)
@@ -110,8 +110,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender else None)
     records = []
     for k in range(rounds + 1):  # round 0 warms up (group creation, first-touch of buffers) and is not reported
-        version = f"{preset}-{k}"
-        push = (lambda named, v=version: sync.push_bucket(named, v, wait=False)) if sync is not None else None
+        push = (lambda named, v=k: sync.push_bucket(named, v, wait=False)) if sync is not None else None
         dist.barrier()
         rss_before = _rss_kib("VmRSS")
         exact = _reset_peak()
@@ -134,7 +133,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     if rank == 0:
         sync.begin_session()
     dist.barrier()
-    push = (lambda named: sync.push_bucket(named, "verify", wait=False)) if sync is not None else None
+    push = (lambda named: sync.push_bucket(named, rounds + 1, wait=False)) if sync is not None else None
     result = streamer.stream(push, sequential=transport == "distributed", hf_views=transport == "shm",
                              digest=lambda name, t: tensor_digest(t))
     dist.barrier()
@@ -146,7 +145,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
         merged = {}
         for part in parts:
             merged.update(part)
-        sync.verify_checksum(combine_digests(merged))  # raises if the engine got anything else
+        verify_checksum(sync.clients, combine_digests(merged))  # raises if the engine got anything else
     if sync is not None:
         sync.close()
     per_rank = [None] * world
@@ -255,8 +254,10 @@ def main(argv: list[str]) -> int:
 
     import torch
 
+    from mpo.bench._util import push_whole
     from mpo.rollout.local_engine import LocalEngineProcess
     from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.verify import verify_checksum, weights_checksum
 
     torch.set_num_threads(1)
     named = _named_tensors(args.preset, seed=0)
@@ -269,8 +270,8 @@ def main(argv: list[str]) -> int:
             for transport in args.transports.split(","):
                 sync = WeightSync([engine.client], engine="mpo", transport=transport, bucket_bytes=bucket_bytes)
                 try:
-                    rates = [sync.push(named, version=f"bench{i}").bytes_per_s for i in range(args.rounds)]
-                    sync.verify(named)  # what was timed arrived intact
+                    rates = [push_whole(sync, named, version=i).bytes_per_s for i in range(args.rounds)]
+                    verify_checksum(sync.clients, weights_checksum(named))  # what was timed arrived intact
                 finally:
                     sync.close()
                 rows[f"WeightSync {transport} -> mpo engine"] = rates

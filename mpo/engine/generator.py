@@ -160,7 +160,6 @@ class MpoGenerator:
         self._paused = False
         self._stopped = False
         self._ids = itertools.count()
-        self._seed_stream = torch.Generator().manual_seed(0)
         self._thread = threading.Thread(target=self._loop, name="mpo-engine-scheduler", daemon=True)
         self._thread.start()
 

@@ -197,7 +197,7 @@ class ServerLimits:
 
     Attributes:
         max_body_bytes: largest request body. A larger declared Content-Length is answered 413 before any of the
-            body is read. The default fits a weight bucket of rollout.bucket_mb=64 after base64 (x4/3) with room
+            body is read. The default fits a weight bucket of sync.bucket_mb=64 after base64 (x4/3) with room
             to spare; raise it (--max-body-mb) together with a larger bucket_mb.
         idle_timeout_s: a kept-alive connection that sends nothing for this long between requests is closed (also
             bounds a stalled body upload between two reads).
@@ -272,7 +272,7 @@ def _declared_length(headers: Message, limit: int) -> int:
     if length > limit:
         raise RefusedRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                              f"request body of {length} bytes exceeds the engine's limit of {limit} bytes "
-                             f"(--max-body-mb {limit / (1 << 20):g}); weight updates: lower rollout.bucket_mb or "
+                             f"(--max-body-mb {limit / (1 << 20):g}); weight updates: lower sync.bucket_mb or "
                              f"start the engine with a larger --max-body-mb")
     return length
 

@@ -8,7 +8,7 @@ Token accounting of a row (GenerateResult-shaped, so the trainer builds its Samp
   * meta["loss_mask"]: 1 at generated tokens, 0 at observation tokens: the loss, the advantages and the rollout
     corrections see only the model's tokens;
   * output_logprobs: the engine's log-prob of each generated token (0 at observation tokens, masked);
-  * meta["output_token_weight_versions"]: each generated token's weight version as the engine stamped it (an
+  * meta["output_token_weight_versions"]: each generated token's weight version (an int, -1 unknown; an
     observation token takes the version of the token before it, so it never changes a row's staleness);
   * routed_experts: the last turn's call, whose input is the whole sequence but its last generated turn: the engine
     routes every position of its prompt (prefill included), so the rows cover positions 0 .. len-2 and R3 replays
@@ -138,8 +138,8 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
             e.ids += r.output_ids
             e.loss_mask += [1.0] * len(r.output_ids)
             e.logprobs += r.output_logprobs
-            stamped = r.meta.get("output_token_weight_versions") or [None] * len(r.output_ids)
-            e.versions += list(stamped)
+            stamped = r.meta.get("output_token_weight_versions")  # ints, -1 unknown (mpo.rollout.protocol)
+            e.versions += list(stamped) if stamped is not None else [-1] * len(r.output_ids)
             e.routes, e.finish_reason = r.routed_experts, r.finish_reason
             e.turns += 1
             texts.append(renderer.encoder.decode(r.output_ids))
@@ -169,7 +169,7 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
             e.ids += obs
             e.loss_mask += [0.0] * len(obs)
             e.logprobs += [0.0] * len(obs)
-            e.versions += [e.versions[-1] if e.versions else None] * len(obs)
+            e.versions += [e.versions[-1] if e.versions else -1] * len(obs)
         stats.time_s += time.perf_counter() - clock
     for e in episodes:
         if e.state is not None:

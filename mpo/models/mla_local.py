@@ -13,7 +13,6 @@ class accepts them: then delete this module.
 from __future__ import annotations
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.utils import divide
 
 
 class LocalMLADotProductAttention(DotProductAttention):

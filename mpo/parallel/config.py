@@ -84,13 +84,6 @@ class ParallelConfig:
         """Model chunks per pipeline stage (1 without virtual pipeline parallelism)."""
         return self.virtual_pipeline_parallel or 1
 
-    @property
-    def uses_distributed_optimizer(self) -> bool:
-        """use_distributed_optimizer on this machine (the memory plan's view, before any device is set up)."""
-        import torch
-
-        return self.use_distributed_optimizer(torch.cuda.is_available())
-
     def stage_layers(self, num_layers: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """Global (0-based) layer ids of every model chunk: ``[pp_rank][vp_stage] -> layer ids``.
 

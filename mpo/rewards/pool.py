@@ -128,7 +128,6 @@ class RewardPool:
         self._check_name(fn_name)  # a bad name or plug-in fails here, with one line, not in the workers
         self.fn_name = fn_name
         self.timeout_s = float(timeout_s)
-        self.n_workers = workers
         self.max_memory_mb = max_memory_mb or 0
         self.last_errors: list[str] = []
         self.dropped_output_bytes = 0  # workers' stderr dropped over MAX_OUTPUT_BYTES a batch, over the pool's life

@@ -219,6 +219,3 @@ class EngineClient:
         self.call("/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
                                                        "group_name": group_name, "load_format": load_format,
                                                        "weight_version": weight_version, "flush_cache": True})
-
-    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
-        self.call("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})

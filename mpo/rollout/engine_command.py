@@ -48,7 +48,7 @@ class EngineSettings:
         api_key: bearer token the engine requires (rollout.api_key); passed in the environment, never on argv.
         max_batch: mpo engine's largest decode batch.
         mem_fraction: SGLang --mem-fraction-static (None: SGLang's default).
-        bucket_mb: the weight-sync bucket (rollout.bucket_mb): mpo's engine accepts request bodies of a bucket after
+        bucket_mb: the weight-sync bucket (sync.bucket_mb): mpo's engine accepts request bodies of a bucket after
             base64 plus headroom (--max-body-mb), never less than its default.
         memory_saver: colocated engines (rollout.colocate): SGLang gets --enable-memory-saver, so it can release and
             resume its GPU memory (mpo's engine serves the same endpoints without a flag).
@@ -80,7 +80,7 @@ class EngineSettings:
         return cls(engine=r.engine, dtype=r.engine_dtype or m.dtype, fp32_lm_head=m.fp32_lm_head, seed=config.seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
                    tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,
-                   mem_fraction=mem_fraction, bucket_mb=r.bucket_mb, memory_saver=r.colocate)
+                   mem_fraction=mem_fraction, bucket_mb=config.sync.bucket_mb, memory_saver=r.colocate)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
-die. Its WeightSync and the re-push to a restarted engine come from mpo.weight_sync.transports.engine_set_sync (the
-client side imports nothing of mpo.weight_sync, which imports it); restarts and updates share one lock."""
+die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Its WeightSync comes from
+mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of mpo.weight_sync, which imports it);
+restarts and updates share one lock."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mpo.config import TrainConfig
@@ -30,24 +31,20 @@ class EngineSet:
 
         r = config.rollout
         self.processes: list[LocalEngineProcess] = []
-        self.engine, self.transport = r.engine, r.sync
+        self.engine, self.transport = r.engine, config.sync.transport
         # The distributed weight-update group: one rank per engine TP rank, rendezvous at trainer rank 0.
         self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1
-        self.sync_master_address = r.sync_master_address or "127.0.0.1"
+        self.sync_master_address = config.sync.master_address or "127.0.0.1"
         # The set's one WeightSync (mpo.weight_sync.transports.engine_set_sync makes it once; stop() closes it).
         self.sync: Any = None
-        # The weights last pushed, so an engine restarted mid-rollout serves the current policy, not its init.
-        # Kept only for local (CPU-sized) engines; external engines are restarted by whoever runs them.
-        self.last_weights: tuple[list, str] | None = None
-        # give_weights(client, named, version): pushes them to one restarted engine (set with `sync`).
-        self.give_weights: Callable[[Any, list, str], None] | None = None
+        self.stale: set[str] = set()  # URLs of local engines restarted since a weight sync last reached them
         # Restarts (the rollout pool's, on its thread) and weight updates (the trainer's) one at a time: in async mode
         # the producer restarts a killed engine while the trainer syncs, whose pause then hit a dead engine.
         self._engine_lock = threading.RLock()
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
                                           num_layers=model.num_layers, topk=model.router_topk,
-                                          num_experts=model.num_experts), None)
+                                          num_experts=model.num_experts), None, None)
                             for url in r.urls]
             return
         if r.engine != "mpo":
@@ -55,7 +52,8 @@ class EngineSet:
                              "are started by the launcher (launch/) and passed as rollout.urls")
         for process in self.local_processes(config, out_dir, model):
             self.processes.append(process.start())
-        self.handles = [(p.client, functools.partial(self._restart, p)) for p in self.processes]
+        self.handles = [(p.client, functools.partial(self._restart, p), lambda url=p.url: url not in self.stale)
+                        for p in self.processes]
 
     @staticmethod
     def local_processes(config: TrainConfig, out_dir: Path, model: MoEModelConfig) -> list:
@@ -73,20 +71,19 @@ class EngineSet:
                 for i in range(config.rollout.num_engines)]
 
     def _restart(self, process) -> None:
-        """Restart a local engine and give it the weights last pushed. Waits for a weight update in flight (which then
-        leaves last_weights at its version); an engine that another thread brought back meanwhile is left alone."""
+        """Restart a local engine, stale until the next weight sync. Waits for a weight update in flight; an engine
+        that another thread brought back meanwhile is left alone."""
         with self._engine_lock:
             if process.process is not None and process.process.poll() is None and process.client.healthy(2.0):
                 return  # restarted (or found healthy) while this caller waited for the lock
             process.restart()
-            if self.last_weights is not None and self.give_weights is not None:
-                self.give_weights(process.client, *self.last_weights)
+            self.stale.add(process.url)
 
     @contextlib.contextmanager
     def updating(self):
         """Rank 0, around a weight update: no engine restart runs meanwhile (one in flight finishes first); a local
         engine found down is restarted before the update, so that its pause / push reach a live engine; one that dies
-        during the update is left out of it (WeightSync.expendable) and restarted after it, with its weights."""
+        during the update is left out of it (WeightSync.expendable) and restarted after it, stale."""
         with self._engine_lock:
             self._restart_exited("before")
             yield
@@ -112,7 +109,7 @@ class EngineSet:
 
     @property
     def clients(self):
-        return [client for client, _ in self.handles]
+        return [handle[0] for handle in self.handles]
 
     def engine_tp_sizes(self) -> list[int]:
         """Weight-update ranks of each engine: its own `tp_size` from /server_info (SGLang's --tp; mpo's engine

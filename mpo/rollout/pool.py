@@ -20,12 +20,17 @@ from mpo.rollout.protocol import GenerateRequest, GenerateResult
 log = logging.getLogger(__name__)
 
 
+class StaleEngines(RuntimeError):
+    """Requests left undone: the engines that could take them were restarted, waiting for the current weights."""
+
+
 @dataclass
 class EngineHandle:
     """An engine the pool may use, and how to bring it back if it dies (None: it cannot be restarted by us)."""
 
     client: EngineClient
     restart: Callable[[], None] | None = None
+    current: Callable[[], bool] | None = None  # may it take work now (False: restarted, no current weights yet)?
     restarts: int = 0
     failures: int = 0
     _lock: asyncio.Lock | None = field(default=None, repr=False)
@@ -86,7 +91,7 @@ class RolloutPool:
         failure: list[BaseException] = []
 
         async def worker(engine: EngineHandle) -> None:
-            while not failure:
+            while not failure and (engine.current is None or engine.current()):
                 try:
                     indices, attempt = queue.get_nowait()
                 except asyncio.QueueEmpty:
@@ -129,8 +134,11 @@ class RolloutPool:
             raise failure[0]
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
-            raise RuntimeError(f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing "
-                               f"(engines: {', '.join(e.client.url for e in self.engines)})")
+            stale = ", ".join(e.client.url for e in self.engines if e.current is not None and not e.current())
+            raise (StaleEngines if stale else RuntimeError)(
+                f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing (engines: "
+                f"{', '.join(e.client.url for e in self.engines)})"
+                + (f"; restarted, waiting for the next weight sync: {stale}" if stale else ""))
         return results  # type: ignore[return-value]
 
     async def _recover(self, engine: EngineHandle) -> bool:

@@ -240,7 +240,7 @@ class GenerateResult:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: dict[str, Any]
-    weight_version: str | None = None
+    weight_version: int | None = None  # the engine's, as mpo's int (weight_version())
     routed_experts: np.ndarray | None = None  # [prompt+completion-1, MoE layers, top_k], compact_routes' dtype
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -281,16 +281,36 @@ class GenerateResult:
                 routed = compact_routes(decode_routed_experts(wire, rows=rows, num_layers=num_layers, topk=topk),
                                         num_experts)
             meta = {k: v for k, v in meta.items() if k != "routed_experts"}  # one copy of the routes, not two
+        if meta.get("output_token_weight_versions") is not None:
+            meta = {**meta, "output_token_weight_versions": token_versions(meta["output_token_weight_versions"])}
         return cls(
             prompt_ids=list(request.input_ids),
             output_ids=output_ids,
             output_logprobs=(triples.astype(np.float64).tolist() if isinstance(triples, np.ndarray)  # frames: [n]
                              else [float(t[0]) for t in triples]),
             finish_reason=meta.get("finish_reason") or {},
-            weight_version=meta.get("weight_version"),
+            weight_version=weight_version(meta.get("weight_version")),
             routed_experts=routed,
             meta=meta,
         )
+
+
+def weight_version(stamp: Any) -> int | None:
+    """An engine's weight-version stamp as mpo's version number: the trainer publishes str(int) (SGLang's
+    weight_version is a string); another stamp ("default" before the first update) is None."""
+    text = str(stamp) if isinstance(stamp, (int, np.integer, str)) and not isinstance(stamp, bool) else ""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def token_versions(stamps: Any, default: int = -1, count: int = 0) -> np.ndarray:
+    """Per-token weight-version stamps (meta_info.output_token_weight_versions; None or none: `count` unstamped
+    tokens, as from SGLang) as int64, `default` where unknown; one weight_version() per distinct stamp."""
+    values = np.asarray(stamps if stamps is not None and len(stamps) else [-1] * count)
+    if values.dtype.kind not in "iu":
+        unique, inverse = np.unique(values.astype(str), return_inverse=True)  # "None" for None: unknown
+        values = np.array([-1 if (v := weight_version(u)) is None else v for u in unique.tolist()],
+                          dtype=np.int64)[inverse.reshape(-1)]
+    return np.where(values < 0, default, values).astype(np.int64)
 
 
 def route_dtype(num_experts: int) -> np.dtype:

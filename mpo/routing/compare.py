@@ -30,7 +30,6 @@ import torch
 from mpo.routing.alignment import place_rollout_routes, routes_from_record
 from mpo.routing.capture import attach_routing_hooks
 from mpo.routing.metrics import agreement_metrics, replay_forced_metrics, router_shift_metrics
-from mpo.routing.records import MicroBatchRouting
 from mpo.routing.rspo import router_logp_pairs
 
 MODES = ("none", "r2", "r3")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mpo.rollout.protocol import GenerateRequest, SamplingParams
+from mpo.rollout.protocol import GenerateRequest, SamplingParams, token_versions
 from mpo.trainer.rows import Sample
 
 if TYPE_CHECKING:
@@ -39,13 +39,14 @@ class Collector:
         self.config, self.task, self.retirement, self.clock = config, task, retirement, clock
         self.context_length, self.advantages = context_length, advantages
         self.pool = None
+        self.republish = None  # sync mode: Distributor.republish, for engines all restarted mid-rollout (stale)
         self.samples_log: list[dict] = []  # a few decoded responses of the last collect (samples.jsonl)
 
     def connect(self, engines: list) -> None:
-        """Use these engines, (EngineClient, restart callable or None) pairs, from now on."""
+        """Use these engines, EngineHandle fields (client, restart, current), from now on."""
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 
-        self.pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in engines],
+        self.pool = RolloutPool([EngineHandle(*engine) for engine in engines],
                                 PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
                                            max_concurrency_per_engine=1))
 
@@ -60,8 +61,6 @@ class Collector:
         them have non-zero reward variance (mpo.trainer.dynamic_sampling); advantages are computed over the kept
         groups only, as DAPO does."""
         from mpo.trainer.dynamic_sampling import Sampled, sample_varied
-        from mpo.trainer.schedule import version_numbers
-
         version = step if version is None else version
         cfg = self.config
         G, wanted = cfg.rollout.samples_per_prompt, cfg.data.prompts_per_step
@@ -95,8 +94,9 @@ class Collector:
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
                           loss_mask=r.meta.get("loss_mask"),
-                          versions=version_numbers(r.meta.get("output_token_weight_versions"), version,
-                                                   len(r.output_ids)))
+                          # unknown (-1) or unstamped (SGLang): the version at submission, the oldest possible
+                          versions=token_versions(r.meta.get("output_token_weight_versions"), version,
+                                                  len(r.output_ids)))
                    for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
         # Reward and length metrics describe everything generated this step (every round): the policy's behaviour,
         # comparable with and without dynamic sampling; kept_samples_frac is of the batch a step should train on.
@@ -175,16 +175,27 @@ class Collector:
         """One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
         function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit. Returns the
         results in request order and the engine restarts it took."""
+        from mpo.rollout.pool import StaleEngines
+
         pool = self.pool
         per_engine = -(-len(requests) // len(pool.engines))
         started = time.perf_counter()
-        results = pool.generate(requests, requests_per_call=per_engine)
+        restarts = 0
+        try:
+            results = pool.generate(requests, requests_per_call=per_engine)
+        except StaleEngines as exc:
+            if self.republish is None:
+                raise
+            restarts = sum(h.restarts for h in pool.engines)
+            log.warning("%s: publishing the weights again, then the same requests again", exc)
+            self.republish()
+            results = pool.generate(requests, requests_per_call=per_engine)
         # The engine's own time: from its receipt of the batch to the last response (e2e_latency, its clock); the rest
         # of the call is the client's (HTTP, JSON, decoding the arrays).
         engine_s = max((r.meta.get("e2e_latency") or 0.0 for r in results), default=0.0)
         self.clock.add("engine", engine_s)
         self.clock.add("http_and_decode", max(time.perf_counter() - started - engine_s, 0.0))
-        return results, sum(h.restarts for h in pool.engines)
+        return results, restarts + sum(h.restarts for h in pool.engines)
 
     def _overlong_penalties(self, results: list) -> list[float]:
         """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""

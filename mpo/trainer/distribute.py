@@ -13,6 +13,8 @@ Which data-parallel rank trains on a sample is :func:`dp_owners`: the split Trai
 lengths with schedule.max_tokens_per_microbatch, mpo.trainer.packing). A rank that ever reads another rank's sample
 fails loudly (Elsewhere raises), so the two cannot drift apart silently.
 
+Rank 0 may first ask every rank to publish the weights again (Distributor.republish; mpo.weight_sync tells when).
+
 Transport: point-to-point sends on the gloo object group (parallel.distributed_timeout_s: every rank waits there while
 rank 0 generates), the same on GPU and CPU. Ranks with the same data-parallel rank and stage (tensor / context
 parallel peers) get the same pickle, made once.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -98,13 +101,17 @@ class Distributor:
         self.rank = dist.get_rank()
         self.me = (dp_rank, tuple(layers))
         self.num_layers, self.first_k_dense = num_layers, first_k_dense
-        self.ranks: list[tuple[int, tuple[int, ...]]] | None = None  # every rank's (dp_rank, layers), first call
+        self.on_republish: Callable[[], None] | None = None  # this rank's side of a weight publish (republish())
+        self.ranks: list = [None] * dist.get_world_size()  # every rank's (dp_rank, layers)
+        dist.all_gather_object(self.ranks, self.me, group=self.group)
+
+    def republish(self) -> None:
+        """Rank 0, before it sends a step's samples: every rank (the others wait in _receive) publishes again."""
+        for dst in range(1, dist.get_world_size()):
+            dist.send(torch.tensor([-1], dtype=torch.int64), dst=dst, group=self.group)
+        self.on_republish()
 
     def __call__(self, samples: list[Sample] | None, *, updates: int, dp_size: int, packed: bool) -> list[Sample]:
-        if self.ranks is None:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, self.me, group=self.group)
-            self.ranks = gathered
         if self.rank != 0:
             return self._receive()
         owners = dp_owners([len(s.ids) for s in samples], updates=min(updates, len(samples)) or 1, dp_size=dp_size,
@@ -131,6 +138,9 @@ class Distributor:
     def _receive(self) -> list[Sample]:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, src=0, group=self.group)
+        while int(size) < 0:  # rank 0 asks for a re-publish first (republish)
+            self.on_republish()
+            dist.recv(size, src=0, group=self.group)
         payload = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(payload, src=0, group=self.group)
         return pickle.loads(memoryview(payload.numpy()))

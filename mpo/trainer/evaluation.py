@@ -31,8 +31,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class Evaluator:
-    """Rank 0's evaluation: the held-out prompts, generated through `engines` (EngineHandle-ready (client, restart)
-    pairs, as Trainer.engines) and scored."""
+    """Rank 0's evaluation: the held-out prompts, generated through `engines` (EngineHandle fields, as
+    EngineSet.handles) and scored."""
 
     def __init__(self, config: TrainConfig) -> None:
         from mpo.trainer.tasks import make_task
@@ -64,7 +64,7 @@ class Evaluator:
                         stop_token_ids=self.task.stop_token_ids, sampling_seed=_sampling_seed(self.seed, 0, i * k + j)))
                     for i, prompt in enumerate(self.prompts) for j in range(k)]
         started = time.perf_counter()
-        pool = RolloutPool([EngineHandle(client, restart=restart) for client, restart in engines],
+        pool = RolloutPool([EngineHandle(*engine) for engine in engines],
                            PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
                                       max_concurrency_per_engine=1,
                                       requests_per_call=-(-len(requests) // len(engines))))

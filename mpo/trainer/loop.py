@@ -43,10 +43,17 @@ def publisher(trainer: Trainer, engines: EngineSet | None):
     """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines."""
     from mpo.weight_sync.publisher import Publisher
 
-    return Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
-                     stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
-                     object_group=trainer.ctx.object_group, engines=engines,
-                     score_probes=functools.partial(_trainer_probe_logprobs, trainer))
+    weights = Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
+                        stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
+                        object_group=trainer.ctx.object_group, engines=engines,
+                        score_probes=functools.partial(_trainer_probe_logprobs, trainer))
+    distribute = trainer.distributor()  # collective when new, as this is
+    distribute.on_republish = lambda: weights.publish(weights.version)
+    # sync mode: a collect whose engines were all restarted (stale) has every rank publish again (off-policy, rank 0's
+    # producer thread must not start a collective)
+    if trainer.config.schedule.mode == "sync":
+        trainer.collector.republish = distribute.republish
+    return weights
 
 
 def supervised_warm_start(trainer: Trainer) -> float:
@@ -125,7 +132,7 @@ def run(config: TrainConfig) -> None:
             sft_loss = supervised_warm_start(trainer)
             if trainer.rank == 0:
                 log.info("supervised warm start: %d steps, final loss %.4f", config.schedule.sft_steps, sft_loss)
-        weights.publish(version=f"step{start}")
+        weights.publish(version=start)
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
                                      progress=config.logging.progress, start_step=start, wandb=wandb_settings(config),
@@ -146,7 +153,7 @@ def run(config: TrainConfig) -> None:
                 schedule.before_sync()
             try:
                 with trainer.clock("sync"):
-                    metrics.update(weights.publish(version=f"step{step + 1}"))
+                    metrics.update(weights.publish(version=step + 1))
             finally:
                 if schedule is not None:
                     schedule.after_sync(step + 1)

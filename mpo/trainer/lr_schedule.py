@@ -22,14 +22,6 @@ def optimizer_settings(schedule: Any, *, lr: float) -> dict[str, float]:
             "adam_beta1": schedule.adam_beta1, "adam_beta2": schedule.adam_beta2, "adam_eps": schedule.adam_eps}
 
 
-def wsd_decay_steps(schedule: Any) -> int | None:
-    """The RL steps of WSD's final decay (lr_decay=wsd), else None."""
-    if schedule.lr_decay != "wsd":
-        return None
-    return max(1, round(schedule.lr_wsd_decay_frac * (max(schedule.steps, schedule.lr_warmup_steps + 1)
-                                                       - schedule.lr_warmup_steps)))
-
-
 class LrSchedule:
     """megatron's OptimizerParamScheduler on `optimizer`, positioned by RL step (see the module docstring)."""
 
@@ -37,11 +29,13 @@ class LrSchedule:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         settings = optimizer_settings(schedule, lr=lr)
+        decay = max(schedule.steps, schedule.lr_warmup_steps + 1)  # megatron: more decay steps than warmup steps
+        wsd = max(1, round(schedule.lr_wsd_decay_frac * (decay - schedule.lr_warmup_steps)))  # WSD's final decay
         self.scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=lr, min_lr=settings["min_lr"],
-            lr_warmup_steps=schedule.lr_warmup_steps, lr_decay_steps=max(schedule.steps, schedule.lr_warmup_steps + 1),
+            lr_warmup_steps=schedule.lr_warmup_steps, lr_decay_steps=decay,
             lr_decay_style="WSD" if schedule.lr_decay == "wsd" else schedule.lr_decay,
-            wsd_decay_steps=wsd_decay_steps(schedule), lr_wsd_decay_style="linear",
+            wsd_decay_steps=wsd if schedule.lr_decay == "wsd" else None, lr_wsd_decay_style="linear",
             start_wd=schedule.weight_decay, end_wd=schedule.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
         self.optimizer = optimizer
 

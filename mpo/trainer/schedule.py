@@ -6,7 +6,7 @@
   engines between requests), so every token is at most 1 version stale.
 * async: the producer keeps the engines busy: it starts the batch of step p as soon as the engines hold version
   >= p - schedule.max_staleness, and the weight sync does not wait for it: the push pauses the engines in place
-  (SGLang's pause_generation(mode="in_place") inside WeightSync.push), swaps the weights and continues, so a partial
+  (SGLang's pause_generation(mode="in_place") in WeightSync.begin_session), swaps the weights and continues, so a partial
   rollout finishes under the new weights. The mpo engine stamps every generated token with the weight version it
   was sampled under (meta_info.output_token_weight_versions); for engines that do not (SGLang), every token gets the
   version current when its batch was submitted, the oldest it can have (staleness is then an upper bound).
@@ -65,29 +65,6 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MODES = ("sync", "one_step_off", "async")
-
-
-def version_number(version: str | int | None, default: int) -> int:
-    """The step number of a weight version ("step12" -> 12, as loop.run names them); `default` if unknown."""
-    if isinstance(version, int):
-        return version
-    if isinstance(version, str) and version.startswith("step") and version[4:].isdigit():
-        return int(version[4:])
-    return default
-
-
-def version_numbers(stamps, default: int, count: int) -> np.ndarray:
-    """Per-token version stamps (the engine's "step12" strings, ints, or None: every token `default`) as step
-    numbers, int64 [count]; one version_number call per distinct stamp, not per token."""
-    if not stamps:
-        return np.full(count, default, dtype=np.int64)
-    values = np.asarray(stamps)
-    if values.dtype.kind in "iu":
-        return values.astype(np.int64)
-    if values.dtype.kind != "U":  # mixed (ints and strings, or None): per token, as version_number reads them
-        return np.array([version_number(v, default) for v in stamps], dtype=np.int64)
-    unique, inverse = np.unique(values, return_inverse=True)
-    return np.array([version_number(u, default) for u in unique.tolist()], dtype=np.int64)[inverse]
 
 
 def _overlap(intervals: list[tuple[float, float]], start: float, end: float) -> float:

@@ -95,7 +95,7 @@ class Trainer:
         self.collector = Collector(self.config, self.task, clock=self.clock,  # rank 0 samples, retires, keeps the set
                                    retirement=PromptRetirement(retire) if retire is not None else None,
                                    context_length=self.model_cfg.max_position_embeddings, advantages=self.advantages)
-        if engines:  # rank 0 only: (EngineClient, restart callable or None) pairs
+        if engines:  # rank 0 only: EngineHandle fields (client, restart or None[, current])
             self.collector.connect(engines)
         self.step = 0
         self.nonfinite_in_row = 0
@@ -149,10 +149,6 @@ class Trainer:
         return self.ps.is_pipeline_last_stage()
 
     # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
-    def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s batch from the engines (mpo.trainer.collect.Collector)."""
-        return self.collector.collect(step, version)
-
     # -- training ------------------------------------------------------------------------------------------------
     def uniform_seq_len(self, samples: list[Sample]) -> int | None:
         """The one [b, s] shape every micro-batch of a pass needs under PP or TP (see rows.uniform_length)."""
@@ -183,21 +179,22 @@ class Trainer:
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
 
     def step_batch(self, step: int, source=None) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s samples on every rank (rank 0 collects them from `source`, default collect) and the rollout
+        """Step `step`'s samples on every rank (rank 0 collects them from `source`, default the Collector's) and the rollout
         metrics (rank 0's)."""
-        source = source or self.collect
+        source = source or self.collector.collect
         with self.clock("collect"):
             samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
         # Every other rank waits here while rank 0 generates: on the gloo object group
         # (parallel.distributed_timeout_s), which holds none of the offloaded storages. Each rank receives its
         # data-parallel share with its stage's routes, the rest as lengths (mpo.trainer.distribute).
         with self.clock("broadcast"):
-            samples = self._distributor()(samples, updates=self.config.schedule.updates_per_step,
+            samples = self.distributor()(samples, updates=self.config.schedule.updates_per_step,
                                           dp_size=self._dp()[1],
                                           packed=bool(self.config.schedule.max_tokens_per_microbatch))
         return samples, rollout_metrics
 
-    def _distributor(self):
+    def distributor(self):
+        """This rank's Distributor (mpo.trainer.distribute); made on first use, a collective on every rank."""
         from mpo.trainer.distribute import Distributor
 
         if getattr(self, "_distribute", None) is None:

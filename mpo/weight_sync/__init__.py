@@ -19,7 +19,7 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
   converted and pushed from the other (double buffering). Holders keep at most two buckets of sends in flight. Peak
   extra memory on any rank is two slots plus one bucket's conversion copies, whatever the model size (measured:
   `python -m mpo.bench weight_sync --sweep`).
-  Same-host pieces on CPU (`rollout.host_shared_memory`, default on when the training device is the CPU): gloo's
+  Same-host pieces on CPU (`sync.host_shared_memory`, default on when the training device is the CPU): gloo's
   only path between two processes of one host is TCP over loopback, several times slower than memcpy, so the
   sender's slots are shared-memory files (shared_memory.py) and same-host holders write their pieces straight into
   place, told by a small "go" message when the slot is free and answering "done".
@@ -42,7 +42,11 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
   mpo.rollout.engines; its one WeightSync comes from transports.engine_set_sync) and opens the session on every
   engine before any bucket and closes it after every sender finished, so the new weights take effect at once; every
   other sender gets the engine URLs from rank 0 (one small broadcast per sync) and pushes with its own WeightSync
-  (distributed: its own group, rendezvous at its address on the route to the engines).
+  (distributed: its own group, rendezvous at its address on the route to the engines). Versions are ints (the
+  step; str(int) on the wire, SGLang's weight_version being a string). No rank keeps a copy of the weights: a local
+  engine restarted between syncs is stale (no rollout work) until the next publish reaches it; one that died during
+  a publish is restarted after it and streamed to once more; a sync-mode collect left with only stale engines has
+  every rank publish again (mpo.trainer.distribute.Distributor.republish) and reruns its requests.
 * verify.py: mpo's engine reports sha256 over (name, per-tensor sha256) in name order. Each sender hashes the
   tensors it pushed as the engine stores them (engine dtype); only the name -> digest map meets on rank 0, which
   compares the combined checksum with every engine's. SGLang has no checksum for MoE models: the engines'

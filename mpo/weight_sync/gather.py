@@ -149,7 +149,6 @@ class WeightStreamer:
         self.units, self.buckets = build_plan(mapping, [g[1] for g in gathered], self.stage_of_rank, bucket_bytes,
                                               torch.empty((), dtype=self.dtype).element_size())
         self.senders = sorted({b.sender for b in self.buckets})
-        self.hf_shapes = mapping.hf_shapes()
         self.stage = stage
 
     @property

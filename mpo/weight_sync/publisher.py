@@ -4,7 +4,6 @@ trainer's weights to the engines after each step and verifies them. No rank gath
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
@@ -15,16 +14,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from mpo.config import TrainConfig
 
-log = logging.getLogger(__name__)
-
 PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verified with (then extended to coverage)
-
-
-def _copy_as(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A copy of a bucket tensor in its HF shape (one copy, whatever the view's layout)."""
-    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    out.view(tensor.shape).copy_(tensor)
-    return out
 
 
 class Publisher:
@@ -39,53 +29,60 @@ class Publisher:
         from mpo.models.hf_mapping import mapping_for
         from mpo.weight_sync.gather import WeightStreamer
 
-        r = config.rollout
+        s = config.sync
         self.config, self.model_cfg, self.engines = config, model_cfg, engines
         self.object_group, self.score_probes = object_group, score_probes
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
-                                       bucket_bytes=r.bucket_mb << 20, device=device,
-                                       host_shared_memory=r.host_shared_memory)
+                                       bucket_bytes=s.bucket_mb << 20, device=device,
+                                       host_shared_memory=s.host_shared_memory)
         self._sync = None  # a non-zero sender's WeightSync, for the engine URLs in self._urls
         self._urls: tuple = ()
         self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
+        self.version: int | None = None  # the version last published
 
-    def publish(self, version: str) -> dict[str, float]:
-        """Collective: stream the weights to every engine bucket by bucket and verify them (mpo engines by weights
-        checksum, SGLang engines by the log-probs of a probe covering every expert). Returns the sync metrics."""
-        engines = self.engines
-        with engines.updating() if engines is not None else contextlib.nullcontext():
-            metrics = self._stream(version)
+    def publish(self, version: int) -> dict[str, float]:
+        """Collective: stream the weights of `version` to every engine bucket by bucket and verify them (mpo engines
+        by weights checksum, SGLang engines by the log-probs of a probe covering every expert). A local engine that
+        died during the stream is restarted after it and streamed to once more (no rank keeps a copy of the weights
+        for it). Returns the sync metrics."""
+        engines, self.version = self.engines, version
+        for _ in range(2):
+            with engines.updating() if engines is not None else contextlib.nullcontext():
+                metrics = self._stream(version)
+            again = [engines is not None and bool(engines.stale)]
+            dist.broadcast_object_list(again, src=0)
+            if not again[0]:
+                break
         if self.config.rollout.engine == "sglang":
             metrics.update(self.verify_by_probe())
         return metrics
 
     def _sender_sync(self, info: dict):
-        """This sender's WeightSync: rank 0 uses the EngineSet's; other senders make theirs for the engines rank 0
-        named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
+        """This sender's WeightSync: rank 0 uses the EngineSet's (`info` unread); other senders make theirs for the
+        engines rank 0 named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
         from mpo.weight_sync.transports import WeightSync, engine_set_sync
 
         r = self.config.rollout
         if self.engines is not None:
-            return engine_set_sync(self.engines, bucket_bytes=r.bucket_mb << 20)
+            return engine_set_sync(self.engines, bucket_bytes=self.config.sync.bucket_mb << 20)
         key = (*info["urls"], info["transport"])
         if self._sync is None or self._urls != key:
             self.close()
             clients = [EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s) for url in info["urls"]]
             host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
-                                    bucket_bytes=r.bucket_mb << 20, tp_sizes=info["tp_sizes"],
+                                    bucket_bytes=self.config.sync.bucket_mb << 20, tp_sizes=info["tp_sizes"],
                                     master_address=routable_address(host))
             self._urls = key
         return self._sync
 
-    def _stream(self, version: str) -> dict[str, float]:
+    def _stream(self, version: int) -> dict[str, float]:
         """Collective: every rank streams its shards; each stage's sender pushes HF buckets to every engine inside
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
-        from mpo.weight_sync.transports import engine_set_sync
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
         started = time.perf_counter()
@@ -93,9 +90,8 @@ class Publisher:
         r, m = self.config.rollout, self.config.model
         info: list[Any] = [None]
         if engines is not None:
-            sync0 = engine_set_sync(engines, bucket_bytes=r.bucket_mb << 20)
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
-                     "tp_sizes": list(sync0.tp_sizes)}]
+                     "tp_sizes": list(self._sender_sync({}).tp_sizes)}]
         dist.broadcast_object_list(info, src=0)
         info = info[0]
         if info is None:  # no engines: nothing to push
@@ -109,22 +105,14 @@ class Publisher:
             def digest(name: str, tensor: torch.Tensor) -> str:
                 return tensor_digest(tensor if name in fp32_names else tensor.to(engine_dtype))
 
-        remembered: list = []
-        keep = engines is not None and bool(engines.processes)  # a restarted local engine gets them (CPU demo sizes)
-        shm = info["transport"] == "shm"  # the engines read strided views of the slots: no conversion copies
-
-        def push(named):
-            pending = sync.push_bucket(named, version, wait=False)
-            if keep:  # the bucket's tensors are views of a slot the next buckets reuse (q/k/v: of another shape)
-                remembered.extend((name, _copy_as(tensor, streamer.hf_shapes[name])) for name, tensor in named)
-            return pending
-
         if engines is not None:
             sync.begin_session()
         try:
             dist.barrier()
-            result = streamer.stream(push if sync is not None else None,
-                                     sequential=info["transport"] == "distributed", digest=digest, hf_views=shm)
+            push = (lambda named: sync.push_bucket(named, version, wait=False)) if sync is not None else None
+            # shm: the engines read strided views of the slots, no conversion copies
+            result = streamer.stream(push, sequential=info["transport"] == "distributed", digest=digest,
+                                     hf_views=info["transport"] == "shm")
             dist.barrier()
         finally:
             if engines is not None:
@@ -135,11 +123,7 @@ class Publisher:
         if digest is not None:
             dist.gather_object(result.digests, digests, dst=0)
         if engines is not None:
-            if keep:
-                if len(streamer.senders) > 1:
-                    log.warning("local engines with %d pipeline stages: a restarted engine gets only stage 0's "
-                                "weights until the next sync", len(streamer.senders))
-                engines.last_weights = (remembered, version)
+            engines.stale.difference_update(c.url for c in sync.live)  # they hold the current weights now
             if digest is not None:
                 merged: dict[str, str] = {}
                 for part in digests:

@@ -1,11 +1,11 @@
 """Host shared memory for same-host weight movement (CPU): files in /dev/shm mapped by every process that needs them.
 
 On GPU, pieces of a bucket move between trainer ranks over NCCL and reach colocated SGLang engines through CUDA IPC
-handles (rollout.sync=cuda_ipc). On CPU, gloo's only intra-host path is TCP over loopback (about a tenth of memcpy
+handles (sync.transport=cuda_ipc). On CPU, gloo's only intra-host path is TCP over loopback (about a tenth of memcpy
 speed here), so the same-host steps of a sync use shared memory instead, with the same shape of protocol: a sender
 allocates a bucket slot as a shared file, same-host holders write their pieces straight into it (mpo.rollout.
 streaming), and mpo's engine reads the converted bucket in place from a small locator message
-(rollout.sync=shm, load_format "mpo_shm") instead of receiving its bytes.
+(sync.transport=shm, load_format "mpo_shm") instead of receiving its bytes.
 
 Files are named `mpo-sync-<token>-p<pid>-...` in MPO_SHM_DIR (default /dev/shm), created exclusively, preallocated
 with posix_fallocate (a full tmpfs fails here with ENOSPC, one line naming the size and the room left, instead of
@@ -163,7 +163,7 @@ class SharedMemoryFull(NoSpaceLeft):
             free = "free space unknown"
         OSError.__init__(self, errno.ENOSPC, (
             f"no space in {directory} for a {_size(nbytes)} weight-sync slot ({free}; a container's /dev/shm is "
-            f"often 64 MiB: raise --shm-size, or set MPO_SHM_DIR, or use rollout.bucket_mb smaller)"))
+            f"often 64 MiB: raise --shm-size, or set MPO_SHM_DIR, or use sync.bucket_mb smaller)"))
         self.path = Path(path)
 
 

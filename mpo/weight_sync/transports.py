@@ -50,47 +50,18 @@ TRANSPORTS: dict[str, Transport] = {
 
 
 def check_transport(transport: str, engine: str, *, off_host: str | None = None) -> None:
-    """Raise ValueError (one line, naming rollout.sync) unless `transport` serves `engine` engines; `off_host`
+    """Raise ValueError (one line, naming sync.transport) unless `transport` serves `engine` engines; `off_host`
     describes an engine that is not on the trainer's host (node), if there is one."""
     spec = TRANSPORTS.get(transport)
     if spec is None:
-        raise ValueError(f"rollout.sync must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+        raise ValueError(f"sync.transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
     if engine not in spec.engines:
         takes = [repr(name) for name, t in TRANSPORTS.items() if engine in t.engines]
-        raise ValueError(f"rollout.sync={transport!r} is {spec.what}; rollout.engine={engine!r} takes sync "
+        raise ValueError(f"sync.transport={transport!r} is {spec.what}; rollout.engine={engine!r} takes "
                          f"{', '.join(takes[:-1])} or {takes[-1]}")
     if off_host is not None and engine in spec.same_host:
-        raise ValueError(f"rollout.sync={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
-                         f"rollout.sync='distributed'")
-
-
-def make_buckets(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
-    """Consecutive groups of at most bucket_bytes each (a larger single tensor gets a bucket of its own)."""
-    buckets: list[NamedTensors] = []
-    current: NamedTensors = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append((name, tensor))
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-@dataclass
-class SyncReport:
-    seconds: float
-    bytes: int
-    buckets: int
-    transport: str = "tensor"
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9)
+        raise ValueError(f"sync.transport={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
+                         f"sync.transport='distributed'")
 
 
 log = logging.getLogger(__name__)
@@ -170,8 +141,8 @@ class WeightSync:
         check_transport(transport, engine, off_host=remote and f"engine {remote} is on another node")
         far = next((url for url, host in hosts.items() if not is_loopback(host)), None)
         if transport == "distributed" and far is not None and is_loopback(master_address):
-            raise ValueError(f"rollout.sync='distributed': engine {far} cannot reach trainer rank 0 at "
-                             f"{master_address}; set rollout.sync_master_address to an address of this host that "
+            raise ValueError(f"sync.transport='distributed': engine {far} cannot reach trainer rank 0 at "
+                             f"{master_address}; set sync.master_address to an address of this host that "
                              f"the engines can route to (the launcher sets it)")
         self.clients = list(clients)
         self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
@@ -184,26 +155,13 @@ class WeightSync:
         self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
         self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
         # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
-        # (EngineSet: a local engine whose process died, which it restarts with the session's weights afterwards).
+        # (EngineSet: a local engine whose process died; it is restarted after the session, and the publisher streams
+        # the weights once more for it).
         # None: every engine error fails the sync.
         self.expendable: Callable[[EngineClient], bool] | None = None
         self.lost: set[str] = set()  # URLs left out of the current session
 
     # -- pushing ---------------------------------------------------------------------------------------------------
-    def push(self, named: NamedTensors, version: str) -> SyncReport:
-        """Every tensor of `named` to every engine, in one weight-update session tagged `version` (one sender: the
-        trainer's streaming sync uses begin_session / push_bucket / end_session across its senders)."""
-        started = time.perf_counter()
-        buckets = make_buckets(named, self.bucket_bytes)
-        self.begin_session()
-        try:
-            for bucket in buckets:
-                self.push_bucket(bucket, version)
-        finally:
-            self.end_session()
-        total = sum(t.numel() * t.element_size() for _, t in named)
-        return SyncReport(time.perf_counter() - started, total, len(buckets), self.transport)
-
     def begin_session(self) -> None:
         """Pause generation and open SGLang's weight-update session on every engine (once per sync, one caller)."""
         self.lost = set()
@@ -236,19 +194,21 @@ class WeightSync:
         if (client is None or self.expendable is None or not isinstance(exc, EngineError) or not exc.retryable
                 or not self.expendable(client)):
             return False
-        log.warning("engine %s failed during the weight update (%s); left out of it (it is restarted with these "
-                    "weights)", url, exc)
+        log.warning("engine %s failed during the weight update (%s); left out of it (it is restarted and gets these "
+                    "weights streamed again)", url, exc)
         self.lost.add(url)
         return True
 
-    def push_bucket(self, bucket: NamedTensors, version: str, *, wait: bool = True) -> "PendingPush | None":
-        """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it).
+    def push_bucket(self, bucket: NamedTensors, version: int, *, wait: bool = True) -> "PendingPush | None":
+        """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it), tagged
+        with weight `version` (on the wire str(version): SGLang's weight_version is a string).
 
         wait=False (shm transport; the others always wait): return once the engines were asked, with a PendingPush
         whose wait() returns when every engine has copied the bucket out; until then its memory must not change.
         The streaming sync uses this to place the next bucket while the engines read this one."""
         if self.transport == "distributed" and self.group is None:
             self.connect()
+        version = str(version)
         if self.transport == "tensor":
             self._push_tensor(bucket, version)
         elif self.transport == "cuda_ipc":
@@ -279,7 +239,7 @@ class WeightSync:
         The engines must run on this node's GPUs; the tensors stay alive until every engine replied."""
         if not torch.cuda.is_available():
             raise EngineError(self.clients[0].url, "/update_weights_from_tensor",
-                              "rollout.sync='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
+                              "sync.transport='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
                               retryable=False)
         device = torch.device("cuda", torch.cuda.current_device())
         for run in split_by_dtype(bucket):
@@ -292,7 +252,7 @@ class WeightSync:
     def _push_shm(self, bucket: NamedTensors, version: str, wait: bool) -> "PendingPush | None":
         """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot (strided
         views included: the streaming sync's q/k/v), one copy into the spill buffer for the rest (a plain list of
-        tensors, as push() gets). A bucket that needed the spill buffer is always waited for (the buffer is reused
+        tensors, as the benches push). A bucket that needed the spill buffer is always waited for (the buffer is reused
         by the next bucket)."""
         import json
 
@@ -405,8 +365,7 @@ class WeightSync:
 
 def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
     """Rank 0's one WeightSync for an EngineSet (mpo.rollout.engines), made on first use and kept on the set (its
-    distributed group, if any, is made once and reused every step; EngineSet.stop closes it). A local engine that the
-    set restarts gets the weights last pushed over the tensor path."""
+    distributed group, if any, is made once and reused every step; EngineSet.stop closes it)."""
     if engines.sync is None:
         sync = WeightSync(engines.clients, engine=engines.engine, transport=engines.transport,
                           bucket_bytes=bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
@@ -414,6 +373,4 @@ def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
         if engines.transport != "distributed":  # a dead member would leave the group's collectives hanging
             sync.expendable = engines.exited
         engines.sync = sync
-        engines.give_weights = lambda client, named, version: WeightSync(
-            [client], engine="mpo", transport="tensor").push(named, version)
     return engines.sync

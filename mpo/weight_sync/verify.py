@@ -39,7 +39,7 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def verify_checksum(clients: Sequence[EngineClient], expected: str) -> None:
     """Every engine's /weights_checksum must equal `expected` (see combine_digests). Give the engines still in the
-    session (WeightSync.live): one left out of it is restarted with the session's weights."""
+    session (WeightSync.live): one left out of it is restarted and streamed to again (mpo.weight_sync)."""
     for client in clients:
         got = client.call("/weights_checksum", method="GET")["checksum"]
         if got != expected:

@@ -21,6 +21,7 @@ def make_sync(client, transport: str, bucket_mb: int):
 
 def run(out_file: str, url: str, preset_name: str, probe: list[int], transport: str, bucket_mb: int,
         rounds: int) -> None:
+    from mpo.bench._util import push_whole
     from mpo.bench.cuda_ipc import random_hf_weights
     from mpo.models.config import preset
     from mpo.parallel import ParallelConfig, initialize_parallel
@@ -37,9 +38,9 @@ def run(out_file: str, url: str, preset_name: str, probe: list[int], transport: 
                      "bytes": sum(t.numel() * t.element_size() for _, t in weights["a"]), "probe": {}}
     # a, b, then a again: the probe must move with the weights and come back exactly (nothing else is kept).
     for step, which in enumerate("aba"):
-        sync.push(weights[which], version=f"{transport}-{step}{which}")
+        push_whole(sync, weights[which], version=step)
         results["probe"][f"{step}{which}"] = run_probes(client, [probe])[0].logprobs
-    results["seconds"] = [sync.push(weights["a"], version=f"{transport}-t{i}").seconds for i in range(rounds)]
+    results["seconds"] = [push_whole(sync, weights["a"], version=100 + i).seconds for i in range(rounds)]
     results["median_s"] = statistics.median(results["seconds"])
     sync.close()
     torch.save(results, out_file)

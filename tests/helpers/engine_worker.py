@@ -56,6 +56,7 @@ def perturb_and_sync(out_file: str, urls: str | list[str], api_key: str, bucket_
     from mpo.models.hf_mapping import mapping_for
     from mpo.models.full_state import gather_full_state
     from mpo.rollout.client import EngineClient
+    from mpo.bench._util import push_whole
     from mpo.weight_sync.transports import WeightSync
     from mpo.weight_sync.verify import verify_checksum, weights_checksum
 
@@ -63,7 +64,7 @@ def perturb_and_sync(out_file: str, urls: str | list[str], api_key: str, bucket_
     named = list(mapping_for(cfg, spec="local").full_state_to_hf(gather_full_state(model)))
     clients = [EngineClient(url, api_key=api_key) for url in ([urls] if isinstance(urls, str) else urls)]
     sync = WeightSync(clients, engine="mpo", transport=transport, bucket_bytes=bucket_bytes)
-    report = sync.push(named, version="v1")
+    report = push_whole(sync, named, version=1)
     verify_checksum(sync.clients, weights_checksum(named))
     sync.close()
     torch.save({"buckets": report.buckets, "bytes_per_s": report.bytes_per_s, "checksum": weights_checksum(named)},
@@ -92,6 +93,7 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
     from mpo.models.hf_mapping import mapping_for
     from helpers.trainer_worker import _worker_run
     from mpo.rollout.client import EngineError
+    from mpo.bench._util import push_whole
     from mpo.weight_sync.transports import WeightSync
 
     with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, engines, weights, results):
@@ -104,7 +106,7 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
                      if n.startswith(prefix)]
             generator = torch.Generator().manual_seed(7)
             stale = [(n, t + 0.05 * torch.randn(t.shape, generator=generator)) for n, t in named]
-            WeightSync(engines.clients, engine="mpo").push(stale, version="stale")
+            push_whole(WeightSync(engines.clients, engine="mpo"), stale, version=2)
             results["stale_tensors"] = len(stale)
         try:
             weights.verify_by_probe()
@@ -112,7 +114,7 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
         except EngineError as exc:
             results["stale_error"] = str(exc)
         if engines is not None:
-            WeightSync(engines.clients, engine="mpo").push(named, version="restored")
+            push_whole(WeightSync(engines.clients, engine="mpo"), named, version=3)
             results["probe_tokens"] = sum(map(len, weights.probes))
         results["restored"] = weights.verify_by_probe()
         json.dumps(results)

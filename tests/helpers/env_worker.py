@@ -24,7 +24,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     trainer.collector.connect(engines.handles)
     calls = []
     try:
-        publisher(trainer, engines).publish("v0")
+        publisher(trainer, engines).publish(0)
         generate = trainer.collector._generate
 
         def recorded(requests):
@@ -35,7 +35,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
             return results, restarts
 
         trainer.collector._generate = recorded
-        samples, metrics = trainer.collect(0)
+        samples, metrics = trainer.collector.collect(0)
         mbs = rank_microbatches(samples, dp_rank=0, dp_size=1, micro_batch_size=len(samples))
         records, old_metrics = trainer.policy.old_forward(mbs)
         mb, record = mbs[0], records[0]

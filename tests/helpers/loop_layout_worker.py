@@ -119,7 +119,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, layouts: dict[str, list[str]]
         samples = long_samples(trainer.model_cfg, routes="r3" in name) if name.startswith("packed") else \
             fixed_samples()
         world = dist.get_world_size()
-        trainer.collect = lambda step: (samples, {})  # noqa: B023 - fixed rollouts, same on every layout
+        trainer.collector.collect = lambda step: (samples, {})  # noqa: B023 - fixed rollouts, same on every layout
         captured: list = []
         original = trainer.policy.old_forward
 

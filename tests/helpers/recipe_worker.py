@@ -19,7 +19,7 @@ SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_paral
           "parallel.expert_tensor_parallel=null", "parallel.num_layers_in_first_stage=null",
           "parallel.num_layers_in_last_stage=null", "parallel.virtual_pipeline_parallel=null",
           "model.dtype=fp32", "model.recompute=false", "rollout.engine_dtype=fp32", "rollout.tensor_parallel=1",
-          "rollout.max_new_tokens=6", "rollout.samples_per_prompt=2", "rollout.bucket_mb=4", "data.prompts_per_step=2",
+          "rollout.max_new_tokens=6", "rollout.samples_per_prompt=2", "sync.bucket_mb=4", "data.prompts_per_step=2",
           "schedule.updates_per_step=1", "schedule.micro_batch_size=8", "schedule.sft_steps=0",
           "logging.tensorboard=false", "logging.progress=false"]
 
@@ -43,12 +43,12 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
             trainer.collector.connect(engines.handles)
         try:
             metrics = trainer.train_step(0)
-            metrics.update(publisher(trainer, engines).publish("v1"))
+            metrics.update(publisher(trainer, engines).publish(1))
         finally:
             trainer.task.close()
             if engines is not None:
                 engines.stop()
-        results[name] = {"engine": config.rollout.engine, "sync": config.rollout.sync, "task": config.data.task,
+        results[name] = {"engine": config.rollout.engine, "sync": config.sync.transport, "task": config.data.task,
                          "step": metrics}
         dist.barrier()
     if dist.get_rank() == 0:

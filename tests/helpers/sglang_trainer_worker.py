@@ -33,6 +33,7 @@ def run(out_file: str, mcore_dir: str, url: str, sequences: list[list[int]], pro
     from mpo.models.full_state import gather_full_state
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient, EngineError
+    from mpo.bench._util import push_whole
     from mpo.weight_sync.transports import WeightSync
     from mpo.weight_sync.verify import run_probes, verify_by_probe
     from mpo.routing import attach_routing_hooks
@@ -63,7 +64,7 @@ def run(out_file: str, mcore_dir: str, url: str, sequences: list[list[int]], pro
         named = list(mapping.full_state_to_hf(gather_full_state(unwrap(model))))
         own, _ = _score(model, hooks, probe, cfg.vocab_size)
         sync = WeightSync([client], engine="sglang", transport=transport, bucket_bytes=bucket_bytes)
-        report = sync.push(named, version=f"{transport}{i}")
+        report = push_whole(sync, named, version=i)
         diff = verify_by_probe(sync.clients, [probe], [own.tolist()], tolerance=1e-3)
         stale = None
         if previous is not None:  # the previous step's reference must now fail the check, naming the engine
@@ -91,6 +92,7 @@ def _stale_expert(model, hooks, cfg, mapping, client, probe: list[int], bucket_b
     from mpo.models.builder import unwrap
     from mpo.models.full_state import gather_full_state
     from mpo.rollout.client import EngineError
+    from mpo.bench._util import push_whole
     from mpo.weight_sync.transports import WeightSync
     from mpo.weight_sync.verify import ProbeCoverage, covering_probes, run_probes, verify_by_probe
 
@@ -106,7 +108,7 @@ def _stale_expert(model, hooks, cfg, mapping, client, probe: list[int], bucket_b
     prefix = f"model.layers.{layer}.mlp.experts.{expert}."
     stale = [(name, t) for name, t in named if not name.startswith(prefix)]
     sync = WeightSync([client], engine="sglang", transport="tensor", bucket_bytes=bucket_bytes)
-    sync.push(stale, version="stale-expert")
+    push_whole(sync, stale, version=1)
     out: dict = {"layer": layer, "expert": expert, "skipped": len(named) - len(stale)}
     out["short_diff"] = verify_by_probe(sync.clients, [short], [short_lp.tolist()], tolerance=1e-3)
     coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
@@ -123,6 +125,6 @@ def _stale_expert(model, hooks, cfg, mapping, client, probe: list[int], bucket_b
         verify_by_probe(sync.clients, probes, reference, tolerance=1e-3)
     except EngineError as exc:
         out["stale_error"] = str(exc)
-    sync.push(named, version="full-step")
+    push_whole(sync, named, version=2)
     out["full_diff"] = verify_by_probe(sync.clients, probes, reference, tolerance=1e-3)
     return out

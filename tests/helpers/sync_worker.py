@@ -76,8 +76,8 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
         urls = [f"rollout.urls=[{owner.clients[0].url}]"] if owner is not None else []
         config = load_config(RECIPES / "demo_cpu.yaml", [
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
-            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0", *urls,
-            f"rollout.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
+            f"sync.transport={transport}", "sync.bucket_mb=1", "schedule.sft_steps=0", *urls,
+            f"sync.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
@@ -88,16 +88,14 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
             before = engines.clients[0].call("/weights_checksum", method="GET")["checksum"] if engines else None
             perturb(trainer.gpt)
             with forbid_full_gather():
-                metrics = weights.publish(f"{transport}-1")  # verifies the engine checksum itself
+                metrics = weights.publish(1)  # verifies the engine checksum itself
             full = gather_full_state(trainer.gpt)
             if engines is not None:
                 named = mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full)
                 expected = weights_checksum(named)
                 got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
                 leftover = sorted(p.name for p in Path("/dev/shm").glob(f"mpo-sync-*-p{os.getpid()}-*-r*"))
-                kept = weights_checksum(engines.last_weights[0]) if engines.processes else expected
                 results[item] = {"metrics": metrics, "engine_matches_full_gather": got == expected,
-                                 "kept_for_restart_matches": kept == expected,
                                  "engine_changed": got != before, "shared": trainer_shared(weights),
                                  "leftover_shm_files": leftover}
         finally:
@@ -140,7 +138,7 @@ def sync_while_the_pool_restarts(trainer, engines) -> dict | None:
         restarting = threading.Thread(target=engines.handles[0][1], name="pool-restart", daemon=True)
         restarting.start()
     perturb(trainer.gpt, scale=0.01)
-    publisher(trainer, engines).publish("after-restart")
+    publisher(trainer, engines).publish(2)
     full = gather_full_state(trainer.gpt)
     if engines is None:
         return None
@@ -155,7 +153,7 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
     """The other half of the race (issue #24): the engine dies inside the weight update (killed as the first bucket
     is pushed), while the pool's thread, having seen it fail, restarts it. Before the fix the push failed
     (ConnectError) and the run died. Records, on rank 0: whether the engine came back as a new process holding
-    exactly the weights of the update it missed."""
+    exactly the weights of the update it missed (the publish streams once more for it), and no longer stale."""
     import threading
 
     from mpo.models.hf_mapping import mapping_for
@@ -166,7 +164,7 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
 
     threads, old_pid = [], None
     if engines is not None:
-        sync = engine_set_sync(engines, trainer.config.rollout.bucket_mb << 20)
+        sync = engine_set_sync(engines, trainer.config.sync.bucket_mb << 20)
         process, push_bucket = engines.processes[0], sync.push_bucket
         old_pid = process.process.pid
 
@@ -181,7 +179,7 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
     weights = publisher(trainer, engines)
     perturb(trainer.gpt, scale=0.01)
     try:
-        weights.publish("died-inside")
+        weights.publish(3)
     finally:
         if engines is not None:
             sync.push_bucket = push_bucket
@@ -192,7 +190,7 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
     expected = weights_checksum(mapping_for(trainer.model_cfg, spec="local").full_state_to_hf(full))
     got = engines.clients[0].call("/weights_checksum", method="GET")["checksum"]
     return {"restarted": engines.processes[0].process.pid != old_pid and not threads[0].is_alive(),
-            "engine_matches_full_gather": got == expected}
+            "engine_matches_full_gather": got == expected, "stale": sorted(engines.stale)}
 
 
 def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_size: int, layout: list[str],
@@ -215,7 +213,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
             f"model.hf_dir={hf_dir}", f"model.mcore_dir={mcore_dir}", "model.fp32_lm_head=false",
             "rollout.engine=sglang", f"rollout.urls=[{url}]", f"rollout.tensor_parallel={tp_size}",
-            f"rollout.sync={transport}", "rollout.bucket_mb=1", "schedule.sft_steps=0"])
+            f"sync.transport={transport}", "sync.bucket_mb=1", "schedule.sft_steps=0"])
         trainer = trainer or Trainer(config)
         trainer.config = config
         engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
@@ -228,7 +226,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
             except EngineError as exc:
                 stale = str(exc)
             with forbid_full_gather():
-                metrics = weights.publish(f"{transport}-{i}")  # raises if the probe disagrees
+                metrics = weights.publish(i)  # raises if the probe disagrees
             if engines is not None:
                 results[transport] = {"metrics": metrics, "stale_error": stale,
                                       "tp_sizes": engine_set_sync(engines, 1 << 20).tp_sizes}

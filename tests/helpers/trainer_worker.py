@@ -29,7 +29,7 @@ def _trainer(out_dir: str, overrides: list[str]):
     if engines is not None:
         trainer.collector.connect(engines.handles)
     weights = publisher(trainer, engines)
-    weights.publish("v0")
+    weights.publish(0)
     return trainer, engines, weights
 
 
@@ -61,11 +61,11 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
             trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
                                                    filter_zero_variance=False))
             metrics = trainer.train_step(step)
-            metrics.update(sync.publish(f"v{step + 1}"))
+            metrics.update(sync.publish(step + 1))
             results[loss] = metrics
         trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
         results["gspo+kl"] = trainer.train_step(len(losses))
-        results["gspo+kl"].update(sync.publish("v-last"))
+        results["gspo+kl"].update(sync.publish(99))
         # The engine dies between steps: the pool restarts it and it must serve the current weights.
         trainer.set_algorithm(AlgorithmSection(loss="gspo", filter_zero_variance=False))
         if engines is not None:
@@ -99,7 +99,7 @@ def algorithms_v2(out_dir: str, layout: list[str] = ()) -> None:
         for step, (name, fields) in enumerate(ALGORITHMS_V2.items()):
             trainer.set_algorithm(AlgorithmSection(filter_zero_variance=False, **fields))
             results[name] = trainer.train_step(step)
-            sync.publish(f"v{step + 1}")
+            sync.publish(step + 1)
             if fields.get("advantage") == "reinforce_ema":
                 results["ema_state"] = trainer.advantages.state_dict()
 
@@ -174,14 +174,14 @@ def retirement(out_dir: str, steps: int) -> None:
     overrides = ["data.digits=2", "algorithm.filter_zero_variance=false", "data.retire_pass_rate=0.0"]
     with _worker_run(out_dir, "retirement", overrides) as (trainer, _, _, results):
         sampled: list[list[list[int]]] = []
-        collect = trainer.collect
+        collect = trainer.collector.collect
 
         def collect_and_record(step):
             samples, metrics = collect(step)
             sampled.append(sorted({tuple(s.ids[: s.prompt_len]) for s in samples}))
             return samples, metrics
 
-        trainer.collect = collect_and_record
+        trainer.collector.collect = collect_and_record
         for step in range(steps):
             trainer.train_step(step)
         trainer.save(steps)
@@ -217,7 +217,7 @@ def critic_fits(out_dir: str, updates: int) -> None:
     with _worker_run(out_dir, "critic", ["algorithm.filter_zero_variance=false"]) as (trainer, _, _, results):
         trainer.set_algorithm(AlgorithmSection(loss="grpo", advantage="gae", filter_zero_variance=False,
                                                critic_lr=0.001, value_clip=10.0))
-        samples, _ = trainer.collect(0) if trainer.rank == 0 else (None, {})
+        samples, _ = trainer.collector.collect(0) if trainer.rank == 0 else (None, {})
         box = [samples]
         torch.distributed.broadcast_object_list(box, src=0)
         dp_rank, dp_size = trainer._dp()
