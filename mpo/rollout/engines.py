@@ -25,7 +25,9 @@ LOCAL_ENGINE_NICE = 10
 class EngineSet:
     """Rank 0's engines for `config`, serving the model `model` (its MoEModelConfig: routed-expert shapes)."""
 
-    def __init__(self, config: TrainConfig, out_dir: Path, model: MoEModelConfig) -> None:
+    def __init__(self, config: TrainConfig, out_dir: Path, model: MoEModelConfig, *, wait: bool = True) -> None:
+        """wait=False: local engines are launched, not waited for (wait_ready does): loop.run starts them before the
+        ranks build their models, so the two start-ups overlap."""
         from mpo.rollout.client import EngineClient
         from mpo.rollout.local_engine import LocalEngineProcess
 
@@ -50,10 +52,21 @@ class EngineSet:
         if r.engine != "mpo":
             raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
                              "are started by the launcher (launch/) and passed as rollout.urls")
-        for process in self.local_processes(config, out_dir, model):
-            self.processes.append(process.start())
+        for process in self.local_processes(config, out_dir, model):  # all launched, then all awaited
+            self.processes.append(process.launch())
+        if wait:
+            self.wait_ready()
         self.handles = [(p.client, functools.partial(self._restart, p), lambda url=p.url: url not in self.stale)
                         for p in self.processes]
+
+    def wait_ready(self) -> None:
+        """Every local engine serves (a no-op for configured URLs); if one fails to start, all are stopped."""
+        try:
+            for process in self.processes:
+                process.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     @staticmethod
     def local_processes(config: TrainConfig, out_dir: Path, model: MoEModelConfig) -> list:

@@ -62,6 +62,11 @@ class LocalEngineProcess:
         return self.client.url
 
     def start(self) -> "LocalEngineProcess":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "LocalEngineProcess":
+        """Start the process without waiting for it to serve (wait_ready does): a run starts its engines while its
+        ranks build their models."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # Own session: stop() signals the group. MPO_PARENT: the engine dies with this process (--exit-with-parent).
@@ -69,6 +74,11 @@ class LocalEngineProcess:
                                             env={**self.env, **child_env()}, start_new_session=True)
         if self.nice:  # its own process group (the new session): the engine and anything it starts
             os.setpriority(os.PRIO_PGRP, self.process.pid, self.nice)
+        return self
+
+    def wait_ready(self) -> "LocalEngineProcess":
+        """Wait until the launched engine answers health checks (startup_timeout_s); stops it and raises if it exits
+        or does not."""
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -76,7 +86,7 @@ class LocalEngineProcess:
                                    f"start-up; log: {self.log_path}\n{self.log_tail()}")
             if self.client.healthy(timeout_s=5.0):
                 return self
-            time.sleep(0.5)
+            time.sleep(0.1)  # refused at once until it listens: a short poll, as start-up is on every run's path
         self.stop()
         raise RuntimeError(f"engine on port {self.port} not healthy after {self.startup_timeout_s} s; "
                            f"log: {self.log_path}\n{self.log_tail()}")
