@@ -39,29 +39,26 @@ def requests_per_call(n: int, group: int, engines: int, prompts_per_call: int | 
     return max(group, 1) * (share if prompts_per_call is None else min(prompts_per_call, share))
 
 
+def scoring_thread():
+    """The one thread a run's streamed responses are scored on: long-lived, because a reward worker it restarts
+    dies with the thread that started it (PR_SET_PDEATHSIG, mpo.rewards.pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="mpo-scoring")
+
+
 class StreamingScorer:
-    """Scores calls' results on one thread of its own as they land (`submit`, the pool's on_call), while the others
-    still generate; `wait` gives one Scored of all `n` requests in request order, the same values as scoring them
-    all at the end (a reward is a function of its own response). `score(indices, results)` -> Scored; it runs on
-    one thread only (a RewardPool is not thread-safe, one caller at a time is fine)."""
+    """Scores calls' results on `executor` (scoring_thread()) as they land (`submit`, the pool's on_call), while the
+    others still generate; `wait` gives one Scored of all `n` requests in request order, the same values as scoring
+    them all at the end (a reward is a function of its own response). `score(indices, results)` -> Scored runs on
+    that one thread only (a RewardPool is not thread-safe; one caller at a time is fine)."""
 
-    def __init__(self, n: int, score) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.n, self.score = n, score
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="mpo-scoring")
+    def __init__(self, n: int, score, executor) -> None:
+        self.n, self.score, self._executor = n, score, executor
         self._futures: list = []
-        self.times: list[tuple[float, float, tuple[int, ...]]] = []  # (submitted, scored) perf_counter, indices
 
     def submit(self, indices: list[int], results: list, url: str = "") -> None:
-        submitted = time.perf_counter()
-
-        def run():
-            scored = self.score(indices, results)
-            self.times.append((submitted, time.perf_counter(), tuple(indices)))
-            return scored
-
-        self._futures.append((list(indices), self._executor.submit(run)))
+        self._futures.append((list(indices), self._executor.submit(self.score, indices, results)))
 
     def wait(self):
         from mpo.trainer.tasks import Scored
@@ -84,7 +81,12 @@ class StreamingScorer:
         return Scored(rewards, errors, texts)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Cancel what has not started and wait for what has (the scorer's thread is free again)."""
+        for _, future in self._futures:
+            future.cancel()
+        for _, future in self._futures:
+            if not future.cancelled():
+                future.exception()  # waits; an error was raised by wait() already, or the rollout failed first
 
 
 class EngineBusy:
@@ -119,6 +121,7 @@ class Collector:
         self.config, self.task, self.retirement, self.clock = config, task, retirement, clock
         self.context_length, self.advantages = context_length, advantages
         self.pool = None
+        self.scoring = scoring_thread()
         self.samples_log: list[dict] = []  # a few decoded responses of the last collect (samples.jsonl)
 
     def connect(self, engines: list) -> None:
@@ -241,7 +244,7 @@ class Collector:
             # Each call's responses are scored (the task's reward workers) as soon as the call returns, while the
             # others still generate; the scores are put back in request order.
             scorer = StreamingScorer(len(requests), lambda indices, results: self.task.score(
-                [prompts[i // G] for i in indices], [r.output_ids for r in results]))
+                [prompts[i // G] for i in indices], [r.output_ids for r in results]), self.scoring)
             try:
                 results, restarts = self._generate(requests, on_call=scorer.submit)
                 rollout_s = time.perf_counter() - started
