@@ -33,6 +33,8 @@ class EngineHandle:
     restarts: int = 0
     failures: int = 0
     _lock: asyncio.Lock | None = field(default=None, repr=False)
+    _ready: asyncio.Event | None = field(default=None, repr=False)  # clear while a failure is being recovered from
+    _gone: bool = field(default=False, repr=False)  # down and not restartable: its workers stop
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class RolloutPool:
         self.resent, self.calls = [], 0
         for engine in self.engines:  # restarts and failures count per call: each call has the whole restart budget
             engine._lock, engine.restarts, engine.failures = asyncio.Lock(), 0, 0
+            engine._ready, engine._gone = asyncio.Event(), False
+            engine._ready.set()
         failure: list[BaseException] = []
         n_workers = len(self.engines) * self.config.max_concurrency_per_engine
         # Calls not answered yet, queued or in flight: an idle worker waits for them (a failed call comes back to the
@@ -125,10 +129,20 @@ class RolloutPool:
             answered()
 
         async def worker(engine: EngineHandle) -> None:
+            assert engine._ready is not None
             while not failure:
+                # After a failure an engine takes no work until it is recovered: its other idle workers would
+                # otherwise burn the failed call's attempts on it before the restart.
+                await engine._ready.wait()
+                if engine._gone:
+                    return
                 item = await queue.get()
                 if item is None:
                     return
+                if not engine._ready.is_set() or engine._gone:  # it failed while this worker waited for work
+                    queue.put_nowait(item)
+                    queue.task_done()
+                    continue
                 indices, attempt = item
                 try:
                     self.calls += 1
@@ -154,10 +168,14 @@ class RolloutPool:
                                                    f"{exc}"))
                         return
                     log.warning("rollout requests %s failed (%s); retrying", indices, exc)
+                    engine._ready.clear()
                     self.resent.append(Resent(engine.client.url, tuple(indices), attempt))
                     queue.put_nowait((indices, attempt + 1))
                     await asyncio.sleep(self.config.backoff_s * 2**attempt)
-                    if not await self._recover(engine):
+                    recovered = await self._recover(engine)
+                    engine._gone = engine._gone or not recovered
+                    engine._ready.set()  # its workers go on, or see it gone and stop
+                    if not recovered:
                         return  # this engine is gone; the others take its work
                 finally:
                     queue.task_done()
