@@ -59,6 +59,13 @@ class RolloutSection:
         max_new_tokens: response budget.
         temperature: sampling temperature (1.0 keeps engine log-probs comparable to the trainer's).
         top_p: nucleus mass.
+        prompts_per_call: prompt groups per /generate call (a prompt's samples_per_prompt responses always go
+            together): small calls stream, so a failed call re-sends only its own samples and rewards are scored as
+            calls finish, while the others still generate. Never more than an engine's even share of the step
+            (so every engine gets work). null: each engine's whole share in one call (fastest for one CPU engine,
+            no streaming). Calls are consecutive groups in draw order, and mpo's engine decodes each call as its
+            own batch: rollouts stay a pure function of (weights, seeds), whatever the timing.
+        max_inflight_per_engine: calls in flight per engine at most (the next ones wait in the client's queue).
         api_key: sent as a bearer token to every engine.
         request_timeout_s: a request slower than this counts as a hung engine.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
@@ -88,6 +95,8 @@ class RolloutSection:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    prompts_per_call: int | None = 1
+    max_inflight_per_engine: int = 16
     api_key: str | None = None
     request_timeout_s: float = 300.0
     router_in_front: bool = False
@@ -774,6 +783,8 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.num_engines": (lambda v: v >= 1, ">= 1"),
     "rollout.samples_per_prompt": (lambda v: v >= 1, ">= 1"),
     "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "rollout.prompts_per_call": (lambda v: v is None or v >= 1, ">= 1 (or null: each engine's share in one call)"),
+    "rollout.max_inflight_per_engine": (lambda v: v >= 1, ">= 1"),
     "rollout.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),

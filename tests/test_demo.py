@@ -89,8 +89,12 @@ def test_killed_run_resumes_bit_exact(tmp_path, monkeypatch):
     seeds) until all 16 groups have non-zero reward variance, so every step trains on a full batch
     (kept_samples_frac 1.0) or says the rounds ran out, and the resumed steps draw the same rounds. The
     uninterrupted run also logs to W&B offline (logging.wandb): its run directory under the out dir holds every
-    metrics row. An lr schedule for policy and critic, weight decay and held-out evaluations resume exactly too."""
+    metrics row. An lr schedule for policy and critic, weight decay and held-out evaluations resume exactly too.
+
+    Rollouts and evaluations stream (issue 31): calls of 4 prompt groups, 2 in flight on the one engine, scored as
+    they land; the resumed run still reproduces the uninterrupted one."""
     settings = ("schedule.sft_steps=5", "logging.checkpoint_every=2", "logging.tensorboard=false", *PPO,
+                "rollout.prompts_per_call=4", "rollout.max_inflight_per_engine=2",
                 "algorithm.dynamic_sampling=true",
                 "schedule.lr_warmup_steps=2", "schedule.lr_decay=cosine", "schedule.min_lr=0.0002",
                 "schedule.weight_decay=0.01", "algorithm.critic_lr=0.002", "eval.every=2", "eval.prompts=16")

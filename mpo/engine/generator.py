@@ -5,6 +5,9 @@ queued rows start together as one batch; one prefill forward covers the position
 the shortest prompt), then each decode step is one forward of one token per row at the next position, all rows at
 the same position (a row whose prompt is longer feeds its next prompt token there instead of a sampled one, as
 megatron's static-batch generation does). Rows that finish leave the batch; queued rows start when it is empty.
+A batch holds the rows of one call (one submit_many: one /generate) only, the first max_batch of them still queued:
+its forwards, and so its numbers, are then a function of that call alone, never of which other calls happened to be
+in flight (with several calls in flight per engine, rollouts stay a pure function of (weights, seeds)).
 
 The log-probs and routes a response carries come from these forwards: the log-prob of each sampled token under the
 logits it was sampled from (the raw model distribution: the same numbers the trainer's forward gives for that token
@@ -55,6 +58,7 @@ class _Active:
     want_routes: bool
     generator: torch.Generator | None
     logprob_start_len: int = -1  # SGLang's: >= 0 returns input_token_logprobs of the prompt from that position
+    call: int = 0  # the submit_many it came in: a batch never mixes calls
     output: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version each output token was sampled under
     sampled_logprobs: list[float] = field(default_factory=list)  # each output token's log-prob when it was sampled
@@ -160,6 +164,7 @@ class MpoGenerator:
         self._paused = False
         self._stopped = False
         self._ids = itertools.count()
+        self._calls = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="mpo-engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -177,6 +182,7 @@ class MpoGenerator:
         `gone`: polled while waiting; once it says the caller went away, the rows still queued or running are
         aborted (no one would read them) and their answers are returned as they stand."""
         requests = []
+        call = next(self._calls)
         for i, (input_ids, params) in enumerate(zip(rows, sampling, strict=True)):
             check_token_ids(input_ids, where=f"input_ids[{i}]" if len(rows) > 1 else "input_ids",
                             vocab_size=self.vocab_size)
@@ -184,7 +190,8 @@ class MpoGenerator:
             if params.sampling_seed is not None:
                 generator = torch.Generator().manual_seed(int(params.sampling_seed))
             name = rids[i] if rids else f"mpo-{next(self._ids)}"
-            requests.append(_Active(name, list(input_ids), params, routed_experts, generator, logprob_start_len))
+            requests.append(_Active(name, list(input_ids), params, routed_experts, generator, logprob_start_len,
+                                    call))
         with self._cv:
             self._pending.extend(requests)
             self._cv.notify_all()
@@ -251,9 +258,13 @@ class MpoGenerator:
                     self._cv.wait()
                 if self._stopped:
                     return
-                if not self._active:  # a new batch: the rows queued now, up to max_batch
-                    self._active = self._pending[: self.max_batch]
-                    del self._pending[: self.max_batch]
+                if not self._active:  # a new batch: the first queued call's rows (a call's rows queue together)
+                    call = self._pending[0].call
+                    n = 0
+                    while n < min(self.max_batch, len(self._pending)) and self._pending[n].call == call:
+                        n += 1
+                    self._active = self._pending[:n]
+                    del self._pending[:n]
                     batch = _Batch.of(list(self._active))
             try:
                 self._step(batch)

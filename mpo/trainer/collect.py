@@ -30,6 +30,93 @@ def _sampling_seed(seed: int, step: int, index: int, round_: int = 0) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
+def requests_per_call(n: int, group: int, engines: int, prompts_per_call: int | None) -> int:
+    """Requests per /generate call: `prompts_per_call` groups of `group` (a prompt's samples stay together), never
+    more than an engine's even share of the `n` requests (every engine gets work); None: that share. A function of
+    the config and the batch's size only, so a call's composition is the same on every run."""
+    groups = -(-n // max(group, 1))
+    share = max(1, -(-groups // max(engines, 1)))
+    return max(group, 1) * (share if prompts_per_call is None else min(prompts_per_call, share))
+
+
+def scoring_thread():
+    """The one thread a run's streamed responses are scored on: long-lived, because a reward worker it restarts
+    dies with the thread that started it (PR_SET_PDEATHSIG, mpo.rewards.pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="mpo-scoring")
+
+
+class StreamingScorer:
+    """Scores calls' results on `executor` (scoring_thread()) as they land (`submit`, the pool's on_call), while the
+    others still generate; `wait` gives one Scored of all `n` requests in request order, the same values as scoring
+    them all at the end (a reward is a function of its own response). `score(indices, results)` -> Scored runs on
+    that one thread only (a RewardPool is not thread-safe; one caller at a time is fine)."""
+
+    def __init__(self, n: int, score, executor) -> None:
+        self.n, self.score, self._executor = n, score, executor
+        self._futures: list = []
+
+    def submit(self, indices: list[int], results: list, url: str = "") -> None:
+        self._futures.append((list(indices), self._executor.submit(self.score, indices, results)))
+
+    def wait(self):
+        from mpo.trainer.tasks import Scored
+
+        rewards: list = [None] * self.n
+        texts: list | None = [None] * self.n
+        errors = 0
+        for indices, future in self._futures:
+            scored = future.result()
+            errors += scored.errors
+            for k, i in enumerate(indices):
+                rewards[i] = scored.rewards[k]
+                if texts is not None:
+                    texts[i] = None if scored.texts is None else scored.texts[k]
+            if scored.texts is None:
+                texts = None
+        missing = [i for i, r in enumerate(rewards) if r is None]
+        if missing:
+            raise RuntimeError(f"scoring: {len(missing)} of {self.n} responses were never scored")
+        return Scored(rewards, errors, texts)
+
+    def reset(self) -> None:
+        """Forget every call scored so far (the same requests are generated again, mpo.rollout.pool.StaleEngines)."""
+        self.close()
+        self._futures = []
+
+    def close(self) -> None:
+        """Cancel what has not started and wait for what has (the scorer's thread is free again)."""
+        for _, future in self._futures:
+            future.cancel()
+        for _, future in self._futures:
+            if not future.cancelled():
+                future.exception()  # waits; an error was raised by wait() already, or the rollout failed first
+
+
+class EngineBusy:
+    """Per engine, the union of its calls' spans (receipt to last response, from each response's e2e_latency)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+
+    def add(self, url: str, results: list) -> None:
+        end = time.perf_counter()
+        latency = max((r.meta.get("e2e_latency") or 0.0 for r in results), default=0.0)
+        self.spans.setdefault(url, []).append((end - latency, end))
+
+    def seconds(self) -> float:
+        best = 0.0
+        for spans in self.spans.values():
+            total, reach = 0.0, float("-inf")
+            for start, end in sorted(spans):
+                if end > reach:
+                    total += end - max(start, reach)
+                    reach = end
+            best = max(best, total)
+        return best
+
+
 class Collector:
     """Rank 0's rollouts for the trainer: `config` (its algorithm section may change: set_algorithm), the run's
     `task` and prompt `retirement` (shared with the trainer's checkpoint), `clock` for phase times and the model's
@@ -40,15 +127,17 @@ class Collector:
         self.context_length, self.advantages = context_length, advantages
         self.pool = None
         self.republish = None  # sync mode: Distributor.republish, for engines all restarted mid-rollout (stale)
+        self.scoring = scoring_thread()
         self.samples_log: list[dict] = []  # a few decoded responses of the last collect (samples.jsonl)
 
     def connect(self, engines: list) -> None:
         """Use these engines, EngineHandle fields (client, restart, current), from now on."""
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
 
+        r = self.config.rollout
         self.pool = RolloutPool([EngineHandle(*engine) for engine in engines],
-                                PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
-                                           max_concurrency_per_engine=1))
+                                PoolConfig(request_timeout_s=r.request_timeout_s,
+                                           max_concurrency_per_engine=r.max_inflight_per_engine))
 
     def set_algorithm(self, config: TrainConfig, advantages) -> None:
         self.config, self.advantages = config, advantages
@@ -157,11 +246,17 @@ class Collector:
                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=budget,
                     stop_token_ids=self.task.stop_token_ids, sampling_seed=seed), return_routed_experts=want_routes)
                     for i, seed in enumerate(seeds)]
-            results, restarts = self._generate(requests)
-            rollout_s = time.perf_counter() - started
-            with self.clock("scoring"):
-                scored = self.task.score([prompts[i // G] for i in range(len(results))],
-                                         [r.output_ids for r in results])
+            # Each call's responses are scored (the task's reward workers) as soon as the call returns, while the
+            # others still generate; the scores are put back in request order.
+            scorer = StreamingScorer(len(requests), lambda indices, results: self.task.score(
+                [prompts[i // G] for i in indices], [r.output_ids for r in results]), self.scoring)
+            try:
+                results, restarts = self._generate(requests, on_call=scorer.submit, on_rerun=scorer.reset)
+                rollout_s = time.perf_counter() - started
+                with self.clock("scoring"):  # what is left of the scoring once generation has ended
+                    scored = scorer.wait()
+            finally:
+                scorer.close()
             penalties = self._overlong_penalties(results)
             rewards = [r + p for r, p in zip(scored.rewards, penalties)]
             drawn = Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
@@ -171,30 +266,48 @@ class Collector:
                                               for p in range(len(prompts))])
         return drawn
 
-    def _generate(self, requests: list[GenerateRequest]) -> tuple[list, int]:
-        """One batched call per engine: each engine sees its share together and in order, so rollouts are a pure
-        function of (weights, seeds) and a resumed run reproduces an uninterrupted one bit for bit. Returns the
+    def _generate(self, requests: list[GenerateRequest], *, group: int | None = None,
+                  on_call=None, on_rerun=None) -> tuple[list, int]:
+        """Generate in calls of rollout.prompts_per_call groups of `group` consecutive requests (default: a prompt's
+        samples_per_prompt responses), rollout.max_inflight_per_engine calls in flight per engine. mpo's engine
+        decodes each call as its own batch, so each result is a function of its call (fixed by the requests' order)
+        and the weights: rollouts are a pure function of (weights, seeds) and a resumed run reproduces an
+        uninterrupted one bit for bit. `on_call(indices, results, url)` hears of each call as it lands; `on_rerun()`
+        before all the requests go out again, after a re-publish for engines all restarted mid-rollout. Returns the
         results in request order and the engine restarts it took."""
         from mpo.rollout.pool import StaleEngines
 
         pool = self.pool
-        per_engine = -(-len(requests) // len(pool.engines))
+        group = self.config.rollout.samples_per_prompt if group is None else group
+        per_call = requests_per_call(len(requests), group, len(pool.engines), self.config.rollout.prompts_per_call)
+        busy = EngineBusy()
         started = time.perf_counter()
+
+        def landed(indices, results, url) -> None:
+            busy.add(url, results)
+            if on_call is not None:
+                on_call(indices, results, url)
+
         restarts = 0
         try:
-            results = pool.generate(requests, requests_per_call=per_engine)
+            results = pool.generate(requests, requests_per_call=per_call, on_call=landed)
         except StaleEngines as exc:
             if self.republish is None:
                 raise
             restarts = sum(h.restarts for h in pool.engines)
             log.warning("%s: publishing the weights again, then the same requests again", exc)
             self.republish()
-            results = pool.generate(requests, requests_per_call=per_engine)
-        # The engine's own time: from its receipt of the batch to the last response (e2e_latency, its clock); the rest
-        # of the call is the client's (HTTP, JSON, decoding the arrays).
-        engine_s = max((r.meta.get("e2e_latency") or 0.0 for r in results), default=0.0)
+            busy = EngineBusy()
+            if on_rerun is not None:  # the calls that landed before are generated (and heard of) again
+                on_rerun()
+            results = pool.generate(requests, requests_per_call=per_call, on_call=landed)
+        # The engines' own time: per engine, the union of its calls' spans from receipt to the last response
+        # (e2e_latency, its clock), the busiest engine's; the rest of the rollout is the client's (HTTP, JSON,
+        # decoding the arrays) and the queue's.
+        wall = time.perf_counter() - started
+        engine_s = min(busy.seconds(), wall)
         self.clock.add("engine", engine_s)
-        self.clock.add("http_and_decode", max(time.perf_counter() - started - engine_s, 0.0))
+        self.clock.add("http_and_decode", max(wall - engine_s, 0.0))
         return results, restarts + sum(h.restarts for h in pool.engines)
 
     def _overlong_penalties(self, results: list) -> list[float]:

@@ -48,12 +48,14 @@ class Evaluator:
             count = min(count, len(stream))
         self.prompts = self.task.draw(0, count)
         self.k = e.samples_per_prompt
+        self.scoring = None  # the thread its responses are scored on (collect.scoring_thread), from the first run
+
 
     def run(self, step: int, engines: Sequence) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Evaluate the engines' current policy; returns the metrics and the per-prompt rows of eval.jsonl."""
         from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
         from mpo.rollout.protocol import GenerateRequest, SamplingParams
-        from mpo.trainer.collect import _sampling_seed
+        from mpo.trainer.collect import StreamingScorer, _sampling_seed, requests_per_call, scoring_thread
 
         e, k = self.config.eval, self.k
         budget = e.max_new_tokens or self.config.rollout.max_new_tokens
@@ -64,13 +66,22 @@ class Evaluator:
                         stop_token_ids=self.task.stop_token_ids, sampling_seed=_sampling_seed(self.seed, 0, i * k + j)))
                     for i, prompt in enumerate(self.prompts) for j in range(k)]
         started = time.perf_counter()
+        ro = self.config.rollout
+        if self.scoring is None:
+            self.scoring = scoring_thread()
+        # As the rollouts: calls of rollout.prompts_per_call prompts' k samples, scored as they land.
         pool = RolloutPool([EngineHandle(*engine) for engine in engines],
-                           PoolConfig(request_timeout_s=self.config.rollout.request_timeout_s,
-                                      max_concurrency_per_engine=1,
-                                      requests_per_call=-(-len(requests) // len(engines))))
-        results = pool.generate(requests)
-        scored = self.task.score([self.prompts[i // k] for i in range(len(results))],
-                                 [r.output_ids for r in results])
+                           PoolConfig(request_timeout_s=ro.request_timeout_s,
+                                      max_concurrency_per_engine=ro.max_inflight_per_engine,
+                                      requests_per_call=requests_per_call(len(requests), k, len(engines),
+                                                                          ro.prompts_per_call)))
+        scorer = StreamingScorer(len(requests), lambda indices, results: self.task.score(
+            [self.prompts[i // k] for i in indices], [r.output_ids for r in results]), self.scoring)
+        try:
+            results = pool.generate(requests, on_call=scorer.submit)
+            scored = scorer.wait()
+        finally:
+            scorer.close()
         seconds = time.perf_counter() - started
         rows, passes = [], []
         for i, prompt in enumerate(self.prompts):
@@ -89,6 +100,8 @@ class Evaluator:
         return metrics, rows
 
     def close(self) -> None:
+        if self.scoring is not None:
+            self.scoring.shutdown(wait=True)
         self.task.close()
 
 
