@@ -209,7 +209,6 @@ def _build_chunk(model: MoEModelConfig, parallel: ParallelConfig, device: Device
         rotary_base=int(model.rope_theta),
         vp_stage=vp_stage,
     )
-    gpt.mpo_model_config = model
     if device.is_gpu:
         gpt.cuda(device.device)
     result: torch.nn.Module = gpt

@@ -78,15 +78,3 @@ class MicroBatchRouting:
     def replayed_choice(self) -> "MicroBatchRouting":
         """The experts the forward actually used, without the natural record (for replay-vs-natural comparisons)."""
         return MicroBatchRouting(self.layers, self.indices)
-
-    @staticmethod
-    def merge(parts: list["MicroBatchRouting"]) -> "MicroBatchRouting":
-        """Concatenate records of disjoint layer sets (e.g. gathered from pipeline stages) in global layer order."""
-        layers = [layer for p in parts for layer in p.layers]
-        order = sorted(range(len(layers)), key=layers.__getitem__)
-
-        def cat(name: str) -> Tensor | None:
-            xs = [getattr(p, name) for p in parts]
-            return None if any(x is None for x in xs) else torch.cat(xs, dim=2)[:, :, order]
-
-        return MicroBatchRouting(tuple(sorted(layers)), cat("indices"), cat("logp"), cat("logp_at"), cat("natural"))
