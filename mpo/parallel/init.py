@@ -33,6 +33,12 @@ class ParallelContext:
         return self.parallel.data_parallel(self.world_size)
 
 
+def launch_rank() -> int:
+    """This process's global rank from torchrun's environment (RANK; a lone process is 0), readable before any process
+    group exists."""
+    return int(os.environ.get("RANK", 0))
+
+
 def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, world_size: int | None = None,
                         master_addr: str | None = None, master_port: int | None = None,
                         num_layers: int | None = None, num_attention_heads: int | None = None,
@@ -45,7 +51,7 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
     the model's dimensions before any process group is created, so a bad layout fails with one clear line.
     Collectives time out after `timeout_s` (default: parallel.distributed_timeout_s).
     """
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    rank = launch_rank() if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     parallel.validate(world_size, num_layers=num_layers, num_attention_heads=num_attention_heads,

@@ -202,7 +202,7 @@ class RolloutPool:
             raise failure[0]
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
-            stale = ", ".join(e.client.url for e in self.engines if e.current is not None and not e.current())
+            stale = ", ".join(e.client.url for e in self.engines if not self._current(e))
             raise (StaleEngines if stale else RuntimeError)(
                 f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing (engines: "
                 f"{', '.join(e.client.url for e in self.engines)})"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from mpo.config import TrainConfig, model_config
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
+from mpo.parallel.init import launch_rank
 from mpo.rollout.engines import EngineSet
 from mpo.trainer.evaluation import Evaluator, due
 from mpo.trainer.metrics_log import MetricsLog, wandb_settings
@@ -111,12 +111,6 @@ def _evaluate(evaluator: Evaluator | None, step: int, engines: EngineSet | None,
     return metrics
 
 
-def _rank() -> int:
-    """This process's global rank before the process group exists (torchrun's environment, as initialize_parallel
-    reads it)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
@@ -125,7 +119,7 @@ def run(config: TrainConfig) -> None:
     out_dir = Path(config.logging.out_dir)
     # Rank 0 launches its local engines first: they start while the ranks build their models (~3.5 s each on CPU,
     # paid by every run and most tests), and are waited for once the trainer is up.
-    engines = EngineSet(config, out_dir, model_config(config), wait=False) if _rank() == 0 else None
+    engines = EngineSet(config, out_dir, model_config(config), wait=False) if launch_rank() == 0 else None
     trainer: Trainer | None = None
     metrics_log = None
     evaluator: Evaluator | None = None
