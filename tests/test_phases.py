@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 from mpo.trainer import phases
 from mpo.trainer.phases import PhaseClock
@@ -43,3 +44,23 @@ def test_quiet_drops_only_the_named_notices(caplog):
     logging.getLogger("elsewhere").warning("GPTModel IS DEPRECATED (quoted by someone else)")
     assert [r.getMessage() for r in caplog.records] == ["a real problem",
                                                          "GPTModel IS DEPRECATED (quoted by someone else)"]
+
+
+def test_without_a_gpu_megatron_imports_without_torch_compile():
+    """mpo.parallel.device.skip_torch_compile_without_gpu, in a fresh process as a rank or engine runs it: megatron's
+    torch.compile-wrapped fusions come back as the plain functions (no dynamo wrapper was built), and a value the user
+    set is kept (TORCHDYNAMO_DISABLE=0: wrapped as before)."""
+    import subprocess
+    import sys
+
+    probe = ("import torch; from mpo.parallel.device import skip_torch_compile_without_gpu as s; s(); "
+             "from megatron.core.fusions.fused_bias_geglu import geglu; "
+             "print(hasattr(geglu, '_torchdynamo_orig_callable'))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    wrapped = {}
+    for setting in (None, "0"):
+        run_env = env if setting is None else {**env, "TORCHDYNAMO_DISABLE": setting}
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], env=run_env, capture_output=True,
+                             text=True, check=True)
+        wrapped[setting] = out.stdout.strip().splitlines()[-1]
+    assert wrapped == {None: "False", "0": "True"}

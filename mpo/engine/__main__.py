@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from mpo.parallel.device import skip_torch_compile_without_gpu
 from mpo.rollout.engine_command import API_KEY_ENV
 from mpo.engine.server import DEFAULT_MAX_ROWS, ServerLimits
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mpo-engine %(levelname)s %(message)s")
     torch.set_num_threads(1)
+    skip_torch_compile_without_gpu()
     from mpo.engine.model import EngineModel
     from mpo.engine.server import EngineApp, serve
     from mpo.engine.generator import MpoGenerator

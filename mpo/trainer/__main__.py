@@ -22,6 +22,7 @@ if __name__ == "__main__":
     exit_with_parent()  # before torch is imported: a rank must not outlive torchrun, even while it loads
 
 import torch  # noqa: E402
+from mpo.parallel.device import skip_torch_compile_without_gpu  # noqa: E402
 
 PEER_REPORT_GRACE_S = 10.0  # how long a failing rank waits for a peer's one-line report before its own traceback
 
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    skip_torch_compile_without_gpu()
     quiet_no_space_in_threads()
     from mpo.config import load_config
     from mpo.data.sources import DataError
