@@ -163,3 +163,30 @@ def test_export_save_is_fully_reshardable_and_reshards(runs):
     assert resumed["start"] == 2
     for got, want in zip(resumed["losses"], dp["reference"], strict=True):
         assert abs(got - want) <= 1e-5, (resumed["losses"], dp["reference"])
+
+
+def test_synchronous_saves_start_no_writer_process(monkeypatch):
+    """megatron's torch_dist writer returns its results through a queue: a synchronous save (CPU's default) gets a
+    plain in-process queue, and only an async save starts the multiprocessing Manager (a spawned interpreter that
+    cost every run's first save ~2.5 s), which then serves every later save."""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mpo.trainer.dist_checkpoint import _writer_results_queue
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(filesystem_async, "_manager", None, raising=False)
+    before = set(multiprocessing.active_children())
+    _writer_results_queue(async_save=False)
+    assert isinstance(filesystem_async._results_queue, queue.Queue)
+    assert set(multiprocessing.active_children()) == before
+    _writer_results_queue(async_save=True)
+    manager_queue = filesystem_async._results_queue
+    try:
+        assert not isinstance(manager_queue, queue.Queue) and set(multiprocessing.active_children()) - before
+        _writer_results_queue(async_save=False)  # a Manager queue serves synchronous saves too
+        assert filesystem_async._results_queue is manager_queue
+    finally:
+        filesystem_async._manager.shutdown()

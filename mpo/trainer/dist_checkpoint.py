@@ -295,7 +295,7 @@ class DistCheckpointer:
         dist.barrier()
         formats = {p.prefix: part_format(p, "fully_reshardable" if export else self.format) for p in parts}
         state = sharded_state(parts, is_loading=False, rng=True, formats=formats)
-        _writer_results_queue_dies_with_this_rank()
+        _writer_results_queue(self.async_save)
         self._need_bytes = _shard_bytes(parts)
         with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
@@ -477,16 +477,24 @@ def _problem(path: Path, parts: list[Part]) -> str | None:
     return None
 
 
-def _writer_results_queue_dies_with_this_rank() -> None:
-    """megatron's torch_dist writer reports results through a multiprocessing Manager (a server process) that it
-    starts on first use and that nothing stops if the rank dies by SIGKILL or os._exit (a one-line stop): it would
-    outlive the run. Start that Manager ourselves, once, with mpo.lifecycle's parent-death hook in it."""
+def _writer_results_queue(async_save: bool) -> None:
+    """megatron's torch_dist writer hands its results back through `filesystem_async._results_queue`. A synchronous
+    save writes from this process (its threads), so a plain queue serves. An async save writes from megatron's worker
+    process, through a multiprocessing Manager (a server process) that megatron starts on first use and that nothing
+    stops if the rank dies by SIGKILL or os._exit (a one-line stop): it would outlive the run. So start that Manager
+    ourselves, once, with mpo.lifecycle's parent-death hook in it, and only for async saves: a spawned Manager
+    re-imports the rank's main module and torch, which made every run's first synchronous save ~2.5 s slower."""
     import multiprocessing as mp
+    import queue
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is not None:
+    current = filesystem_async._results_queue
+    if current is not None and (not async_save or not isinstance(current, queue.Queue)):
+        return
+    if not async_save:
+        filesystem_async._results_queue = queue.Queue()
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent)
