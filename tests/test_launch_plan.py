@@ -251,3 +251,18 @@ def test_sglang_key_launcher_hardening_keeps_key_off_argv(tmp_path):
     assert seen["argv"][:-2] == list(command.argv[3:])  # the rest reaches SGLang unchanged
     assert not any("K3y-s3cret" in arg for arg in seen["cmdline"])
     assert not any("K3y-s3cret" in arg for arg in command.argv)
+
+
+def test_engine_set_stops_the_engines_it_started_when_a_later_one_fails_to_launch(tmp_path):
+    """Two local engines; the second cannot open its log (a directory stands where the file goes): the constructor
+    raises that error, and the first engine, already started, is stopped rather than left to its watchdog."""
+    import psutil
+
+    from mpo.rollout.engines import EngineSet
+
+    config = load_config(DEMO, ["rollout.num_engines=2"])
+    (tmp_path / "logs" / "engine1.log").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError):
+        EngineSet(config, tmp_path, model_config(config), wait=False)
+    alive = [p for p in psutil.Process().children(recursive=True) if "mpo.engine" in " ".join(p.cmdline())]
+    assert alive == []

@@ -52,8 +52,12 @@ class EngineSet:
         if r.engine != "mpo":
             raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
                              "are started by the launcher (launch/) and passed as rollout.urls")
-        for process in self.local_processes(config, out_dir, model):  # all launched, then all awaited
-            self.processes.append(process.launch())
+        try:  # all launched, then all awaited; one that fails to launch stops those already started
+            for process in self.local_processes(config, out_dir, model):
+                self.processes.append(process.launch())
+        except BaseException:
+            self.stop()
+            raise
         if wait:
             self.wait_ready()
         self.handles = [(p.client, functools.partial(self._restart, p), lambda url=p.url: url not in self.stale)
