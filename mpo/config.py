@@ -119,6 +119,7 @@ class SyncSection:
             between each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes),
             "cuda_ipc" (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only)
             or "shm" (mpo engines on the trainer's host read the buckets in place from shared memory; CPU).
+            "auto": "shm" for mpo engines the run starts itself on CPU, else "tensor" (resolve_transport).
         bucket_mb: bucket size.
         master_address: the address engines reach trainer rank 0 at for transport="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
@@ -128,7 +129,7 @@ class SyncSection:
             training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
     """
 
-    transport: Literal["tensor", "distributed", "cuda_ipc", "shm"] = "tensor"
+    transport: Literal["auto", "tensor", "distributed", "cuda_ipc", "shm"] = "auto"
     bucket_mb: int = 64
     master_address: str | None = None
     host_shared_memory: bool | None = None

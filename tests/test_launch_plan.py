@@ -266,3 +266,21 @@ def test_engine_set_stops_the_engines_it_started_when_a_later_one_fails_to_launc
         EngineSet(config, tmp_path, model_config(config), wait=False)
     alive = [p for p in psutil.Process().children(recursive=True) if "mpo.engine" in " ".join(p.cmdline())]
     assert alive == []
+
+
+def test_auto_sync_transport_is_shm_for_engines_a_cpu_run_starts_and_tensor_for_configured_urls(tmp_path):
+    """sync.transport unset ("auto"): the demo's own engine (started by the run, on this CPU host) gets its buckets
+    through shared memory; engines the run is given as URLs (perhaps on another host) through the HTTP body."""
+    from mpo.rollout.engines import EngineSet
+    from mpo.weight_sync.transports import engine_set_sync
+
+    config = load_config(DEMO)
+    assert config.sync.transport == "auto"
+    given = load_config(DEMO, ["rollout.urls=[http://127.0.0.1:9]"])  # nothing listens there: asked, then configured
+    assert engine_set_sync(EngineSet(given, tmp_path, model_config(given)), bucket_bytes=1 << 20).transport == "tensor"
+    started = EngineSet(config, tmp_path, model_config(config))
+    try:
+        sync = engine_set_sync(started, bucket_bytes=1 << 20)
+        assert sync.transport == started.transport == "shm"
+    finally:
+        started.stop()

@@ -90,8 +90,9 @@ class Publisher:
         r, m = self.config.rollout, self.config.model
         info: list[Any] = [None]
         if engines is not None:
+            tp_sizes = list(self._sender_sync({}).tp_sizes)  # first: making rank 0's WeightSync resolves "auto"
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
-                     "tp_sizes": list(self._sender_sync({}).tp_sizes)}]
+                     "tp_sizes": tp_sizes}]
         dist.broadcast_object_list(info, src=0)
         info = info[0]
         if info is None:  # no engines: nothing to push
