@@ -142,10 +142,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     parts = [None] * world if rank == 0 else None
     dist.gather_object(result.digests, parts, dst=0)
     if rank == 0:
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        verify_checksum(sync.clients, combine_digests(merged))  # raises if the engine got anything else
+        verify_checksum(sync.clients, combine_digests(parts))  # raises if the engine got anything else
     if sync is not None:
         sync.close()
     per_rank = [None] * world
