@@ -132,21 +132,8 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, spec: Spec = "both",
 
 
 def _stored_dtype(source: HFCheckpoint, name: str) -> torch.dtype:
-    stored = name if name in source.weight_map else None
-    if stored is None:  # per-expert name served from a fused tensor
-        from mpo.models.hf_source import _PER_EXPERT
-
-        match = _PER_EXPERT.match(name)
-        if match:
-            stored = f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
-    if stored is None or stored not in source.weight_map:
-        raise ConversionError("tensor not in the checkpoint index", file=str(source.directory / INDEX_NAME),
-                              tensor=name)
-    handle = source._handle(source.weight_map[stored])
-    if stored not in handle.keys():
-        raise ConversionError("the index names a tensor the shard does not contain", file=source.file_of(stored),
-                              tensor=stored)
-    code = handle.get_slice(stored).get_dtype()
+    stored = source.stored_name(name)  # a per-expert name: the fused tensor it is served from
+    code = source.shard_with(stored).get_slice(stored).get_dtype()
     if code not in _SAFETENSORS_DTYPES:
         raise ConversionError(f"unsupported dtype {code}", file=source.file_of(stored), tensor=stored)
     return _SAFETENSORS_DTYPES[code]

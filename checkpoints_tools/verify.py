@@ -101,8 +101,6 @@ def _check_rotary(model) -> None:
         raise RuntimeError("HF rotary inv_freq is corrupted in this process; HF reference logits cannot be trusted")
 
 
-
-
 def _rank_entry(rank: int, world: int, port: int, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

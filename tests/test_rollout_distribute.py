@@ -216,8 +216,8 @@ def test_mpo_engine_answers_frames_when_asked_and_json_otherwise():
         client = EngineClient(url, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
         requests = [GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=3, sampling_seed=i),
                                     return_routed_experts=True) for i in range(2)]
-        pool = RolloutPool([EngineHandle(client)], PoolConfig(max_concurrency_per_engine=1, requests_per_call=2))
-        framed = pool.generate(requests)
+        pool = RolloutPool([EngineHandle(client)], PoolConfig(max_concurrency_per_engine=1))
+        framed = pool.generate(requests, requests_per_call=2)
         plain = client.call("/generate", {**requests[0].to_json(), "input_ids": [[1, 2, 3]] * 2,
                                           "sampling_params": [r.sampling.to_json() for r in requests]})
         for r, body, req in zip(framed, plain, requests):

@@ -79,7 +79,6 @@ def _maxrl(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     return torch.where(g.mean > 0, (r - g.mean) / (g.mean + eps), 0.0)
 
 
-
 def compute_advantages(
     rewards: Tensor,
     group_ids: Tensor,

@@ -16,6 +16,11 @@ from .router_shift import check_gamma_min
 GAMMA_MODES: tuple[str, ...] = ("pre_clip", "post_clip_literal")
 
 
+# The families' bounded fields, checked on every config that has the field, in this order.
+_BOUNDS = {"eps_low": ">= 0", "eps_high": ">= 0", "delta_low": ">= 0", "delta_high": ">= 0", "is_cap": "> 0",
+           "tau_pos": "> 0", "tau_neg": "> 0", "is_high": "> 0"}
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -44,6 +49,14 @@ class LossConfig:
                      f"norm_const must be > 0 (the max response length) for agg={self.agg!r}, got {self.norm_const}")
         _require(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         resolve_kl_estimator(self.kl_estimator)
+        for name, bound in _BOUNDS.items():
+            if hasattr(self, name):
+                value = getattr(self, name)
+                _require(value >= 0 if bound == ">= 0" else value > 0, f"{name} must be {bound}, got {value}")
+        dual_clip_c = getattr(self, "dual_clip_c", None)
+        _require(dual_clip_c is None or dual_clip_c > 1.0, f"dual_clip_c must be None or > 1, got {dual_clip_c}")
+        if hasattr(self, "gamma_min"):  # the router-shift families
+            check_gamma_min(self.gamma_min)
 
 
 @dataclass
@@ -59,13 +72,6 @@ class PPOClipConfig(LossConfig):
     eps_high: float = 0.2
     dual_clip_c: float | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.eps_low >= 0, f"eps_low must be >= 0, got {self.eps_low}")
-        _require(self.eps_high >= 0, f"eps_high must be >= 0, got {self.eps_high}")
-        _require(self.dual_clip_c is None or self.dual_clip_c > 1.0,
-                 f"dual_clip_c must be None or > 1, got {self.dual_clip_c}")
-
 
 @dataclass
 class GSPOConfig(LossConfig):
@@ -74,11 +80,6 @@ class GSPOConfig(LossConfig):
     eps_low: float = 3e-4
     eps_high: float = 4e-4
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.eps_low >= 0, f"eps_low must be >= 0, got {self.eps_low}")
-        _require(self.eps_high >= 0, f"eps_high must be >= 0, got {self.eps_high}")
-
 
 @dataclass
 class SAPOConfig(LossConfig):
@@ -86,11 +87,6 @@ class SAPOConfig(LossConfig):
 
     tau_pos: float = 1.0
     tau_neg: float = 1.05
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.tau_pos > 0, f"tau_pos must be > 0, got {self.tau_pos}")
-        _require(self.tau_neg > 0, f"tau_neg must be > 0, got {self.tau_neg}")
 
 
 @dataclass
@@ -107,7 +103,6 @@ class CISPOConfig(LossConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.is_high > 0, f"is_high must be > 0, got {self.is_high}")
         _require(self.is_low is None or self.is_low < self.is_high,
                  f"is_low must be None or < is_high={self.is_high}, got {self.is_low}")
 
@@ -118,11 +113,6 @@ class GMPOConfig(LossConfig):
 
     delta_low: float = 0.4
     delta_high: float = 0.4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.delta_low >= 0, f"delta_low must be >= 0, got {self.delta_low}")
-        _require(self.delta_high >= 0, f"delta_high must be >= 0, got {self.delta_high}")
 
 
 @dataclass
@@ -141,7 +131,6 @@ class RSPOConfig(GMPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_gamma_min(self.gamma_min)
         _require(self.gamma_mode in GAMMA_MODES,
                  f"gamma_mode must be one of {', '.join(GAMMA_MODES)}, got {self.gamma_mode!r}")
 
@@ -152,20 +141,12 @@ class PPOClipRouterShiftConfig(PPOClipConfig):
 
     gamma_min: float = 0.7
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_gamma_min(self.gamma_min)
-
 
 @dataclass
 class GSPORouterShiftConfig(GSPOConfig):
     """``gspo+rs`` / ``gspo_token+rs``: sequence ratio ``exp(mean(d + log gamma))``; ``gamma_min`` as in RSPO."""
 
     gamma_min: float = 0.7
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_gamma_min(self.gamma_min)
 
 
 DPPO_ANCHORS: tuple[str, ...] = ("old", "rollout")
@@ -188,7 +169,4 @@ class DPPOConfig(LossConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.delta_low >= 0, f"delta_low must be >= 0, got {self.delta_low}")
-        _require(self.delta_high >= 0, f"delta_high must be >= 0, got {self.delta_high}")
-        _require(self.is_cap > 0, f"is_cap must be > 0, got {self.is_cap}")
         _require(self.anchor in DPPO_ANCHORS, f"anchor must be one of {', '.join(DPPO_ANCHORS)}, got {self.anchor!r}")

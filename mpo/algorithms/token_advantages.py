@@ -138,7 +138,6 @@ def vapo(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float = 1.0, a
     return TokenAdvantages(masked_whiten(raw, mask, process_group), returns=returns, lambda_policy=lam_policy)
 
 
-
 def compute_token_advantages(estimator: str, rewards: Tensor, mask: Tensor, **kwargs: Any) -> TokenAdvantages:
     """Dispatch to a token-level estimator by name (mpo.algorithms.advantage_registry)."""
     spec = get_advantage(estimator, level="token")

@@ -186,9 +186,10 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
         f"data.prompts_per_step={args.samples // PROMPTS_PER_GROUP}",
         f"rollout.samples_per_prompt={PROMPTS_PER_GROUP}", f"logging.out_dir={out}/run", "logging.tensorboard=false",
         "schedule.micro_batch_size=16"])
-    engines = [(EngineClient(f"http://127.0.0.1:{engine_port}", num_layers=args.layers, topk=args.topk,
-                             num_experts=args.experts, timeout_s=600.0), None)] if rank == 0 else None
-    trainer = Trainer(config, engines)
+    trainer = Trainer(config)
+    if rank == 0:
+        trainer.collector.connect([(EngineClient(f"http://127.0.0.1:{engine_port}", num_layers=args.layers,
+                                                 topk=args.topk, num_experts=args.experts, timeout_s=600.0), None)])
     received = ReceivedBytes(rank)
     rows = []
     for repeat in range(args.repeats + 1):

@@ -14,8 +14,6 @@ import time
 import torch
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpo.bench routing", description=__doc__)
     parser.add_argument("--preset", default="tiny")

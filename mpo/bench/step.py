@@ -13,7 +13,6 @@ import time
 import torch
 
 
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpo.bench step", description=__doc__)
     parser.add_argument("--preset", default="tiny")

@@ -109,7 +109,10 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport=transport,
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender else None)
     records = []
-    for k in range(rounds + 1):  # round 0 warms up (group creation, first-touch of buffers) and is not reported
+    # Round 0 warms up (group creation, first-touch of buffers) and is not reported; the last round is not measured
+    # (hashing is not the sync's cost): the engine must hold exactly what was streamed.
+    for k in range(rounds + 2):
+        verify = k == rounds + 1
         push = (lambda named, v=k: sync.push_bucket(named, v, wait=False)) if sync is not None else None
         dist.barrier()
         rss_before = _rss_kib("VmRSS")
@@ -118,7 +121,8 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
         if rank == 0:
             sync.begin_session()
         dist.barrier()
-        result = streamer.stream(push, sequential=transport == "distributed", hf_views=transport == "shm")
+        result = streamer.stream(push, sequential=transport == "distributed", hf_views=transport == "shm",
+                                 digest=(lambda name, t: tensor_digest(t)) if verify else None)
         dist.barrier()
         pushed = time.perf_counter()
         if rank == 0:
@@ -126,26 +130,14 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
         dist.barrier()
         done = time.perf_counter()
         peak = (_rss_kib("VmHWM") if exact else _rss_kib("VmRSS")) - rss_before
-        records.append({"push_s": pushed - started, "total_s": done - started, "bytes": result.bytes,
-                        "buckets": result.buckets, "peak_kib": peak, "exact_peak": exact,
-                        "gather_s": result.gather_s, "engine_push_s": result.push_s})
-    # One more sync, not measured (hashing is not the sync's cost): the engine must hold exactly what was streamed.
-    if rank == 0:
-        sync.begin_session()
-    dist.barrier()
-    push = (lambda named: sync.push_bucket(named, rounds + 1, wait=False)) if sync is not None else None
-    result = streamer.stream(push, sequential=transport == "distributed", hf_views=transport == "shm",
-                             digest=lambda name, t: tensor_digest(t))
-    dist.barrier()
-    if rank == 0:
-        sync.end_session()
+        if not verify:
+            records.append({"push_s": pushed - started, "total_s": done - started, "bytes": result.bytes,
+                            "buckets": result.buckets, "peak_kib": peak, "exact_peak": exact,
+                            "gather_s": result.gather_s, "engine_push_s": result.push_s})
     parts = [None] * world if rank == 0 else None
     dist.gather_object(result.digests, parts, dst=0)
     if rank == 0:
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        verify_checksum(sync.clients, combine_digests(merged))  # raises if the engine got anything else
+        verify_checksum(sync.clients, combine_digests(parts))  # raises if the engine got anything else
     if sync is not None:
         sync.close()
     per_rank = [None] * world

@@ -29,9 +29,7 @@ def load_tokenizer(path: str):
 def _ids(value: Any, where: str) -> list[int]:
     if value is None:
         return []
-    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
-        raise DataError(f"{where}: eos_token_id must be an int or a list of ints, got {value!r}")
-    values = [value] if isinstance(value, int) else list(value)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise DataError(f"{where}: eos_token_id must be an int or a list of ints, got {value!r}")
     return values

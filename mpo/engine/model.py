@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mpo.models.config import MoEModelConfig
-
-
-def _hf_model_config(hf_dir: str) -> MoEModelConfig:
-    import json
-    from pathlib import Path
-
-    from mpo.models.config import from_hf_config
-
-    return from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
 
 
 def _load_hf_weights(gpt: torch.nn.Module, cfg: MoEModelConfig, hf_dir: str) -> None:
@@ -70,7 +63,7 @@ class EngineModel:
         """The engine's model: from an HF directory (`hf_dir`: its config.json and safetensors, as SGLang loads it),
         else `preset`, seeded, or loaded from the torch_dist checkpoint `mcore_dir`."""
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
-        from mpo.models.config import preset as get_preset
+        from mpo.models.config import from_hf_config, preset as get_preset
         from mpo.parallel import ParallelConfig, initialize_parallel
         from mpo.safe_load import load_sharded
 
@@ -78,7 +71,7 @@ class EngineModel:
             os.environ.pop(var, None)
         ctx = initialize_parallel(ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1",
                                   master_port=dist_port)
-        cfg = _hf_model_config(hf_dir) if hf_dir else get_preset(preset)
+        cfg = from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text())) if hf_dir else get_preset(preset)
         model = build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype=dtype, fp32_lm_head=fp32_lm_head),
                             seed=seed)
         if hf_dir:

@@ -172,24 +172,31 @@ def from_hf_config(hf: Mapping[str, Any] | Any) -> MoEModelConfig:
     heads = cfg["num_attention_heads"]
     return MoEModelConfig(
         architecture="Qwen3MoeForCausalLM",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
+        **_from_hf_common(cfg),
         num_query_groups=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         ffn_hidden_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
-        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
         # transformers 5 saves num_local_experts; real Qwen3 configs say num_experts.
         num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
-        router_topk=cfg["num_experts_per_tok"],
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        qk_layernorm=True,
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0,
+    )
+
+
+def _from_hf_common(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoEModelConfig fields both architectures read alike from config.json."""
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        router_topk=cfg["num_experts_per_tok"],
+        qk_layernorm=True,  # Qwen3's q / k norms; MLA's q / kv latent RMSNorms (HF q_a_layernorm, kv_a_layernorm)
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0,
     )
 
 
@@ -243,23 +250,14 @@ def _from_deepseek_v3(cfg: Mapping[str, Any]) -> MoEModelConfig:
     shared = cfg.get("n_shared_experts") or 0
     return MoEModelConfig(
         architecture="DeepseekV3ForCausalLM",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
+        **_from_hf_common(cfg),
         num_query_groups=heads,
         # config.json's head_dim is the rope dim in DeepSeek-V3: not the attention head size.
         head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
         ffn_hidden_size=cfg["intermediate_size"],
-        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
         num_experts=experts,
-        router_topk=topk,
         norm_topk_prob=True,
-        qk_layernorm=True,  # MLA: the q / kv latent RMSNorms (HF q_a_layernorm, kv_a_layernorm)
         rope_theta=float(rope["rope_theta"]),
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         aux_loss_coeff=0.0,
         multi_latent_attention=True,
         q_lora_rank=cfg.get("q_lora_rank"),
@@ -279,34 +277,38 @@ def _from_deepseek_v3(cfg: Mapping[str, Any]) -> MoEModelConfig:
 
 def to_hf_config(model: MoEModelConfig) -> dict[str, Any]:
     """The config.json dict transformers needs to build the same architecture."""
-    if model.architecture == "DeepseekV3ForCausalLM":
-        return _to_deepseek_v3(model)
-    return {
+    common = {  # the fields both architectures write alike
         "architectures": [model.architecture],
-        "model_type": "qwen3_moe",
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_query_groups,
-        "head_dim": model.head_dim,
         "intermediate_size": model.ffn_hidden_size,
         "moe_intermediate_size": model.moe_ffn_hidden_size,
-        "num_experts": model.num_experts,
         "num_experts_per_tok": model.router_topk,
-        "norm_topk_prob": model.norm_topk_prob,
-        "rope_theta": model.rope_theta,
         "rms_norm_eps": model.norm_eps,
         "tie_word_embeddings": model.tie_word_embeddings,
         "max_position_embeddings": model.max_position_embeddings,
         "attention_bias": False,
+        "hidden_act": "silu",
+    }
+    if model.architecture == "DeepseekV3ForCausalLM":
+        return {**common, **_to_deepseek_v3(model)}
+    return {
+        **common,
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "num_experts": model.num_experts,
+        "norm_topk_prob": model.norm_topk_prob,
+        "rope_theta": model.rope_theta,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "hidden_act": "silu",
     }
 
 
 def _to_deepseek_v3(model: MoEModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's own config.json fields (to_hf_config adds the common ones)."""
     rope: dict[str, Any] = {"rope_theta": model.rope_theta, "rope_type": "default"}
     if model.rope_type == "yarn":
         rope.update(rope_type="yarn", factor=model.yarn_scaling_factor,
@@ -315,23 +317,15 @@ def _to_deepseek_v3(model: MoEModelConfig) -> dict[str, Any]:
                     mscale_all_dim=model.yarn_mscale_all_dim)
     shared = model.moe_shared_expert_intermediate_size or 0
     return {
-        "architectures": [model.architecture],
         "model_type": "deepseek_v3",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_attention_heads,
         "q_lora_rank": model.q_lora_rank,
         "kv_lora_rank": model.kv_lora_rank,
         "qk_nope_head_dim": model.qk_nope_head_dim,
         "qk_rope_head_dim": model.qk_rope_head_dim,
         "v_head_dim": model.v_head_dim,
-        "intermediate_size": model.ffn_hidden_size,
-        "moe_intermediate_size": model.moe_ffn_hidden_size,
         "n_routed_experts": model.num_experts,
         "n_shared_experts": shared // model.moe_ffn_hidden_size,
-        "num_experts_per_tok": model.router_topk,
         "n_group": model.router_num_groups or 1,
         "topk_group": model.router_group_topk or 1,
         "norm_topk_prob": True,
@@ -340,11 +334,6 @@ def _to_deepseek_v3(model: MoEModelConfig) -> dict[str, Any]:
         "num_nextn_predict_layers": 0,
         "rope_interleave": True,
         "rope_parameters": rope,
-        "rms_norm_eps": model.norm_eps,
-        "tie_word_embeddings": model.tie_word_embeddings,
-        "max_position_embeddings": model.max_position_embeddings,
-        "attention_bias": False,
-        "hidden_act": "silu",
     }
 
 

@@ -99,20 +99,24 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         undo_scaling *= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     batch_size, seq_length = microbatches[0].input_ids.shape
 
+    def scaled_loss(mb: MicroBatch, out: dict, scored: torch.Tensor, entropy: torch.Tensor | None):
+        """loss_fn(mb, scored, entropy), its metrics into `out`; a graph-connected zero without a loss (forward only,
+        or a VPP filler micro-batch)."""
+        if loss_fn is None or mb.extras.get("_vpp_padding"):
+            loss = (scored.sum() if entropy is None else scored.sum() + entropy.sum()) * 0.0
+        else:
+            loss, metrics = loss_fn(mb, scored, entropy)
+            out.update(metrics)
+            out["loss"] = loss.detach()
+        return loss * undo_scaling, out
+
     def value_loss_func(mb: MicroBatch, output: torch.Tensor):
         from mpo.models.value_head import scored_values
 
         scored = scored_values(output)
         if mb.packing is not None:  # a sequence's first value would read the previous sequence's last token
             scored = mb.packing.unpack(scored.masked_fill(mb.position_ids == 0, 0.0))
-        out = {"values": scored.detach()}
-        if loss_fn is None or mb.extras.get("_vpp_padding"):
-            loss = scored.sum() * 0.0
-        else:
-            loss, metrics = loss_fn(mb, scored, None)
-            out.update(metrics)
-            out["loss"] = loss.detach()
-        return loss * undo_scaling, out
+        return scaled_loss(mb, {"values": scored.detach()}, scored, None)
 
     def loss_func(mb: MicroBatch, logits: torch.Tensor):
         logprobs, entropy = sequence_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
@@ -122,13 +126,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         out = {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
         if keep_logits:
             out["logits"] = logits.detach()
-        if loss_fn is None or mb.extras.get("_vpp_padding"):
-            loss = (logprobs.sum() + entropy.sum()) * 0.0
-        else:
-            loss, metrics = loss_fn(mb, logprobs, entropy)
-            out.update(metrics)
-            out["loss"] = loss.detach()
-        return loss * undo_scaling, out
+        return scaled_loss(mb, out, logprobs, entropy)
 
     def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: torch.nn.Module):
         mb = next(data_iterator)

@@ -28,7 +28,8 @@ def _params_hold_grads(model: torch.nn.Module) -> Iterator[None]:
             param.data = data
 
 
-def _local_shards(model: torch.nn.Module) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+def main_shards(model: torch.nn.Module) -> list:
+    """This rank's main-replica ShardedTensors of `model` (megatron's sharded state dict, factories applied)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
@@ -39,9 +40,13 @@ def _local_shards(model: torch.nn.Module) -> list[tuple[str, tuple, tuple, torch
         if isinstance(item, ShardedTensor) and is_main_replica(item.replica_id):
             if item.flattened_range is not None:
                 raise NotImplementedError(f"{item.key}: flattened (distributed-optimizer) shards are not supported")
-            shards.append((item.key, tuple(item.global_shape), tuple(item.global_offset),
-                           item.data.detach().to("cpu", copy=True)))
+            shards.append(item)
     return shards
+
+
+def _local_shards(model: torch.nn.Module) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+    return [(item.key, tuple(item.global_shape), tuple(item.global_offset), item.data.detach().to("cpu", copy=True))
+            for item in main_shards(model)]
 
 
 def gather_full_state(model: torch.nn.Module, *, grads: bool = False, dst: int = 0,

@@ -152,25 +152,29 @@ class HFCheckpoint:
     def file_of(self, name: str) -> str:
         return str(self.directory / self.weight_map.get(name, "?"))
 
+    def shard_with(self, stored: str):
+        """The open shard holding `stored` (a name of the index)."""
+        handle = self._handle(self.weight_map[stored])
+        if stored not in handle.keys():
+            raise ConversionError("the index names a tensor the shard does not contain", file=self.file_of(stored),
+                                  tensor=stored)
+        return handle
+
     def _read_stored(self, name: str, index: tuple | None = None) -> torch.Tensor:
         """A tensor as stored (optionally a leading-axis slice), dequantised if FP8 block-scaled."""
-        file_name = self.weight_map.get(name)
-        if file_name is None:
+        if name not in self.weight_map:
             raise ConversionError("tensor not in the checkpoint index", file=str(self.directory), tensor=name)
-        handle = self._handle(file_name)
-        if name not in handle.keys():
-            raise ConversionError("the index names a tensor the shard does not contain",
-                                  file=str(self.directory / file_name), tensor=name)
+        handle = self.shard_with(name)
         try:
             tensor = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
         except Exception as exc:  # safetensors' own error types (e.g. a data range past the end of the file)
-            raise ConversionError(f"cannot read tensor data ({_first_line(exc)})",
-                                  file=str(self.directory / file_name), tensor=name) from None
+            raise ConversionError(f"cannot read tensor data ({_first_line(exc)})", file=self.file_of(name),
+                                  tensor=name) from None
         scale_name = f"{name}_scale_inv"
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale_name in self.weight_map:
             if index is not None:
-                raise ConversionError("slicing a fused FP8 tensor is not supported",
-                                      file=str(self.directory / file_name), tensor=name)
+                raise ConversionError("slicing a fused FP8 tensor is not supported", file=self.file_of(name),
+                                      tensor=name)
             scale = self._read_stored(scale_name)
             tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block)
         return tensor
@@ -194,16 +198,11 @@ class HFCheckpoint:
         if match is None:
             raise ConversionError("tensor not in the checkpoint index", file=str(self.directory / INDEX_NAME),
                                   tensor=name)
-        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
-        fused_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        expert, proj, fused_name = int(match["expert"]), match["proj"], _fused(match)
         if fused_name not in self.weight_map:
             raise ConversionError("tensor not in the checkpoint index (neither per-expert nor fused)",
                                   file=str(self.directory / INDEX_NAME), tensor=name)
-        handle = self._handle(self.weight_map[fused_name])
-        if fused_name not in handle.keys():
-            raise ConversionError("the index names a tensor the shard does not contain",
-                                  file=self.file_of(fused_name), tensor=fused_name)
-        sliced = handle.get_slice(fused_name)
+        sliced = self.shard_with(fused_name).get_slice(fused_name)
         num_experts = sliced.get_shape()[0]
         if expert >= num_experts:
             raise ConversionError(f"expert {expert} beyond fused tensor's {num_experts} experts",
@@ -220,34 +219,29 @@ class HFCheckpoint:
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """Shape of `name` from the safetensors header (no data read); per-expert names resolve into fused tensors."""
-        stored = name if name in self.weight_map else self._fused_name(name)
-        handle = self._handle(self.weight_map[stored])
-        if stored not in handle.keys():
-            raise ConversionError("the index names a tensor the shard does not contain", file=self.file_of(stored),
-                                  tensor=stored)
-        shape = tuple(handle.get_slice(stored).get_shape())
+        stored = self.stored_name(name)
+        shape = tuple(self.shard_with(stored).get_slice(stored).get_shape())
         if stored == name:
             return shape
         if name.endswith("down_proj.weight"):
             return shape[1:]
         return (shape[1] // 2, *shape[2:])
 
-    def _fused_name(self, name: str) -> str:
+    def stored_name(self, name: str) -> str:
+        """The name `name` is stored under: itself, or (a per-expert name) the fused tensor it is served from."""
+        if name in self.weight_map:
+            return name
         match = _PER_EXPERT.match(name)
-        fused = None
-        if match is not None:
-            fused = f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
-        if fused is None or fused not in self.weight_map:
+        if match is None or _fused(match) not in self.weight_map:
             raise ConversionError("tensor not in the checkpoint index", file=str(self.directory / INDEX_NAME),
                                   tensor=name)
-        return fused
+        return _fused(match)
 
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         got = self.shape_of(name)
         if got != tuple(shape):
             raise ConversionError(f"shape mismatch: checkpoint has {got}, config implies {tuple(shape)}",
-                                  file=self.file_of(name if name in self.weight_map else self._fused_name(name)),
-                                  tensor=name)
+                                  file=self.file_of(self.stored_name(name)), tensor=name)
 
     def consumed_names(self, per_expert_names: set[str]) -> set[str]:
         """Stored names covered by a set of requested names (fused tensors count when any slice was read)."""
@@ -258,8 +252,13 @@ class HFCheckpoint:
                 continue
             match = _PER_EXPERT.match(name)
             if match:
-                covered.add(f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}")
+                covered.add(_fused(match))
         return covered
+
+
+def _fused(match: re.Match) -> str:
+    """The fused tensor a per-expert name (a _PER_EXPERT match) is served from."""
+    return f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
 
 
 def _first_line(exc: Exception) -> str:

@@ -52,8 +52,6 @@ class PoolConfig:
         max_attempts: tries per request before the rollout fails.
         backoff_s: first retry delay; doubles per attempt.
         max_restarts_per_engine: restarts before an engine is given up on.
-        requests_per_call: requests sent together in one batched /generate call (1: one call per request). With
-            all of an engine's requests in one call its batching is deterministic (bit-exact reruns on CPU).
     """
 
     max_concurrency_per_engine: int = 8
@@ -61,7 +59,6 @@ class PoolConfig:
     max_attempts: int = 4
     backoff_s: float = 0.5
     max_restarts_per_engine: int = 3
-    requests_per_call: int = 1
 
 
 OnCall = Callable[[list[int], list[GenerateResult], str], None]  # (request indices, their results, engine url)
@@ -90,9 +87,10 @@ class RolloutPool:
         self.resent: list[Resent] = []
         self.calls = 0
 
-    def generate(self, requests: Sequence[GenerateRequest], *, requests_per_call: int | None = None,
+    def generate(self, requests: Sequence[GenerateRequest], *, requests_per_call: int = 1,
                  on_call: OnCall | None = None) -> list[GenerateResult]:
-        """Every request's result, in request order; requests_per_call overrides the config's for this call.
+        """Every request's result, in request order; `requests_per_call` requests go in one batched /generate call
+        (all of an engine's requests in one call: its batching is deterministic, bit-exact reruns on CPU).
         `on_call(indices, results, url)` runs (on this thread, between the event loop's steps: keep it short, hand
         slow work to another thread) once per call, when its results have landed, each request's exactly once."""
         # A plain loop, not asyncio.run: on the main thread asyncio.run (Python 3.12.1) ends by formatting the repr of
@@ -105,11 +103,11 @@ class RolloutPool:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    async def agenerate(self, requests: Sequence[GenerateRequest], *, requests_per_call: int | None = None,
+    async def agenerate(self, requests: Sequence[GenerateRequest], *, requests_per_call: int = 1,
                         on_call: OnCall | None = None) -> list[GenerateResult]:
         results: list[GenerateResult | None] = [None] * len(requests)
         queue: asyncio.Queue[tuple[list[int], int] | None] = asyncio.Queue()
-        per_call = max(1, requests_per_call or self.config.requests_per_call)
+        per_call = max(1, requests_per_call)
         for start in range(0, len(requests), per_call):
             queue.put_nowait((list(range(start, min(start + per_call, len(requests)))), 0))
         self.resent, self.calls = [], 0

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,11 @@ def _sampling_seed(seed: int, step: int, index: int, round_: int = 0) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
+def plain(answer):
+    """A prompt's answer as JSON writes it (a sequence as a list)."""
+    return answer if isinstance(answer, (str, int, float)) or answer is None else list(answer)
+
+
 def requests_per_call(n: int, group: int, engines: int, prompts_per_call: int | None) -> int:
     """Requests per /generate call: `prompts_per_call` groups of `group` (a prompt's samples stay together), never
     more than an engine's even share of the `n` requests (every engine gets work); None: that share. A function of
@@ -39,16 +45,8 @@ def requests_per_call(n: int, group: int, engines: int, prompts_per_call: int | 
     return max(group, 1) * (share if prompts_per_call is None else min(prompts_per_call, share))
 
 
-def scoring_thread():
-    """The one thread a run's streamed responses are scored on: long-lived, because a reward worker it restarts
-    dies with the thread that started it (PR_SET_PDEATHSIG, mpo.rewards.pool)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(1, thread_name_prefix="mpo-scoring")
-
-
 class StreamingScorer:
-    """Scores calls' results on `executor` (scoring_thread()) as they land (`submit`, the pool's on_call), while the
+    """Scores calls' results on `executor` (Collector.scoring) as they land (`submit`, the pool's on_call), while the
     others still generate; `wait` gives one Scored of all `n` requests in request order, the same values as scoring
     them all at the end (a reward is a function of its own response). `score(indices, results)` -> Scored runs on
     that one thread only (a RewardPool is not thread-safe; one caller at a time is fine)."""
@@ -127,7 +125,9 @@ class Collector:
         self.context_length, self.advantages = context_length, advantages
         self.pool = None
         self.republish = None  # sync mode: Distributor.republish, for engines all restarted mid-rollout (stale)
-        self.scoring = scoring_thread()
+        # The one thread its streamed responses are scored on: long-lived, because a reward worker it restarts dies
+        # with the thread that started it (PR_SET_PDEATHSIG, mpo.rewards.pool).
+        self.scoring = ThreadPoolExecutor(1, thread_name_prefix="mpo-scoring")
         self.samples_log: list[dict] = []  # a few decoded responses of the last collect (samples.jsonl)
 
     def connect(self, engines: list) -> None:
@@ -227,11 +227,7 @@ class Collector:
         with self.clock("prompt_draw"):
             prompts = self.task.draw(step, count, self.retirement, round_=round_)
         want_routes = cfg.algorithm.replay == "r3" or cfg.rollout.engine == "mpo"
-        budget = cfg.rollout.max_new_tokens
-        if self.task.max_answer_tokens is not None:
-            budget = min(budget, self.task.max_answer_tokens)
         seeds = [_sampling_seed(cfg.seed, step, i, round_) for i in range(len(prompts) * G)]
-        started = time.perf_counter()
         if cfg.rollout.env is not None:  # multi-turn episodes with an environment (mpo.envs.rollout)
             from mpo.envs.rollout import draw_episodes
 
@@ -241,22 +237,9 @@ class Collector:
             drawn = Drawn(G, list(prompts), results, rewards, [0.0] * len(results), texts, 0, rollout_s, restarts,
                           env=stats)
         else:
-            with self.clock("request_build"):
-                requests = [GenerateRequest(list(prompts[i // G].ids), SamplingParams(
-                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=budget,
-                    stop_token_ids=self.task.stop_token_ids, sampling_seed=seed), return_routed_experts=want_routes)
-                    for i, seed in enumerate(seeds)]
-            # Each call's responses are scored (the task's reward workers) as soon as the call returns, while the
-            # others still generate; the scores are put back in request order.
-            scorer = StreamingScorer(len(requests), lambda indices, results: self.task.score(
-                [prompts[i // G] for i in indices], [r.output_ids for r in results]), self.scoring)
-            try:
-                results, restarts = self._generate(requests, on_call=scorer.submit, on_rerun=scorer.reset)
-                rollout_s = time.perf_counter() - started
-                with self.clock("scoring"):  # what is left of the scoring once generation has ended
-                    scored = scorer.wait()
-            finally:
-                scorer.close()
+            results, scored, restarts, rollout_s = self.generate_scored(
+                prompts, G, seeds, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                max_new_tokens=cfg.rollout.max_new_tokens, routes=want_routes)
             penalties = self._overlong_penalties(results)
             rewards = [r + p for r, p in zip(scored.rewards, penalties)]
             drawn = Drawn(G, list(prompts), list(results), rewards, penalties, scored.texts, scored.errors, rollout_s,
@@ -265,6 +248,31 @@ class Collector:
             self.retirement.observe(prompts, [sum(r == 1.0 for r in drawn.rewards[p * G:(p + 1) * G]) / G
                                               for p in range(len(prompts))])
         return drawn
+
+    def generate_scored(self, prompts: list, group: int, seeds: list[int], *, temperature: float, top_p: float,
+                        max_new_tokens: int, routes: bool = False):
+        """`group` responses to each of `prompts` (request i: prompt i // group, sampling seed seeds[i]), each at most
+        `max_new_tokens` (and the task's answer budget) long. Each call's responses are scored (the task's reward
+        workers) as soon as the call returns, while the others still generate; the scores are put back in request
+        order. Returns the results, their Scored, the engine restarts and the seconds until the last response."""
+        if self.task.max_answer_tokens is not None:
+            max_new_tokens = min(max_new_tokens, self.task.max_answer_tokens)
+        started = time.perf_counter()
+        with self.clock("request_build"):
+            requests = [GenerateRequest(list(prompts[i // group].ids), SamplingParams(
+                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                stop_token_ids=self.task.stop_token_ids, sampling_seed=seed), return_routed_experts=routes)
+                for i, seed in enumerate(seeds)]
+        scorer = StreamingScorer(len(requests), lambda indices, results: self.task.score(
+            [prompts[i // group] for i in indices], [r.output_ids for r in results]), self.scoring)
+        try:
+            results, restarts = self._generate(requests, group=group, on_call=scorer.submit, on_rerun=scorer.reset)
+            seconds = time.perf_counter() - started
+            with self.clock("scoring"):  # what is left of the scoring once generation has ended
+                scored = scorer.wait()
+        finally:
+            scorer.close()
+        return results, scored, restarts, seconds
 
     def _generate(self, requests: list[GenerateRequest], *, group: int | None = None,
                   on_call=None, on_rerun=None) -> tuple[list, int]:
@@ -328,8 +336,7 @@ class Collector:
             prompt, result = drawn.prompts[i // G], drawn.results[i]
             rows.append({"step": step, "prompt": self.task.describe(prompt),
                          "response": drawn.texts[i] if drawn.texts is not None else result.output_ids,
-                         "answer": prompt.answer if isinstance(prompt.answer, (str, int, float)) else
-                         list(prompt.answer), "reward": drawn.rewards[i],
+                         "answer": plain(prompt.answer), "reward": drawn.rewards[i],
                          "finish": result.finish_reason.get("type"),
                          "source": getattr(prompt, "source", None)})
         return rows

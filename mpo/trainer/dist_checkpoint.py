@@ -26,6 +26,7 @@ from (seed, step) anyway).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -360,27 +361,22 @@ class DistCheckpointer:
             self._prune(keep_name=final.name)
         dist.barrier()
 
+    @contextlib.contextmanager
     def _no_space(self, where: Path):
         """A full disk inside torch_dist's writers arrives wrapped (CheckpointException, per-rank failures): NoSpaceLeft
         naming the checkpoint file, as every other write of the run reports it."""
-        import contextlib
-
         from torch.distributed.checkpoint.api import CheckpointException
 
-        @contextlib.contextmanager
-        def guard():
-            try:
-                with writing(where):
-                    yield
-            except NoSpaceLeft:
-                raise
-            except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-                causes = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
-                if any(_no_space_error(c) for c in causes) or _disk_full(where, self._need_bytes):
-                    raise NoSpaceLeft(where) from exc
-                raise
-
-        return guard()
+        try:
+            with writing(where):
+                yield
+        except NoSpaceLeft:
+            raise
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            causes = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
+            if any(_no_space_error(c) for c in causes) or _disk_full(where, self._need_bytes):
+                raise NoSpaceLeft(where) from exc
+            raise
 
     def _prune(self, keep_name: str) -> None:
         steps = sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),

@@ -32,9 +32,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 class Evaluator:
     """Rank 0's evaluation: the held-out prompts, generated through `engines` (EngineHandle fields, as
-    EngineSet.handles) and scored."""
+    EngineSet.handles) and scored as the rollouts are, by a Collector of its own (its own pool and scoring thread:
+    the async schedule's producer collects meanwhile)."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, engines: Sequence) -> None:
+        from mpo.trainer.collect import Collector
+        from mpo.trainer.phases import PhaseClock
         from mpo.trainer.tasks import make_task
 
         e = config.eval
@@ -48,47 +51,27 @@ class Evaluator:
             count = min(count, len(stream))
         self.prompts = self.task.draw(0, count)
         self.k = e.samples_per_prompt
-        self.scoring = None  # the thread its responses are scored on (collect.scoring_thread), from the first run
+        self.collector = Collector(config, self.task, retirement=None, clock=PhaseClock(), context_length=0,
+                                   advantages=None)
+        self.collector.connect(engines)
 
-
-    def run(self, step: int, engines: Sequence) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def run(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Evaluate the engines' current policy; returns the metrics and the per-prompt rows of eval.jsonl."""
-        from mpo.rollout.pool import EngineHandle, PoolConfig, RolloutPool
-        from mpo.rollout.protocol import GenerateRequest, SamplingParams
-        from mpo.trainer.collect import StreamingScorer, _sampling_seed, requests_per_call, scoring_thread
+        from mpo.trainer.collect import _sampling_seed, plain
 
         e, k = self.config.eval, self.k
-        budget = e.max_new_tokens or self.config.rollout.max_new_tokens
-        if self.task.max_answer_tokens is not None:
-            budget = min(budget, self.task.max_answer_tokens)
-        requests = [GenerateRequest(list(prompt.ids), SamplingParams(
-                        temperature=e.temperature, top_p=1.0, max_new_tokens=budget,
-                        stop_token_ids=self.task.stop_token_ids, sampling_seed=_sampling_seed(self.seed, 0, i * k + j)))
-                    for i, prompt in enumerate(self.prompts) for j in range(k)]
         started = time.perf_counter()
-        ro = self.config.rollout
-        if self.scoring is None:
-            self.scoring = scoring_thread()
         # As the rollouts: calls of rollout.prompts_per_call prompts' k samples, scored as they land.
-        pool = RolloutPool([EngineHandle(*engine) for engine in engines],
-                           PoolConfig(request_timeout_s=ro.request_timeout_s,
-                                      max_concurrency_per_engine=ro.max_inflight_per_engine,
-                                      requests_per_call=requests_per_call(len(requests), k, len(engines),
-                                                                          ro.prompts_per_call)))
-        scorer = StreamingScorer(len(requests), lambda indices, results: self.task.score(
-            [self.prompts[i // k] for i in indices], [r.output_ids for r in results]), self.scoring)
-        try:
-            results = pool.generate(requests, on_call=scorer.submit)
-            scored = scorer.wait()
-        finally:
-            scorer.close()
+        results, scored, _, _ = self.collector.generate_scored(
+            self.prompts, k, [_sampling_seed(self.seed, 0, i) for i in range(len(self.prompts) * k)],
+            temperature=e.temperature, top_p=1.0, max_new_tokens=e.max_new_tokens or self.config.rollout.max_new_tokens)
         seconds = time.perf_counter() - started
         rows, passes = [], []
         for i, prompt in enumerate(self.prompts):
             rewards = scored.rewards[i * k:(i + 1) * k]
             passed = sum(r == 1.0 for r in rewards)
             passes.append(passed)
-            rows.append({"step": step, "prompt": self.task.describe(prompt), "answer": _plain(prompt.answer),
+            rows.append({"step": step, "prompt": self.task.describe(prompt), "answer": plain(prompt.answer),
                          "rewards": rewards, f"pass@{k}": pass_at_k(k, passed, k),
                          "response_lengths": [len(r.output_ids) for r in results[i * k:(i + 1) * k]]})
         lengths = [len(r.output_ids) for r in results]
@@ -100,13 +83,8 @@ class Evaluator:
         return metrics, rows
 
     def close(self) -> None:
-        if self.scoring is not None:
-            self.scoring.shutdown(wait=True)
+        self.collector.scoring.shutdown(wait=True)
         self.task.close()
-
-
-def _plain(answer: Any) -> Any:
-    return answer if isinstance(answer, (str, int, float)) or answer is None else list(answer)
 
 
 def due(config: TrainConfig, step: int) -> bool:

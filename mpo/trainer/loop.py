@@ -100,12 +100,11 @@ def _memory_hook(engines: EngineSet):
     return memory
 
 
-def _evaluate(evaluator: Evaluator | None, step: int, engines: EngineSet | None,
-              metrics_log: MetricsLog | None) -> dict[str, float]:
+def _evaluate(evaluator: Evaluator | None, step: int, metrics_log: MetricsLog | None) -> dict[str, float]:
     """Rank 0, when `eval` says the policy about to train `step` is evaluated: held-out metrics (eval.jsonl too)."""
     if evaluator is None or not due(evaluator.config, step):
         return {}
-    metrics, rows = evaluator.run(step, engines.handles)
+    metrics, rows = evaluator.run(step)
     metrics_log.log_eval(rows)
     log.info("evaluation before step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     return metrics
@@ -147,10 +146,10 @@ def run(config: TrainConfig) -> None:
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
                                        memory=_memory_hook(engines) if config.rollout.colocate else None)
         if trainer.rank == 0 and config.eval.every:
-            evaluator = Evaluator(config)
+            evaluator = Evaluator(config, engines.handles)
         for step in range(start, config.schedule.steps):
             with trainer.clock("eval"):
-                held_out = _evaluate(evaluator, step, engines, metrics_log)  # the policy the engines hold: `step`
+                held_out = _evaluate(evaluator, step, metrics_log)  # the policy the engines hold: `step`
             metrics = trainer.train_step(step, schedule.take if schedule is not None else None)
             metrics.update(held_out)
             if schedule is not None:
@@ -175,7 +174,7 @@ def run(config: TrainConfig) -> None:
                     trainer.save(step + 1)
         # The final policy: its own row, step = schedule.steps, eval metrics only (again on a rerun of a finished run,
         # whose resume dropped it with every row past the checkpoint).
-        final = _evaluate(evaluator, config.schedule.steps, engines, metrics_log)
+        final = _evaluate(evaluator, config.schedule.steps, metrics_log)
         if final:
             metrics_log.log(config.schedule.steps, final, progress=False)
     finally:

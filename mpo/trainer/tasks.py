@@ -42,7 +42,21 @@ class _RoundStream:
         return self.task.prompts(seed, step, count, round_=self.round_)
 
 
-class ToyRun:
+class _NoPosition:
+    """A task with no data position to checkpoint (the toy tasks' prompts are a pure function of (seed, step): the
+    step is the position) and nothing to close."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ToyRun(_NoPosition):
     """The built-in digit tasks (mpo.data.toy)."""
 
     kind = "toy"
@@ -79,15 +93,6 @@ class ToyRun:
 
     def describe(self, prompt) -> str:
         return " ".join(map(str, prompt.ids))
-
-    def state_dict(self) -> dict:
-        return {}  # prompts are a pure function of (seed, step): the step is the position
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def prompt_token_limit(config: TrainConfig) -> int:
@@ -200,20 +205,11 @@ class TextRun:
         self.pool.close()
 
 
-class OnRankZero:
+class OnRankZero(_NoPosition):
     """What ranks other than 0 hold for a text task: rank 0 reads the data (a 10 GB jsonl is indexed once, not on
     every rank), draws, scores and checkpoints the position; the others receive prompts by broadcast."""
 
     kind = "text"
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def make_task(config: TrainConfig, *, rank: int = 0):

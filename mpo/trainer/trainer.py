@@ -43,7 +43,7 @@ def _broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = 
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, engines: list | None = None) -> None:
+    def __init__(self, config: TrainConfig) -> None:
         from megatron.core import parallel_state
 
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
@@ -95,8 +95,6 @@ class Trainer:
         self.collector = Collector(self.config, self.task, clock=self.clock,  # rank 0 samples, retires, keeps the set
                                    retirement=PromptRetirement(retire) if retire is not None else None,
                                    context_length=self.model_cfg.max_position_embeddings, advantages=self.advantages)
-        if engines:  # rank 0 only: EngineHandle fields (client, restart or None[, current])
-            self.collector.connect(engines)
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -148,7 +146,6 @@ class Trainer:
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage()
 
-    # -- rollouts (rank 0) ---------------------------------------------------------------------------------------
     # -- training ------------------------------------------------------------------------------------------------
     def uniform_seq_len(self, samples: list[Sample]) -> int | None:
         """The one [b, s] shape every micro-batch of a pass needs under PP or TP (see rows.uniform_length)."""

@@ -74,20 +74,11 @@ class Bucket:
 
 def local_shards(model: torch.nn.Module) -> tuple[list[ShardMeta], list[torch.Tensor]]:
     """This rank's main-replica shards (metadata, and the live tensors: views of the parameters, no copies)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+    from mpo.models.full_state import main_shards
 
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)
-    metas, tensors = [], []
-    for item in nested_values(sharded):
-        if isinstance(item, ShardedTensor) and is_main_replica(item.replica_id):
-            if item.flattened_range is not None:
-                raise NotImplementedError(f"{item.key}: flattened (distributed-optimizer) shards are not supported")
-            metas.append(ShardMeta(item.key, tuple(item.global_shape), tuple(item.global_offset),
-                                   tuple(item.data.shape)))
-            tensors.append(item.data.detach())
-    return metas, tensors
+    shards = main_shards(model)
+    return ([ShardMeta(item.key, tuple(item.global_shape), tuple(item.global_offset), tuple(item.data.shape))
+             for item in shards], [item.data.detach() for item in shards])
 
 
 def _intersect(a: Box, b: Box) -> Box | None:

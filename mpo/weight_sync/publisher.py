@@ -126,10 +126,7 @@ class Publisher:
         if engines is not None:
             engines.stale.difference_update(c.url for c in sync.live)  # they hold the current weights now
             if digest is not None:
-                merged: dict[str, str] = {}
-                for part in digests:
-                    merged.update(part or {})
-                verify_checksum(sync.live, combine_digests(merged))
+                verify_checksum(sync.live, combine_digests(digests))
         seconds = time.perf_counter() - started
         return {"sync_time_s": seconds, "sync_bytes": totals[0].item(), "sync_buckets": totals[1].item(),
                 "sync_bytes_per_s": totals[0].item() / max(seconds, 1e-9), "sync_senders": float(len(streamer.senders))}

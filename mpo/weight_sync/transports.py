@@ -177,11 +177,11 @@ class WeightSync:
     def begin_session(self) -> None:
         """Pause generation and open SGLang's weight-update session on every engine (once per sync, one caller)."""
         self.lost = set()
-        self._each(lambda client: (client.pause_generation(mode="in_place"), client.begin_weight_update()))
+        self._each(lambda client, _: (client.pause_generation(mode="in_place"), client.begin_weight_update()))
 
     def end_session(self) -> None:
         """Close the session (the updates take effect) and resume generation on every engine."""
-        self._each(lambda client: (client.end_weight_update(), client.continue_generation()))
+        self._each(lambda client, _: (client.end_weight_update(), client.continue_generation()))
 
     @property
     def live(self) -> list[EngineClient]:
@@ -192,10 +192,12 @@ class WeightSync:
         """(client, TP size) of the engines still in the session."""
         return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
 
-    def _each(self, call: Callable[[EngineClient], Any]) -> None:
-        for client, _ in self._live():
+    def _each(self, call: Callable[[EngineClient, int], Any]) -> None:
+        """call(client, TP size) on each engine still in the session, in turn; one that fails in transport and is
+        expendable is dropped from the session."""
+        for client, tp in self._live():
             try:
-                call(client)
+                call(client, tp)
             except EngineError as exc:
                 if not self._drop(client.url, exc):
                     raise
@@ -237,12 +239,8 @@ class WeightSync:
         else:
             payloads = [(SGLANG_FORMAT, flattened_bucket_payload(run)) for run in split_by_dtype(bucket)]
         for load_format, payload in payloads:
-            for client, tp in self._live():
-                try:
-                    client.update_weights_from_tensor([payload] * tp, load_format=load_format, weight_version=version)
-                except EngineError as exc:
-                    if not self._drop(client.url, exc):
-                        raise
+            self._each(lambda client, tp: client.update_weights_from_tensor([payload] * tp, load_format=load_format,
+                                                                            weight_version=version))
 
     def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
         """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles

@@ -21,10 +21,13 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(data.view(-1).view(torch.uint8).numpy() if data.numel() else b"").hexdigest()
 
 
-def combine_digests(digests: dict[str, str]) -> str:
-    """The weights checksum from per-tensor digests: sha256 over (name, digest) in name order. Order-free on the
-    sending side: senders of a streaming sync hash their own buckets, and only the small digest map meets on one
-    rank (no full-model gather)."""
+def combine_digests(parts: Iterable[dict[str, str] | None]) -> str:
+    """The weights checksum from per-tensor digests (maps of name -> digest, one per sender; None: a rank that sent
+    nothing): sha256 over (name, digest) in name order. Order-free on the sending side: senders of a streaming sync
+    hash their own buckets, and only the small digest maps meet on one rank (no full-model gather)."""
+    digests: dict[str, str] = {}
+    for part in parts:
+        digests.update(part or {})
     combined = hashlib.sha256()
     for name in sorted(digests):
         combined.update(name.encode())
@@ -34,7 +37,7 @@ def combine_digests(digests: dict[str, str]) -> str:
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Checksum of HF-named tensors: equal iff every weight has the same value (combine_digests of tensor_digest)."""
-    return combine_digests({name: tensor_digest(tensor) for name, tensor in named})
+    return combine_digests([{name: tensor_digest(tensor) for name, tensor in named}])
 
 
 def verify_checksum(clients: Sequence[EngineClient], expected: str) -> None:
