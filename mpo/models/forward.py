@@ -7,6 +7,7 @@ optional `loss_fn` turns those into a loss that megatron back-propagates through
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator
@@ -134,14 +135,17 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         logits = model_chunk(mb.input_ids, mb.positions(), attention.pop("attention_mask", None), **attention)
         return logits, partial(value_loss_func if values else loss_func, mb)
 
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        # the interleaved schedule reads one iterator per chunk: each chunk sees every micro-batch once
-        data_iterator=[iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches),
-        model=chunks,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=batch_size,
-        forward_only=forward_only,
-    )
+    # megatron's schedules record autograd graphs even when forward_only: a pass with no backward (old log-probs,
+    # reference, values, router-shift probes) would hold a training forward's activations per micro-batch.
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            # the interleaved schedule reads one iterator per chunk: each chunk sees every micro-batch once
+            data_iterator=[iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches),
+            model=chunks,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=batch_size,
+            forward_only=forward_only,
+        )
     return list(outputs)[:real_microbatches] if parallel_state.is_pipeline_last_stage() else []
