@@ -104,7 +104,7 @@ def test_a_dead_producer_process_is_one_line():
         raise ProducerDied("the rollout producer process (pid 7) was killed by SIGKILL")
 
     schedule = RolloutSchedule(collect, "one_step_off", 1, start=0, steps=3)
-    with pytest.raises(ProducerDied, match=r"^rollout producer failed: the rollout producer process \(pid 7\) was") as e:
+    with pytest.raises(ProducerDied, match=r"^rollout producer failed: .* \(pid 7\) was") as e:
         schedule.take(0)
     assert e.value.__cause__ is None and e.value.__suppress_context__
     schedule.stop()
