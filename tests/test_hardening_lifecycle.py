@@ -339,3 +339,24 @@ def test_hardening_async_producer_is_a_child_process_stopped_with_the_run_and_it
                          "SIGKILL (its last lines are in the log above)"], text[-3000:]
     _assert_all_gone(run_id, "the producer was killed")
 
+
+
+def test_hardening_async_producer_dies_with_rank0(tmp_path):
+    """SIGKILL of rank 0 alone in async mode: its producer process goes with it (PR_SET_PDEATHSIG), torchrun ends the
+    other rank, and no process of the run is left."""
+    run_id = uuid.uuid4().hex
+    out, log_path = tmp_path / "run", tmp_path / "run.log"
+    with log_path.open("w") as log:
+        job = subprocess.Popen(_async_train(out, 500), stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
+                               start_new_session=True)
+        try:
+            rank0, producer = _wait_for(lambda: _producer_pids(log_path.read_text()), 300, "the producer's line")
+            metrics = out / "metrics.jsonl"
+            _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+            os.kill(rank0, signal.SIGKILL)
+            job.wait(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    _assert_all_gone(run_id, "rank 0 was killed")

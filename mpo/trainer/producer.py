@@ -120,7 +120,8 @@ class ProducerProcess:
         self.engines, self.clock, self.samples_log = list(engines), clock, []
         kinds = [(len(h) > 1 and h[1] is not None, len(h) > 2 and h[2] is not None) for h in self.engines]
         self.process = ctx.Process(target=_child, name="mpo-rollout-producer",
-                                   args=(child_end, config, [h[0] for h in self.engines], kinds, context_length))
+                                   args=(child_end, config, [h[0] for h in self.engines], kinds, context_length,
+                                         os.getpid()))
         self.process.start()
         child_end.close()  # ours closed: the child's exit is an EOF here
         self.pid, self._closing = self.process.pid, False
@@ -183,11 +184,13 @@ def _advantages(config):
     return StepAdvantages(AdvantageConfig(config.algorithm.advantage, dict(config.algorithm.advantage_args)))
 
 
-def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_length: int) -> None:
+def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_length: int, parent: int) -> None:
     """The producer process: a Collector of its own, served over `conn` until the parent stops it or is gone."""
     from mpo.lifecycle import die_with_parent
 
     die_with_parent()  # before anything else: never outlive rank 0
+    if os.getppid() != parent:  # rank 0 died while this process started (spawn imports its main module first)
+        os._exit(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s producer%(process)d %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
