@@ -152,6 +152,7 @@ def run(config: TrainConfig) -> None:
             collect = trainer.collector.collect
             if producer is not None:  # it continues from rank 0's rollout state (resumed, after the warm start)
                 producer.load_state_dict(trainer.collector.state_dict())
+                trainer.task.close()  # rank 0's reward workers would idle: the producer's score from now on
                 trainer.producer, collect = producer, producer.collect
             schedule = RolloutSchedule(collect, config.schedule.mode, config.schedule.max_staleness,
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,

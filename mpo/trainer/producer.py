@@ -34,11 +34,12 @@ class ProducerDied(RuntimeError):
 
 class _Link:
     """Calls both ways over one duplex pipe: call(method, *args) waits for the other side's answer; the other side's
-    calls run handlers[method] each on a thread of its own. `on_close()` -> the exception for callers once the pipe
-    is closed."""
+    calls run handlers[method] each on a thread of its own (those named in `inline`, quick ones, on the reader's).
+    `on_close()` -> the exception for callers once the pipe is closed."""
 
-    def __init__(self, conn, handlers: dict[str, Callable], on_close: Callable[[], BaseException]) -> None:
-        self.conn, self.handlers, self._on_close = conn, handlers, on_close
+    def __init__(self, conn, handlers: dict[str, Callable], on_close: Callable[[], BaseException],
+                 inline: tuple[str, ...] = ()) -> None:
+        self.conn, self.handlers, self._on_close, self._inline = conn, handlers, on_close, inline
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
         self._pending: dict[int, list] = {}
         self._ids = itertools.count()
@@ -74,14 +75,16 @@ class _Link:
         try:
             while True:
                 kind, key, *rest = pickle.loads(self.conn.recv_bytes())
-                if kind == "call":
+                if kind == "reply":
+                    with self._lock:
+                        box = self._pending.pop(key)
+                    ok, value = rest
+                    box[1], box[2] = ok, value if ok else RuntimeError(value)
+                    box[0].set()
+                elif rest[0] in self._inline:
+                    self._serve(key, *rest)
+                else:
                     threading.Thread(target=self._serve, args=(key, *rest), daemon=True).start()
-                    continue
-                with self._lock:
-                    box = self._pending.pop(key)
-                ok, value = rest
-                box[1], box[2] = ok, value if ok else RuntimeError(value)
-                box[0].set()
         except (EOFError, OSError):
             error = self._on_close()
             with self._lock:
@@ -127,7 +130,8 @@ class ProducerProcess:
         self.pid, self._closing = self.process.pid, False
         self._reaping = threading.Lock()  # one thread at a time waits for the child (waitpid reaps it once)
         self._link = _Link(parent_end, {"restart": lambda i: self.engines[i][1](),
-                                        "current": lambda i: self.engines[i][2]()}, on_close=self._gone)
+                                        "current": lambda i: self.engines[i][2]()}, on_close=self._gone,
+                           inline=("current",))  # asked before each call the child's pool sends: kept quick
         log.info("rollout producer: process %d (rollouts off rank 0's GIL)", self.pid)
 
     def _exitcode(self, wait_s: float = 0.0) -> int | None:
