@@ -144,8 +144,9 @@ class ProducerProcess:
         code = self._exitcode(5.0)
         if self._closing:
             return ProducerDied(f"the rollout producer process (pid {self.pid}) was stopped")
-        how = ("is gone" if code is None else f"was killed by {signal.Signals(-code).name}" if code < 0
-               else f"exited with code {code}")
+        how = ("is gone" if code is None else f"exited with code {code}" if code >= 0 else
+               f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else
+               f"was killed by signal {-code}")
         return ProducerDied(f"the rollout producer process (pid {self.pid}) {how} (its last lines are in the log "
                             "above)")
 
