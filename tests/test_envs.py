@@ -295,3 +295,23 @@ def test_env_mpo_train_survives_every_episode_failing_under_r3(tokenizer_dir, tm
                   "algorithm.replay=r3")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["env_errors"] == 8 and r["env_turns_mean"] == 0 and r["skipped_no_signal"] == 1 for r in rows), rows
+
+
+def test_env_async_checkpoints_the_producer_process_data_position_and_resumes_from_it(tokenizer_dir, tmp_path):
+    """Async mode: the producer process (mpo.trainer.producer) draws the prompts, so the checkpoint keeps its data
+    position (rank 0's own task never draws), and a resumed run's producer goes on from the saved position: 3 more
+    steps end further on than the first 3 did, where a producer that started the stream again would end at the
+    same place. (Batches drawn ahead of a checkpoint count in its position: mpo.trainer.schedule's Resume.)"""
+    out = tmp_path / "async_resume"
+
+    def position() -> tuple[int, int]:
+        latest = (out / "checkpoints" / "latest").read_text().strip()
+        stream = json.loads((out / "checkpoints" / latest / "trainer_state.json").read_text())["task"]["data"]["stream"]
+        return stream["epoch"], stream["position"]
+
+    _train(tokenizer_dir, out, "schedule.mode=async", "schedule.steps=3")
+    first = position()
+    assert first > (0, 0)
+    rows = _train(tokenizer_dir, out, "schedule.mode=async", "schedule.steps=6")
+    assert [r["step"] for r in rows] == list(range(6))
+    assert position() > first, (first, position())

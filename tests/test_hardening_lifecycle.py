@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -285,3 +286,77 @@ def test_hardening_full_disk_stops_train_with_one_line(tmp_path, small_disk):
                                    "while writing "), mpo_lines
     assert (disk / "run" / "checkpoints" / "latest").read_text().strip() == "step_1"
     _assert_all_gone(run_id, "the run stopped")
+
+
+# -- the off-policy rollout producer: a child process of rank 0 ------------------------------------------------------
+def _async_train(out: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "mpo.cli", "train", "--config", str(Path(mpo.cli.RECIPES) / "demo_cpu.yaml"),
+            f"logging.out_dir={out}", f"schedule.steps={steps}", "schedule.sft_steps=0", "schedule.mode=async",
+            "logging.checkpoint_every=0", "logging.progress=false", "logging.tensorboard=false"]
+
+
+def _producer_pids(text: str) -> tuple[int, int] | None:
+    """(rank 0's pid, the producer's) from rank 0's start-up line, once it is written."""
+    found = re.search(r"rank(\d+) INFO rollout producer: process (\d+)", text)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def test_hardening_async_producer_is_a_child_process_stopped_with_the_run_and_its_death_is_one_line(tmp_path):
+    """schedule.mode=async: rank 0's rollouts are collected in a child process of rank 0 (mpo.trainer.producer: HTTP,
+    decoding, scoring and advantages off the training loop's GIL). A finished run leaves no process behind; a
+    producer SIGKILLed mid-run stops the run promptly (no hang) with one line naming it, no traceback, and again no
+    process of the run is left."""
+    run_id = uuid.uuid4().hex
+    done = subprocess.run(_async_train(tmp_path / "ok", 3), env=_marked_env(run_id), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, producer = _producer_pids(done.stderr) or (0, 0)
+    assert rank0 and producer != rank0, done.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "ok" / "metrics.jsonl")) == 3
+    _assert_all_gone(run_id, "an async run finished")
+
+    run_id = uuid.uuid4().hex
+    out, log_path = tmp_path / "killed", tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        job = subprocess.Popen(_async_train(out, 500), stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
+                               start_new_session=True)
+        try:
+            rank0, producer = _wait_for(lambda: _producer_pids(log_path.read_text()), 300, "the producer's line")
+            with open(f"/proc/{producer}/stat") as f:  # a child of rank 0, not a thread of it
+                assert int(f.read().rsplit(")", 1)[1].split()[1]) == rank0
+            metrics = out / "metrics.jsonl"
+            _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+            os.kill(producer, signal.SIGKILL)
+            job.wait(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    mpo_lines = [line for line in text.splitlines() if line.startswith("mpo")]
+    assert job.returncode != 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert mpo_lines == [f"mpo: rollout producer failed: the rollout producer process (pid {producer}) was killed by "
+                         "SIGKILL (its last lines are in the log above)"], text[-3000:]
+    _assert_all_gone(run_id, "the producer was killed")
+
+
+
+def test_hardening_async_producer_dies_with_rank0(tmp_path):
+    """SIGKILL of rank 0 alone in async mode: its producer process goes with it (PR_SET_PDEATHSIG), torchrun ends the
+    other rank, and no process of the run is left."""
+    run_id = uuid.uuid4().hex
+    out, log_path = tmp_path / "run", tmp_path / "run.log"
+    with log_path.open("w") as log:
+        job = subprocess.Popen(_async_train(out, 500), stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
+                               start_new_session=True)
+        try:
+            rank0, producer = _wait_for(lambda: _producer_pids(log_path.read_text()), 300, "the producer's line")
+            metrics = out / "metrics.jsonl"
+            _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+            os.kill(rank0, signal.SIGKILL)
+            job.wait(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    _assert_all_gone(run_id, "rank 0 was killed")

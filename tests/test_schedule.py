@@ -95,6 +95,21 @@ def test_producer_errors_reach_the_trainer():
     schedule.stop()
 
 
+def test_a_dead_producer_process_is_one_line():
+    """The producer process gone (mpo.trainer.producer): take raises ProducerDied, which ends the run with its one
+    line (mpo.trainer.__main__), not a traceback."""
+    from mpo.trainer.producer import ProducerDied
+
+    def collect(step: int, version: int):
+        raise ProducerDied("the rollout producer process (pid 7) was killed by SIGKILL")
+
+    schedule = RolloutSchedule(collect, "one_step_off", 1, start=0, steps=3)
+    with pytest.raises(ProducerDied, match=r"^rollout producer failed: .* \(pid 7\) was") as e:
+        schedule.take(0)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    schedule.stop()
+
+
 def test_versions_parse_and_bad_mode():
     from mpo.rollout.protocol import weight_version
 

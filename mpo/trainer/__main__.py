@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpo.data.sources import DataError
     from mpo.trainer.dist_checkpoint import CheckpointError
     from mpo.trainer.loop import run
+    from mpo.trainer.producer import ProducerDied
 
     try:
         run(load_config(args.config, args.overrides))
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_rank_with_one_line(f"data error: {exc}")
     except CheckpointError as exc:  # nothing to resume from, and no silent restart either
         stop_rank_with_one_line(f"checkpoint error: {exc}")
+    except ProducerDied as exc:  # the off-policy rollout process is gone: the run stops, resumable
+        stop_rank_with_one_line(str(exc))
     except Exception:
         # Our error may be a consequence of a peer's failure (its exit broke a collective, or a checkpoint write failed
         # on its disk): give that rank a moment to write its one line, which is then the run's.

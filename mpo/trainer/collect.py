@@ -142,6 +142,19 @@ class Collector:
     def set_algorithm(self, config: TrainConfig, advantages) -> None:
         self.config, self.advantages = config, advantages
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the rollouts (JSON): the advantage estimator's, the prompt retirement's and the
+        task's (its data position) states."""
+        return {"advantage_state": self.advantages.state_dict(),
+                "retirement": self.retirement.state_dict() if self.retirement else None,
+                "task": self.task.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.advantages.load_state_dict(state.get("advantage_state") or {})
+        if self.retirement is not None and state.get("retirement"):
+            self.retirement.load_state_dict(state["retirement"])
+        self.task.load_state_dict(state.get("task") or {})
+
     def collect(self, step: int, version: int | None = None) -> tuple[list[Sample], dict[str, float]]:
         """Step `step`'s batch from the engines, which hold policy `version` (default: `step`) when it is submitted;
         each sample records the version of each token (the engine's per-token stamps when it returns them).

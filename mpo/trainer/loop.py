@@ -16,6 +16,7 @@ from mpo.parallel.init import launch_rank
 from mpo.rollout.engines import EngineSet
 from mpo.trainer.evaluation import Evaluator, due
 from mpo.trainer.metrics_log import MetricsLog, wandb_settings
+from mpo.trainer.producer import ProducerProcess
 from mpo.trainer.schedule import RolloutSchedule
 from mpo.trainer.trainer import Trainer, _broadcast_object
 
@@ -123,6 +124,7 @@ def run(config: TrainConfig) -> None:
     metrics_log = None
     evaluator: Evaluator | None = None
     schedule: RolloutSchedule | None = None
+    producer: ProducerProcess | None = None
     weights = None
     try:
         trainer = Trainer(config)
@@ -130,6 +132,9 @@ def run(config: TrainConfig) -> None:
         if engines is not None:
             engines.wait_ready()
             trainer.collector.connect(engines.handles)
+            if config.schedule.mode != "sync":  # started now: its imports overlap the warm start and first push
+                producer = ProducerProcess(trainer.config, engines.handles, clock=trainer.clock,
+                                           context_length=trainer.model_cfg.max_position_embeddings)
         weights = publisher(trainer, engines)
         if start == 0 and config.schedule.sft_steps:
             sft_loss = supervised_warm_start(trainer)
@@ -142,7 +147,13 @@ def run(config: TrainConfig) -> None:
                                      versions_per_token=config.logging.versions_per_token)
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
-            schedule = RolloutSchedule(trainer.collector.collect, config.schedule.mode, config.schedule.max_staleness,
+            # that waits on the producer process, which collects off this process's GIL (mpo.trainer.producer)
+            collect = trainer.collector.collect
+            if producer is not None:  # it continues from rank 0's rollout state (resumed, after the warm start)
+                producer.load_state_dict(trainer.collector.state_dict())
+                trainer.task.close()  # rank 0's reward workers would idle: the producer's score from now on
+                trainer.producer, collect = producer, producer.collect
+            schedule = RolloutSchedule(collect, config.schedule.mode, config.schedule.max_staleness,
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
                                        memory=_memory_hook(engines) if config.rollout.colocate else None)
         if trainer.rank == 0 and config.eval.every:
@@ -166,7 +177,7 @@ def run(config: TrainConfig) -> None:
             if metrics_log is not None:
                 with trainer.clock("metrics_write"):
                     metrics_log.log(step, metrics)
-                    metrics_log.log_samples(trainer.collector.samples_log)
+                    metrics_log.log_samples((producer or trainer.collector).samples_log)
             trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
@@ -179,11 +190,13 @@ def run(config: TrainConfig) -> None:
             metrics_log.log(config.schedule.steps, final, progress=False)
     finally:
         if schedule is not None:  # first: a producer mid-batch is aborted before its engines stop
-            schedule.stop(abort=lambda: [client.abort_all() for client in engines.clients])
+            schedule.stop(abort=lambda: [producer and producer.close()] + [c.abort_all() for c in engines.clients])
         try:
             if metrics_log is not None:
                 metrics_log.close()
         finally:  # the engines stop even when closing the log fails (a full disk, say)
+            if producer is not None:  # its reward workers with it
+                producer.close()
             if trainer is not None:
                 trainer.task.close()
             if evaluator is not None:

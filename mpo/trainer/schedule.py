@@ -1,7 +1,7 @@
 """When rollouts are generated relative to training: `schedule.mode` (sync, one_step_off, async).
 
 * sync: step n generates with the weights of step n, then trains, then syncs (engines idle while the trainer works).
-* one_step_off: a producer thread on rank 0 generates the batch of step n+1 while step n trains: a batch is started
+* one_step_off: a producer on rank 0 generates the batch of step n+1 while step n trains: a batch is started
   at version >= its step - 1 and the weight sync waits until the batch in flight is finished (updates reach the
   engines between requests), so every token is at most 1 version stale.
 * async: the producer keeps the engines busy: it starts the batch of step p as soon as the engines hold version
@@ -46,10 +46,15 @@ on the reporting rank), offload/host_bytes, offload/offload_s, offload/reload_s.
 hand over (the protocol runs and is tested: storages freed to 0 bytes, bit-exact reloads, a colocated run equal to
 a resident one), and real SGLang's release dies without CUDA (spec/sglang.md), so the GPU path is unverified.
 
+The producer is a thread of rank 0 that keeps the gating below (versions, the one_step_off lock, busy intervals); in
+the off-policy modes what it calls, `collect`, is a child process's (mpo.trainer.producer.ProducerProcess: it owns a
+Collector of its own, so HTTP, decoding, scoring and advantages run off the training loop's GIL; its death stops the
+run with one line, ProducerDied). Sync mode collects in rank 0's own thread.
+
 Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are
 dropped on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the
 engines hold then: off-policy runs are not bit-reproducible, their timing decides the versions). Producer and
-trainer never share a collective: the producer only talks HTTP to the engines and scores on rank 0.
+trainer never share a collective: the producer only talks HTTP to the engines and scores beside rank 0.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
+from mpo.trainer.producer import ProducerDied
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +127,7 @@ class RolloutSchedule:
         """How many versions behind its step a batch may be started."""
         return 0 if self.mode == "sync" else 1 if self.mode == "one_step_off" else self.max_staleness
 
-    # -- producer (a thread on rank 0) ---------------------------------------------------------------------------
+    # -- producer (a thread on rank 0; off-policy, `collect` is a child process's) -------------------------------
     def _generate(self, step: int) -> _Produced:
         with self._generating:
             began = self._batch_began = time.perf_counter()
@@ -161,6 +168,8 @@ class RolloutSchedule:
                 while step not in self._batches and self._error is None:
                     self._cv.wait(timeout=1.0)
                 if self._error is not None:
+                    if isinstance(self._error, ProducerDied):  # one line for the run (mpo.trainer.__main__)
+                        raise ProducerDied(f"rollout producer failed: {self._error}") from None
                     raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
                 produced = self._batches.pop(step)
         self._trainer_from = time.perf_counter()

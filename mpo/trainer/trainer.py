@@ -55,6 +55,9 @@ class Trainer:
         from mpo.trainer.phases import PhaseClock
 
         self.config = config
+        # Off-policy modes, rank 0: the rollout producer process (mpo.trainer.producer), which then owns the rollout
+        # state (advantages, retirement, data position) that checkpoints keep; set by loop.run.
+        self.producer = None
         self.clock = PhaseClock(enabled=config.logging.phase_times)  # time/<phase>_s per step (bench step_profile)
         self.model_cfg = model_config(config)
         self.ctx = initialize_parallel(config.parallel, num_layers=self.model_cfg.num_layers,
@@ -118,6 +121,8 @@ class Trainer:
         self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
         if getattr(self, "collector", None) is not None:
             self.collector.set_algorithm(self.config, self.advantages)
+        if getattr(self, "producer", None) is not None:  # off-policy: the producer process's own Collector
+            self.producer.set_algorithm(self.config)
         if self.advantages.config.needs_critic and getattr(self, "critic", None) is None:
             from mpo.trainer.critic import Critic
 
@@ -292,12 +297,10 @@ class Trainer:
     def trainer_state(self, step: int) -> dict[str, Any]:
         """The loop's own state (JSON): the data position (the step, and the task's stream position when the task has
         one), counters, the advantage estimator's and the prompt retirement's state, the config and the layout."""
-        retirement = self.collector.retirement
+        rollouts = (self.producer or self.collector).state_dict()  # off-policy: the producer process owns them
         return {"step": step, "nonfinite_total": self.nonfinite_total,
-                "advantage_state": self.advantages.state_dict(),
-                "retirement": retirement.state_dict() if retirement else None,
-                "task": self.task.state_dict(),
-                "layout": layout_of(self.ctx), "config": to_dict(self.config)}
+                "advantage_state": rollouts["advantage_state"], "retirement": rollouts["retirement"],
+                "task": rollouts["task"], "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 
     def save(self, step: int, *, wait: bool = False) -> None:
         """Collective: a checkpoint of step `step` (mpo.trainer.dist_checkpoint) in logging.checkpoint_format; the
@@ -316,9 +319,6 @@ class Trainer:
             return 0
         trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
-        self.advantages.load_state_dict(trainer_state.get("advantage_state", {}))
-        if self.collector.retirement is not None and trainer_state.get("retirement"):
-            self.collector.retirement.load_state_dict(trainer_state["retirement"])
-        self.task.load_state_dict(trainer_state.get("task") or {})  # the data stream's position (rank 0's)
+        self.collector.load_state_dict(trainer_state)  # advantages, retirement, the data position (rank 0's)
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
         return int(trainer_state["step"])
