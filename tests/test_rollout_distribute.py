@@ -168,6 +168,34 @@ def test_frames_and_sglang_json_decode_to_the_same_compact_routes():
     assert compact_routes(routes, 300).dtype == np.int16
 
 
+def test_a_calls_samples_of_one_prompt_send_its_routes_once():
+    """A call with samples of two 3-token prompts A, A, B, B, A (a sample's prompt rows equal its prompt's others, as a
+    prefill makes them): the frames carry each prompt's rows once, and the decoded answers equal the originals bit for
+    bit, as SGLang's JSON (not shared) does."""
+    import base64
+
+    from mpo.rollout.frames import restore_prompt_routes
+
+    rng = np.random.default_rng(2)
+    prompts = {"A": rng.integers(0, 200, (3, LAYERS, TOPK)), "B": rng.integers(0, 200, (3, LAYERS, TOPK))}
+    routes = [np.concatenate([prompts[p], rng.integers(0, 200, (1 + i, LAYERS, TOPK))]) for i, p in enumerate("AABBA")]
+    answers = [{**_answer(0, None), "meta_info": {**_answer(0, None)["meta_info"], "prompt_tokens": 3,
+                                                  "routed_experts": compact_routes(r, 200)}} for r in routes]
+    framed = frames_answer(answers)
+    assert [len(a["meta_info"]["routed_experts"]) for a in framed] == [4, 2, 6, 4, 5]
+    assert [a["meta_info"].get("routed_experts_prompt_from") for a in framed] == [None, 0, None, 2, 0]
+    decoded = restore_prompt_routes(decode_frames(encode_frames(framed)))
+    as_json = json.loads(json.dumps(sglang_json(answers)))
+    for original, a, j in zip(routes, decoded, as_json):
+        assert np.array_equal(a["meta_info"]["routed_experts"], original)
+        assert "routed_experts_prompt_from" not in a["meta_info"]
+        assert j["meta_info"]["routed_experts"] == base64.b64encode(original.astype("<i4").tobytes()).decode()
+    bad = decode_frames(encode_frames(framed))
+    bad[1]["meta_info"]["routed_experts_prompt_from"] = 2  # not an earlier answer
+    with pytest.raises(ValueError, match="names no earlier answer's prompt routes"):
+        restore_prompt_routes(bad)
+
+
 def test_frames_errors_are_one_line():
     with pytest.raises(ValueError, match="bad magic"):
         decode_frames(b"{}")

@@ -7,8 +7,8 @@ EngineClient and the rollout pool, decoding, scoring, advantages) and the distri
 (`Trainer.step_batch`, what `train_step` runs), then each rank builds its micro-batches and places its engine routes
 (R3), as the old-logprob pass does. The engine is a stub in its own process that answers /generate in the wire
 format mpo's engine answers with (the same encoding functions), with response lengths log-uniform in
-[--min-len, --max-len] and random routes, a pure function of each request's sampling seed; `--wire sglang` makes it
-answer SGLang's JSON (base64 int32 routes) instead.
+[--min-len, --max-len] and random routes, a pure function of each request's sampling seed (the prompt's rows of the
+prompt alone, as a prefill's are); `--wire sglang` makes it answer SGLang's JSON (base64 int32 routes) instead.
 
 Measured (median over --repeats, after one warm-up step):
 * bytes_per_rank_vs_share: the bytes a non-zero rank receives in the distribution (counted at torch.distributed's
@@ -16,7 +16,8 @@ Measured (median over --repeats, after one warm-up step):
   log-probs and versions at 4 bytes a token, routes of its stage's MoE layers at 1 byte (2 above 256 experts). The
   worst non-zero rank is reported.
 * route_bytes_per_token: bytes of the engine's responses' routes on the wire, per generated token (the routes cover
-  the prompt's positions too, for R3's replay of them: a little above layers x top_k with short prompts).
+  the prompt's positions too, for R3's replay of them; a call's samples of one prompt send those once:
+  mpo.rollout.frames).
 * rank0_s_per_mtoken: rank 0's CPU seconds (its process, every thread) in collect + distribute, per million generated
   tokens. CPU time, not wall time: the stub engine shares the machine's cores, its time is not rank 0's.
 
@@ -43,15 +44,19 @@ PROMPTS_PER_GROUP = 8
 def stub_row(prompt: list[int], seed: int, *, min_len: int, max_len: int, num_layers: int, topk: int,
              num_experts: int, version: int = 0):
     """One response of the stub engine, a pure function of (prompt, seed): completion ids, log-probs, per-token
-    versions and routes [prompt + completion - 1, layers, top_k] (top_k distinct experts per token and layer)."""
+    versions and routes [prompt + completion - 1, layers, top_k] (top_k distinct experts per token and layer). The
+    rows of the prompt's positions depend on the prompt alone, as a real engine's prefill does."""
+    import zlib
+
     import numpy as np
 
     rng = np.random.default_rng(seed)
     n = int(round(math.exp(rng.uniform(math.log(min_len), math.log(max_len)))))
     output = rng.integers(4, 256, n)
     logprobs = -rng.random(n).astype(np.float32)
-    rows = len(prompt) + n - 1
-    base = rng.integers(0, num_experts, (rows, num_layers, 1))
+    prefill = np.random.default_rng(zlib.crc32(np.asarray(prompt, dtype=np.int64).tobytes()))
+    base = np.concatenate([prefill.integers(0, num_experts, (len(prompt), num_layers, 1)),
+                           rng.integers(0, num_experts, (n - 1, num_layers, 1))])
     routes = (base + np.arange(topk) * (num_experts // topk)) % num_experts
     return output, logprobs, [version] * n, routes
 
@@ -85,8 +90,10 @@ def _serve(port: int, args, stats: str) -> None:
             from mpo.rollout.protocol import encode_routed_experts
 
             if args.wire == "mpo" and wants_frames(self.headers.get("Accept")):
-                data, content_type = encode_frames(frames_answer(payload)), CONTENT_TYPE
-                route_bytes = sum(r.nbytes for r in routes or [])
+                framed = frames_answer(payload)
+                data, content_type = encode_frames(framed), CONTENT_TYPE
+                route_bytes = sum(a["meta_info"]["routed_experts"].nbytes
+                                  for a in (framed if isinstance(framed, list) else [framed])) if routes else 0
             else:
                 data, content_type = json.dumps(sglang_json(payload)).encode(), "application/json"
                 route_bytes = sum(len(encode_routed_experts(r)) for r in routes or [])

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from mpo.rollout.frames import CONTENT_TYPE as FRAMES_CONTENT_TYPE, decode_frames
+from mpo.rollout.frames import CONTENT_TYPE as FRAMES_CONTENT_TYPE, decode_frames, restore_prompt_routes
 from mpo.rollout.protocol import GenerateRequest, GenerateResult, parse_generate_request
 
 # /generate asks for mpo's binary frames (routes as raw compact bytes); SGLang ignores it and answers JSON
@@ -81,7 +81,7 @@ class EngineClient:
             return None
         if response.headers.get("content-type", "").startswith(FRAMES_CONTENT_TYPE):
             try:
-                return decode_frames(response.content)
+                return restore_prompt_routes(decode_frames(response.content))
             except ValueError as exc:
                 raise EngineError(self.url, endpoint, f"bad frames body: {exc}", retryable=False) from exc
         try:

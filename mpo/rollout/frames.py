@@ -87,7 +87,7 @@ def frames_answer(payload: Any) -> Any:
     output_ids int64 [n], output_token_logprobs float64 [n] (the log-probs of SGLang's [logprob, id, text] triples;
     the ids are output_ids). Anything else passes unchanged."""
     if isinstance(payload, list):
-        return [frames_answer(p) for p in payload]
+        return _share_prompt_routes([frames_answer(p) for p in payload])
     if not isinstance(payload, dict) or not isinstance(payload.get("meta_info"), dict):
         return payload
     meta = dict(payload["meta_info"])
@@ -98,6 +98,45 @@ def frames_answer(payload: Any) -> Any:
     if isinstance(payload.get("output_ids"), list):
         out["output_ids"] = np.array(payload["output_ids"], dtype=np.int64)
     return out
+
+
+def _share_prompt_routes(answers: list) -> list:
+    """A call's samples of one prompt are prefilled alike, so their routes over the prompt's positions (the first
+    `prompt_tokens` rows) repeat. Where a sample's are byte for byte those of an earlier sample of the call, it sends
+    only its rows after them and names that sample (`routed_experts_prompt_from`): at G samples per prompt the
+    prompt's routes travel once, not G times, and restore_prompt_routes rebuilds them exactly."""
+    first: dict[tuple, int] = {}  # (dtype, prompt rows' bytes) -> the first answer carrying them
+    out = []
+    for i, answer in enumerate(answers):
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        routes = meta.get("routed_experts") if isinstance(meta, dict) else None
+        rows = meta.get("prompt_tokens") if isinstance(routes, np.ndarray) else None
+        if isinstance(rows, int) and 0 < rows <= len(routes):
+            j = first.setdefault((routes.dtype.str, routes[:rows].tobytes()), i)
+            if j != i:
+                answer = {**answer, "meta_info": {**meta, "routed_experts": routes[rows:],
+                                                  "routed_experts_prompt_from": j}}
+        out.append(answer)
+    return out
+
+
+def restore_prompt_routes(payload: Any) -> Any:
+    """The inverse of _share_prompt_routes on a decoded frames answer; ValueError for a reference that is not to an
+    earlier answer holding its own prompt routes."""
+    if not isinstance(payload, list):
+        return payload
+    for i, answer in enumerate(payload):
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        if not isinstance(meta, dict) or "routed_experts_prompt_from" not in meta:
+            continue
+        j, rows = meta.pop("routed_experts_prompt_from"), meta.get("prompt_tokens")
+        source = payload[j].get("meta_info", {}) if isinstance(j, int) and 0 <= j < i else {}
+        prompt = source.get("routed_experts")
+        if ("routed_experts_prompt_from" in source or not isinstance(prompt, np.ndarray) or not isinstance(rows, int)
+                or not 0 < rows <= len(prompt) or not isinstance(meta.get("routed_experts"), np.ndarray)):
+            raise ValueError(f"answer {i}: routed_experts_prompt_from={j!r} names no earlier answer's prompt routes")
+        meta["routed_experts"] = np.concatenate([prompt[:rows], meta["routed_experts"]])
+    return payload
 
 
 def sglang_json(payload: Any) -> Any:
