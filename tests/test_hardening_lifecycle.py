@@ -301,6 +301,27 @@ def _producer_pids(text: str) -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
+def _async_run_killed(out, log_path, run_id: str, *, victim: str) -> tuple[subprocess.Popen, int, int]:
+    """An async `mpo train` of 500 steps logging to `log_path`, its `victim` ("producer" or "rank0") SIGKILLed after
+    two steps; (the ended job, rank 0's pid, the producer's pid). The producer is checked to be a child process of
+    rank 0, not a thread of it."""
+    with log_path.open("w") as log:
+        job = subprocess.Popen(_async_train(out, 500), stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
+                               start_new_session=True)
+        try:
+            rank0, producer = _wait_for(lambda: _producer_pids(log_path.read_text()), 300, "the producer's line")
+            with open(f"/proc/{producer}/stat") as f:
+                assert int(f.read().rsplit(")", 1)[1].split()[1]) == rank0
+            metrics = out / "metrics.jsonl"
+            _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+            os.kill(producer if victim == "producer" else rank0, signal.SIGKILL)
+            job.wait(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return job, rank0, producer
+
+
 def test_hardening_async_producer_is_a_child_process_stopped_with_the_run_and_its_death_is_one_line(tmp_path):
     """schedule.mode=async: rank 0's rollouts are collected in a child process of rank 0 (mpo.trainer.producer: HTTP,
     decoding, scoring and advantages off the training loop's GIL). A finished run leaves no process behind; a
@@ -316,21 +337,8 @@ def test_hardening_async_producer_is_a_child_process_stopped_with_the_run_and_it
     _assert_all_gone(run_id, "an async run finished")
 
     run_id = uuid.uuid4().hex
-    out, log_path = tmp_path / "killed", tmp_path / "killed.log"
-    with log_path.open("w") as log:
-        job = subprocess.Popen(_async_train(out, 500), stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
-                               start_new_session=True)
-        try:
-            rank0, producer = _wait_for(lambda: _producer_pids(log_path.read_text()), 300, "the producer's line")
-            with open(f"/proc/{producer}/stat") as f:  # a child of rank 0, not a thread of it
-                assert int(f.read().rsplit(")", 1)[1].split()[1]) == rank0
-            metrics = out / "metrics.jsonl"
-            _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
-            os.kill(producer, signal.SIGKILL)
-            job.wait(timeout=120)
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
+    log_path = tmp_path / "killed.log"
+    job, rank0, producer = _async_run_killed(tmp_path / "killed", log_path, run_id, victim="producer")
     text = log_path.read_text()
     mpo_lines = [line for line in text.splitlines() if line.startswith("mpo")]
     assert job.returncode != 0, text[-3000:]
@@ -340,23 +348,10 @@ def test_hardening_async_producer_is_a_child_process_stopped_with_the_run_and_it
     _assert_all_gone(run_id, "the producer was killed")
 
 
-
 def test_hardening_async_producer_dies_with_rank0(tmp_path):
     """SIGKILL of rank 0 alone in async mode: its producer process goes with it (PR_SET_PDEATHSIG), torchrun ends the
     other rank, and no process of the run is left."""
     run_id = uuid.uuid4().hex
-    out, log_path = tmp_path / "run", tmp_path / "run.log"
-    with log_path.open("w") as log:
-        job = subprocess.Popen(_async_train(out, 500), stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
-                               start_new_session=True)
-        try:
-            rank0, producer = _wait_for(lambda: _producer_pids(log_path.read_text()), 300, "the producer's line")
-            metrics = out / "metrics.jsonl"
-            _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
-            os.kill(rank0, signal.SIGKILL)
-            job.wait(timeout=120)
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
+    job, _, _ = _async_run_killed(tmp_path / "run", tmp_path / "run.log", run_id, victim="rank0")
     assert job.returncode != 0
     _assert_all_gone(run_id, "rank 0 was killed")
