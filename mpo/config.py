@@ -119,7 +119,8 @@ class SyncSection:
             between each stage's sender and the engines: NCCL on GPU, gloo on CPU; engines on other nodes),
             "cuda_ipc" (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only)
             or "shm" (mpo engines on the trainer's host read the buckets in place from shared memory; CPU).
-            "auto": "shm" for mpo engines the run starts itself on CPU, else "tensor" (resolve_transport).
+            "auto": "shm" for mpo engines the run starts itself on CPU (unless host_shared_memory is false), else
+            "tensor" (resolve_transport).
         bucket_mb: bucket size.
         master_address: the address engines reach trainer rank 0 at for transport="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher

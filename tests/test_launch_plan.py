@@ -270,7 +270,8 @@ def test_engine_set_stops_the_engines_it_started_when_a_later_one_fails_to_launc
 
 def test_auto_sync_transport_is_shm_for_engines_a_cpu_run_starts_and_tensor_for_configured_urls(tmp_path):
     """sync.transport unset ("auto"): the demo's own engine (started by the run, on this CPU host) gets its buckets
-    through shared memory; engines the run is given as URLs (perhaps on another host) through the HTTP body."""
+    through shared memory, unless sync.host_shared_memory=false; engines the run is given as URLs (perhaps on another
+    host) through the HTTP body."""
     from mpo.rollout.engines import EngineSet
     from mpo.weight_sync.transports import engine_set_sync
 
@@ -282,5 +283,11 @@ def test_auto_sync_transport_is_shm_for_engines_a_cpu_run_starts_and_tensor_for_
     try:
         sync = engine_set_sync(started, bucket_bytes=1 << 20)
         assert sync.transport == started.transport == "shm"
+    finally:
+        started.stop()
+    refused = load_config(DEMO, ["sync.host_shared_memory=false"])  # a tiny /dev/shm: auto keeps off it
+    started = EngineSet(refused, tmp_path / "refused", model_config(refused))
+    try:
+        assert engine_set_sync(started, bucket_bytes=1 << 20).transport == "tensor"
     finally:
         started.stop()

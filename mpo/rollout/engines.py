@@ -34,6 +34,7 @@ class EngineSet:
         r = config.rollout
         self.processes: list[LocalEngineProcess] = []
         self.engine, self.transport = r.engine, config.sync.transport
+        self.shared_memory = config.sync.host_shared_memory  # false: "auto" keeps off /dev/shm
         # The distributed weight-update group: one rank per engine TP rank, rendezvous at trainer rank 0.
         self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1
         self.sync_master_address = config.sync.master_address or "127.0.0.1"

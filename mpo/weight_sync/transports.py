@@ -49,14 +49,16 @@ TRANSPORTS: dict[str, Transport] = {
 }
 
 
-def resolve_transport(transport: str, engine: str, *, started_here: bool, is_gpu: bool) -> str:
+def resolve_transport(transport: str, engine: str, *, started_here: bool, is_gpu: bool,
+                      shared_memory: bool | None = None) -> str:
     """The transport `sync.transport` names; "auto" (the default) is "shm" for mpo engines this run starts on a CPU
-    host (buckets read in place: the demo's sync 3.7 -> 2.6 s per 100 steps, the same learning) and "tensor" for
-    every other engine (engines on other nodes that "tensor" cannot reach need "distributed", which the recipes and
-    the launcher's placement checks name)."""
+    host (buckets read in place: the demo's sync 3.7 -> 2.6 s per 100 steps, the same learning) unless
+    `sync.host_shared_memory` is false (`shared_memory`: a container with a tiny /dev/shm), and "tensor" for every
+    other engine (engines on other nodes that "tensor" cannot reach need "distributed", which the recipes and the
+    launcher's placement checks name)."""
     if transport != "auto":
         return transport
-    return "shm" if engine == "mpo" and started_here and not is_gpu else "tensor"
+    return "shm" if engine == "mpo" and started_here and not is_gpu and shared_memory is not False else "tensor"
 
 
 def check_transport(transport: str, engine: str, *, off_host: str | None = None) -> None:
@@ -379,7 +381,7 @@ def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
     `transport` ("auto") first."""
     if engines.sync is None:
         engines.transport = resolve_transport(engines.transport, engines.engine, started_here=bool(engines.processes),
-                                              is_gpu=torch.cuda.is_available())
+                                              is_gpu=torch.cuda.is_available(), shared_memory=engines.shared_memory)
         sync = WeightSync(engines.clients, engine=engines.engine, transport=engines.transport,
                           bucket_bytes=bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
                           master_address=engines.sync_master_address)
