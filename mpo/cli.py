@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--engine-mem-fraction", type=float, default=None,
                       help="SGLang --mem-fraction-static (default 0.85)")
     plan.add_argument("overrides", nargs="*")
-    demo = sub.add_parser("demo", help="tiny MoE learns a toy task with RL on CPU (2 gloo ranks, EP2)")
+    demo = sub.add_parser("demo", help="tiny MoE learns a toy task with RL on CPU (a gloo rank and mpo's engine)")
     demo.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo", help="run directory (a rerun resumes from its checkpoint)")
     demo.add_argument("--loss", default=None, help="policy loss: grpo (default), gspo, sapo, rspo, ...")

@@ -19,7 +19,8 @@ from mpo.config import ConfigError, load_config
     (["parallel.expert_parallel=3", "world_size=3"], "expert_parallel=3 does not divide num_experts=8"),
     (["parallel.tensor_parallel=3", "parallel.expert_parallel=1", "world_size=3"],
      "tensor_parallel=3 does not divide num_attention_heads=4"),
-    (["world_size=3"], "world size 3 is not divisible by expert_tensor_parallel*expert_parallel"),
+    (["world_size=3", "parallel.expert_parallel=2"],
+     "world size 3 is not divisible by expert_tensor_parallel*expert_parallel"),
     (["algorithm.replay=r3", "rollout.router_in_front=true"], "algorithm.replay='r3' needs routed experts"),
     (["algorithm.replay=r5"], "algorithm.replay='r5'; valid values: 'none', 'r2', 'r3'"),
     (["schedule.lr=fast"], "schedule.lr='fast': expected float"),
@@ -52,7 +53,7 @@ def test_bad_config_fails_naming_the_field(overrides, message):
 def test_overrides_and_yaml_round_trip(tmp_path):
     config = load_config(RECIPES / "demo_cpu.yaml", ["algorithm.loss=sapo", "algorithm.loss_args={tau_neg: 1.2}"])
     assert config.algorithm.loss == "sapo" and config.algorithm.loss_args == {"tau_neg": 1.2}
-    assert config.parallel.expert_parallel == 2 and config.world_size == 2
+    assert config.parallel.expert_parallel == 1 and config.world_size == 1  # the demo: one rank (issue #32)
 
 
 def test_cli_rejects_bad_config_before_starting_anything(tmp_path):

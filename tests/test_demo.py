@@ -1,4 +1,4 @@
-"""`mpo demo`, the README's main job, as a user runs it (real processes: torchrun, 2 gloo ranks, an engine server):
+"""`mpo demo`, the README's main job, as a user runs it (real processes: torchrun, a gloo rank, an engine server):
 reward rises with RL, and a run killed after a checkpoint resumes to exactly the metrics of an uninterrupted run."""
 
 from __future__ import annotations
@@ -222,8 +222,9 @@ def test_hardening_dp2_demo_runs_and_resumes_an_ep2_checkpoint(tmp_path):
     resharded to the new layout, every step from there trains and syncs, and the log says where it resumed."""
     out = tmp_path / "run"
     settings = ("schedule.sft_steps=3", "logging.checkpoint_every=2", "logging.tensorboard=false", "eval.every=0")
-    assert _run(_demo_command(out, 2, *settings), tmp_path / "ep2.log").returncode == 0
-    result = _run(_demo_command(out, 4, *settings, "parallel.expert_parallel=1", "logging.phase_times=true"),
+    assert _run(_demo_command(out, 2, *settings, "world_size=2", "parallel.expert_parallel=2"),
+                tmp_path / "ep2.log").returncode == 0
+    result = _run(_demo_command(out, 4, *settings, "world_size=2", "logging.phase_times=true"),
                   tmp_path / "dp2.log")
     log = (tmp_path / "dp2.log").read_text()
     assert result.returncode == 0, log[-3000:]

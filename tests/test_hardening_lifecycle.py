@@ -71,11 +71,12 @@ def _roles(run_id: str) -> tuple[list[int], list[int]]:
 # -- 1. kill -9 of the launcher's process group ---------------------------------------------------------------------
 def test_hardening_kill9_of_demo_process_group_leaves_no_process(tmp_path):
     """`kill -9 -- -PGID` of `mpo demo` at a random moment after the ranks and the engine are up: within 10 s no
-    process of the run is alive (torchrun puts ranks in their own sessions, the engine is in its own too)."""
+    process of the run is alive (torchrun puts ranks in their own sessions, the engine is in its own too). At two
+    ranks (the demo runs one), so that more than one rank must go."""
     run_id = uuid.uuid4().hex
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "mpo.cli", "demo", "--steps", "3", "--out", str(out), "logging.progress=false",
-               "logging.tensorboard=false"]
+               "logging.tensorboard=false", "world_size=2", "parallel.expert_parallel=2"]
     with (tmp_path / "demo.log").open("w") as log:
         job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_marked_env(run_id),
                                start_new_session=True)

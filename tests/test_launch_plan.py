@@ -20,6 +20,7 @@ from mpo.config import load_config, model_config
 REPO = Path(__file__).resolve().parents[1]
 GSPO = "mpo/recipes/qwen3_30b_a3b_gspo.yaml"
 DEMO = "mpo/recipes/demo_cpu.yaml"
+TWO_RANKS = ["world_size=2", "parallel.expert_parallel=2"]  # the demo at EP2, a rank per node (the demo runs one)
 
 # The 4-node GPU example: 2 trainer nodes x 8 GPUs (EP8), 2 rollout nodes with 2 SGLang engines of TP4 each.
 RUN = "runs/qwen3_30b_a3b_gspo/launch/1234"
@@ -105,7 +106,7 @@ def test_dry_run_prints_exact_commands_per_node():
 
 
 def test_cpu_demo_on_two_nodes_is_colocated_with_engine_on_last_node():
-    plan = _plan(DEMO, ["logging.out_dir=/tmp/r"], hosts=("n1", "n2"), gpus=0)
+    plan = _plan(DEMO, [*TWO_RANKS, "logging.out_dir=/tmp/r"], hosts=("n1", "n2"), gpus=0)
     assert plan.placement == "colocated"
     assert [n.role for n in plan.nodes] == ["trainer", "trainer+rollout"]
     trainer = plan.nodes[1].processes[0]
@@ -120,13 +121,13 @@ def test_cpu_disaggregated_and_external_engines():
     plan = _plan(DEMO, ["world_size=2"], hosts=("n1", "n2"), gpus=0, trainer_nodes=1)
     assert [n.role for n in plan.nodes] == ["trainer", "rollout"]
     assert "--nproc-per-node 2" in " ".join(plan.nodes[0].processes[0].argv)
-    ext = _plan(DEMO, ["rollout.urls=[http://e:1]"], hosts=("n1", "n2"), gpus=0)
+    ext = _plan(DEMO, [*TWO_RANKS, "rollout.urls=[http://e:1]"], hosts=("n1", "n2"), gpus=0)
     assert ext.placement == "external" and ext.trainer_overrides == ()
     assert all(p.kind == "trainer" for n in ext.nodes for p in n.processes)
 
 
 def test_ports_derive_from_job_id_and_agree():
-    config = load_config(DEMO, [])
+    config = load_config(DEMO, TWO_RANKS)
     a = make_plan(config, Allocation(("n1", "n2"), 0, "77.0"), LaunchOptions(config_path=DEMO))
     b = make_plan(config, Allocation(("n1", "n2"), 0, "77.0"), LaunchOptions(config_path=DEMO))
     c = make_plan(config, Allocation(("n1", "n2"), 0, "78.0"), LaunchOptions(config_path=DEMO))

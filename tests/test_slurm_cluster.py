@@ -66,7 +66,9 @@ def _env_of(pid: int) -> dict[str, str]:
 
 def _submit(cluster_env: dict, out_file: Path, overrides: str) -> tuple[subprocess.Popen, str, str]:
     name = f"mpo-test-{uuid.uuid4().hex[:8]}"
-    env = {**cluster_env, "MPO_CONFIG": "mpo/recipes/demo_cpu.yaml", "MPO_OVERRIDES": overrides,
+    # two nodes, a trainer rank on each: the demo at its two-rank layout (EP2; `mpo demo` itself runs one rank)
+    env = {**cluster_env, "MPO_CONFIG": "mpo/recipes/demo_cpu.yaml",
+           "MPO_OVERRIDES": f"world_size=2 parallel.expert_parallel=2 {overrides}",
            "MPO_PYTHON": sys.executable, "MPO_REPO": str(REPO)}
     proc = subprocess.Popen(["sbatch", "--wait", "--parsable", f"--job-name={name}", "--nodes=2",
                              "--gpus-per-node=0", "--time=4", "-o", str(out_file), "slurm/train.sbatch"],

@@ -156,8 +156,9 @@ def test_loop_step_runs_at_layout(tmp_path, layout):
     assert metrics["train_rollout_logprob_absdiff"] <= 1e-5  # the engine (TP1) and the trainer agree
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path):
-    spawn_ranks(2, trainer_worker.nonfinite, str(tmp_path))
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, where):
+    spawn_ranks(2, trainer_worker.nonfinite, str(tmp_path), where)
     result = json.loads((tmp_path / "nonfinite.json").read_text())
     assert [s["nonfinite_skipped"] for s in result["steps"]] == [1.0, 1.0]
     assert result["steps"][-1]["nonfinite_total"] == 2.0

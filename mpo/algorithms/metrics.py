@@ -78,8 +78,15 @@ def all_reduce_metrics(metrics: Mapping[str, Tensor], process_group: dist.Proces
     """All-reduce merged metrics across ranks: SUM for partial means, MIN / MAX for ``*_min`` / ``*_max``."""
     ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
     out: dict[str, Tensor] = {}
+    by_kind: dict[str, list[str]] = {}
     for name in sorted(metrics):  # same order on every rank
-        value = metrics[name].detach().clone()
-        all_reduce_(value, op=ops[_reduce_kind(name)], group=process_group)
-        out[name] = value
+        by_kind.setdefault(_reduce_kind(name), []).append(name)
+    # One collective per reduce kind (at most three), not one per metric: each is a launch and a host round trip
+    # (a step has dozens of metrics), and a step should not pay them by the dozen.
+    for kind, names in sorted(by_kind.items()):
+        values = [metrics[name].detach() for name in names]
+        packed = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
+        all_reduce_(packed, op=ops[kind], group=process_group)
+        for name, value, part in zip(names, values, packed.split([v.numel() for v in values])):
+            out[name] = part.reshape(value.shape).to(value.dtype)
     return out

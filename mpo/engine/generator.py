@@ -142,8 +142,14 @@ def _sample_rows(logits: torch.Tensor, rows: list[_Active]) -> list[int | Except
                 out[i] = token
             continue
         probs = _distributions(logits[index], sampling)
+        # torch.multinomial(p, 1) is argmax(p / q) with q ~ Exp(1) drawn from the generator (torch's own kernel for
+        # one sample without replacement): the same draws per row, one batched division and argmax for all rows
+        # (a multinomial call per row was a sixth of the engine's time on the demo).
+        noise = torch.empty_like(probs)
         for k, i in enumerate(members):
-            out[i] = int(torch.multinomial(probs[k], 1, generator=rows[i].generator))
+            noise[k].exponential_(1, generator=rows[i].generator)
+        for i, token in zip(members, (probs / noise).argmax(-1).tolist()):
+            out[i] = token
     return out
 
 

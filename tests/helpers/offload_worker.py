@@ -139,7 +139,8 @@ def _loop_runs(out_dir: str, url: str, steps: int, overrides: list[str]) -> None
 
     for colocate in ("false", "true"):
         config = load_config(RECIPES / "demo_cpu.yaml", [
-            f"logging.out_dir={out_dir}/colocate_{colocate}", f"rollout.colocate={colocate}", f"rollout.urls=[{url}]",
+            f"logging.out_dir={out_dir}/colocate_{colocate}", "world_size=2", "parallel.expert_parallel=2",
+            f"rollout.colocate={colocate}", f"rollout.urls=[{url}]",
             f"schedule.steps={steps}", "logging.tensorboard=false", "logging.progress=false", *overrides])
         run_loop(config)
 

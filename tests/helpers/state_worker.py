@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-LAYOUTS = {  # name -> config overrides (on top of the demo recipe: EP2)
-    "tp2ep2": ["world_size=4", "parallel.tensor_parallel=2"],
-    "ep2": [],
+LAYOUTS = {  # name -> config overrides (on top of the demo recipe, one rank since issue #32; world_size is set)
+    "tp2ep2": ["world_size=4", "parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
+    "ep2": ["parallel.expert_parallel=2"],
     "dp2": ["parallel.expert_parallel=1"],
     "pp2": ["parallel.pipeline_parallel=2", "parallel.expert_parallel=1"],
 }

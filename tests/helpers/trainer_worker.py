@@ -19,8 +19,10 @@ def _trainer(out_dir: str, overrides: list[str]):
     from mpo.trainer.trainer import Trainer
 
     # A short warm start: rewards then vary within groups, so every loss sees non-zero advantages.
-    # The demo recipe before its issue #17 tuning (loss gspo, lr 2e-3): these tests' expectations were set with it.
-    config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", "schedule.sft_steps=15",
+    # The demo recipe before its issue #17 tuning (loss gspo, lr 2e-3) and at its layout before issue #32 (2 ranks,
+    # EP2): these tests' expectations were set with it.
+    config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", "world_size=2",
+                                                     "parallel.expert_parallel=2", "schedule.sft_steps=15",
                                                      "data.prompts_per_step=4", "algorithm.loss=gspo",
                                                      "schedule.lr=0.002", *overrides])
     trainer = Trainer(config)
@@ -145,16 +147,23 @@ def _record_sessions(trainer) -> list:
     return sessions
 
 
-def nonfinite(out_dir: str) -> None:
-    """A numeric blow-up (the loss turns NaN) is skipped and counted; after max_nonfinite_steps in a row the run
-    checkpoints and stops. The NaN is injected into the loss function; everything else is the real loop."""
+def nonfinite(out_dir: str, where: str = "loss") -> None:
+    """A numeric blow-up is skipped and counted; after max_nonfinite_steps in a row the run checkpoints and stops.
+    Injected into the loss function, everything else the real loop: where="loss", the loss turns NaN on every rank;
+    where="grad", the loss stays finite (0 more) and only rank 1's gradients turn infinite (sqrt'(0))."""
     from mpo.trainer.trainer import NonFiniteStop
+
+    def blow_up(mb, logprobs, entropy):
+        if where == "loss":
+            return logprobs.sum() * float("nan"), {}
+        zero = (logprobs - logprobs.detach()).sum()  # exactly 0, with gradient 1 for every log-prob
+        rank = torch.distributed.get_rank()
+        return logprobs.sum() + (torch.sqrt(zero) if rank == 1 else 0.0), {}
 
     overrides = ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1", "algorithm.filter_zero_variance=false"]
     with _worker_run(out_dir, "nonfinite", overrides) as (trainer, _, _, results):
         before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        trainer.policy.loss_fn = lambda *denominators: (
-            lambda mb, logprobs, entropy: (logprobs.sum() * float("nan"), {}))
+        trainer.policy.loss_fn = lambda *denominators: blow_up
         results["steps"] = []
         try:
             for step in range(3):
