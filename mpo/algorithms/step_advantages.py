@@ -61,6 +61,12 @@ class StepAdvantages:
         self.config = config
         self.ema = config.spec.fn(**config.args) if config.spec.level == "running" else None
 
+    @classmethod
+    def for_algorithm(cls, algorithm) -> "StepAdvantages":
+        """The estimator a config's `algorithm` section names (advantage, advantage_args): the trainer's and the
+        rollout producer process's are made alike."""
+        return cls(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
+
     def __call__(self, rewards: Tensor, group_ids: Tensor, lengths: list[int],
                  loss_masks: list | None = None) -> tuple[list[list[float]], Tensor]:
         """Per response, the advantage of each completion token, and ``zero_variance [N]`` (its group's rewards

@@ -183,12 +183,6 @@ class ProducerProcess:
                 self._exitcode(5.0)
 
 
-def _advantages(config):
-    from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
-
-    return StepAdvantages(AdvantageConfig(config.algorithm.advantage, dict(config.algorithm.advantage_args)))
-
-
 def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_length: int, parent: int) -> None:
     """The producer process: a Collector of its own, served over `conn` until the parent stops it or is gone."""
     from mpo.lifecycle import die_with_parent
@@ -201,6 +195,7 @@ def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_
     import torch
 
     torch.set_num_threads(1)  # small tensors only (advantages): leave the cores to the ranks
+    from mpo.algorithms.step_advantages import StepAdvantages
     from mpo.data.retirement import PromptRetirement
     from mpo.trainer.collect import Collector
     from mpo.trainer.phases import PhaseClock
@@ -211,7 +206,8 @@ def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_
     retire = config.data.retire_pass_rate
     task = make_task(config, rank=0)
     collector = Collector(config, task, retirement=PromptRetirement(retire) if retire is not None else None,
-                          clock=clock, context_length=context_length, advantages=_advantages(config))
+                          clock=clock, context_length=context_length,
+                          advantages=StepAdvantages.for_algorithm(config.algorithm))
     link: _Link | None = None
 
     def engine(i: int, can_restart: bool, has_current: bool) -> tuple:
@@ -226,7 +222,7 @@ def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_
         return samples, metrics, collector.samples_log, phases
 
     def set_algorithm(new) -> None:
-        collector.set_algorithm(new, _advantages(new))
+        collector.set_algorithm(new, StepAdvantages.for_algorithm(new.algorithm))
 
     link = _Link(conn, {"collect": collect, "state_dict": collector.state_dict,
                         "load_state_dict": collector.load_state_dict, "set_algorithm": set_algorithm,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mpo.algorithms import CorrectionConfig, get_loss, make_loss_config
-from mpo.algorithms.step_advantages import AdvantageConfig, StepAdvantages
+from mpo.algorithms.step_advantages import StepAdvantages
 from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to_dict
 from mpo.data.retirement import PromptRetirement
 from mpo.models.forward import MicroBatch
@@ -118,7 +118,7 @@ class Trainer:
         loss_cfg = make_loss_config(algorithm.loss, **algorithm.loss_args, **kl)
         kind = resolve_rollout_correction(algorithm.rollout_correction, self.config.schedule.mode)
         correction = CorrectionConfig(kind, **algorithm.rollout_correction_args)
-        self.advantages = StepAdvantages(AdvantageConfig(algorithm.advantage, dict(algorithm.advantage_args)))
+        self.advantages = StepAdvantages.for_algorithm(algorithm)
         if getattr(self, "collector", None) is not None:
             self.collector.set_algorithm(self.config, self.advantages)
         if getattr(self, "producer", None) is not None:  # off-policy: the producer process's own Collector
