@@ -14,6 +14,7 @@ import torch.distributed as dist
 from mpo.algorithms import (CorrectionConfig, PolicyBatch, all_reduce_metrics, apply_rollout_correction,
                             compute_global_denominators, compute_policy_loss, correction_counts, merge_metrics,
                             positive_nll)
+from mpo.models.chunks import as_chunks
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
 
@@ -181,8 +182,9 @@ class PolicyUpdate:
         """Collective: True when the loss and every gradient are finite on every rank. megatron's DDP keeps every
         main_grad in a few contiguous buffers: one check per buffer, read back once (a check per parameter cost a
         host round trip each: hundreds per step for a Qwen3-30B-A3B stage)."""
-        buffers = getattr(self.model, "buffers", None)
-        buffers = [*buffers, *self.model.expert_parallel_buffers] if isinstance(buffers, list) else []
+        chunks = as_chunks(self.model)  # VPP: several DDP chunks (ModelChunks itself has nn.Module's buffers())
+        ddp = all(isinstance(getattr(chunk, "buffers", None), list) for chunk in chunks)
+        buffers = [b for chunk in chunks for b in (*chunk.buffers, *chunk.expert_parallel_buffers)] if ddp else []
         if buffers and all(b.grad_data is not None for b in buffers):
             grads = [b.grad_data for b in buffers]
         else:  # no grad buffers to read (not megatron's DDP, or released): each parameter's main_grad
