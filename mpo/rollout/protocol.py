@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,14 +45,16 @@ class SamplingParams:
     top_k: int = -1
 
     def __post_init__(self) -> None:
-        check_sampling_fields(asdict(self), where="sampling")
+        # The fields as they are (vars, not dataclasses.asdict: that deep-copies every value, and it was ~20 us per
+        # request on both sides of every /generate: 2.5 ms of a 128-row call, twice)
+        check_sampling_fields(vars(self), where="sampling")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = dict(vars(self))
         out["stop_token_ids"] = list(self.stop_token_ids)
         if self.sampling_seed is None:
             del out["sampling_seed"]
