@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import gc
 import json
 import os
 import signal
@@ -80,6 +81,18 @@ def exit_with_parent(*, signal_by_default: bool = True) -> None:
             time.sleep(WATCHDOG_PERIOD_S)
 
     threading.Thread(target=watch, name="mpo-parent-watchdog", daemon=True).start()
+
+
+def freeze_startup_heap() -> None:
+    """Call once start-up is done, before a process's steady loop (a trainer rank's steps, an engine's serving):
+    collect once, then move every object alive now to the permanent generation (gc.freeze). Python's full
+    collections traverse every tracked object: in a rank or an engine that is megatron's and torch's module graph and
+    all start-up made, ~0.19 s per full collection on the demo's tiny model (measured with gc.callbacks over 20 demo
+    steps) and more with a bigger model, stalling whichever phase it lands in (here the rollout's HTTP and JSON
+    decode, 9 ms a step on average) at a different moment on every rank. Frozen objects are never collected, so the
+    garbage start-up left in reference cycles (a checkpoint load's temporaries) is collected first."""
+    gc.collect()
+    gc.freeze()
 
 
 def die_with_parent() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mpo.lifecycle import exit_with_parent
+from mpo.lifecycle import exit_with_parent, freeze_startup_heap
 
 if __name__ == "__main__" and "--exit-with-parent" in sys.argv:
     exit_with_parent(signal_by_default=False)  # before torch and the model load: a starter dying mid-load ends us
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), idle_timeout_s=args.idle_timeout_s,
                           header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
                           listen_backlog=max(args.max_connections, 128))
+    freeze_startup_heap()  # the model and its weights: out of every collection while serving
     server = serve(app, args.host, args.port, key, limits)
     logging.info("mpo engine serving on http://%s:%d", args.host, args.port)
     stop = threading.Event()

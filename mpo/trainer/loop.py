@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mpo.config import TrainConfig, model_config
+from mpo.lifecycle import freeze_startup_heap
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
 from mpo.parallel.init import launch_rank
@@ -158,6 +159,7 @@ def run(config: TrainConfig) -> None:
                                        memory=_memory_hook(engines) if config.rollout.colocate else None)
         if trainer.rank == 0 and config.eval.every:
             evaluator = Evaluator(config, engines.handles)
+        freeze_startup_heap()  # the model, the optimizer and the warm start's leftovers: out of every collection
         for step in range(start, config.schedule.steps):
             with trainer.clock("eval"):
                 held_out = _evaluate(evaluator, step, metrics_log)  # the policy the engines hold: `step`
