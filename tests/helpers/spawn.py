@@ -23,6 +23,7 @@ from mpo.parallel.ports import free_port
 PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
            "megatron.core.transformer.moe.moe_layer", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
            "megatron.core.distributed", "megatron.core.pipeline_parallel", "transformers",
+           "transformers.models.qwen3_moe.modeling_qwen3_moe",
            "mpo.models.builder", "mpo.models.forward", "mpo.parallel.init", "mpo.trainer.loop"]
 
 
