@@ -609,3 +609,18 @@ def test_hardening_release_with_malformed_tags_is_400(engine, tags):
         response = _post(engine, path, {"tags": tags})
         assert response.status_code == 400 and "tags=" in response.json()["message"], (path, response.text[:300])
     assert httpx.get(f"{engine.url}/health_generate", headers=AUTH, timeout=30).status_code == 200
+
+
+def test_hardening_a_taken_port_fails_with_the_bind_error():
+    """An engine whose port was taken after it was picked (free_port is a race) fails with the OS's error, which the
+    engine's log shows; closing the half-made server used to raise an AttributeError over it."""
+    from mpo.engine.server import EngineHTTPServer, ServerLimits, make_handler
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match="in use") as failed:
+            EngineHTTPServer(("127.0.0.1", port), make_handler(None, None, ServerLimits(), loopback=True),
+                             ServerLimits())
+    assert not isinstance(failed.value, AttributeError)

@@ -89,6 +89,27 @@ def test_hung_engine_is_restarted(engines):
     assert len(results) == 3 and pool.engines[0].restarts == 1
 
 
+def test_hardening_an_engine_whose_port_was_taken_starts_on_another(tmp_path):
+    """free_port() picks a port another process may take before the engine binds it: the engine's start-up then
+    fails with "Address already in use", and the launcher starts it again on a newly picked port (its client follows)
+    instead of failing the run. Here the port is taken on purpose, by a listener held for the whole start-up."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine = LocalEngineProcess.mpo_engine(log_path=tmp_path / "engine.log", port=port)
+        client = engine.client
+        try:
+            engine.start()
+            assert engine.port != port and client is engine.client and client.url.endswith(f":{engine.port}")
+            assert client.healthy(timeout_s=5.0)
+            assert f"port {port} was taken" in engine.log_tail(100)
+        finally:
+            engine.stop()
+
+
 def test_unreachable_engine_error_names_the_engine():
     url = f"http://127.0.0.1:{free_port()}"
     pool = RolloutPool([EngineHandle(EngineClient(url))], PoolConfig(max_attempts=2, backoff_s=0.01))

@@ -444,7 +444,11 @@ class EngineHTTPServer(ThreadingHTTPServer):
         return self._prefixes.pop(request, b"")
 
     def server_close(self) -> None:
-        self._gate.close()
+        # also called by socketserver's __init__ when bind or listen fails, before the gate exists: the caller must
+        # see that OSError (e.g. the port taken since it was picked), not an AttributeError raised over it
+        gate = getattr(self, "_gate", None)
+        if gate is not None:
+            gate.close()
         super().server_close()
 
     def _admit(self, request: socket.socket, client_address: Any, prefix: bytes) -> None:

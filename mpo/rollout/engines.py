@@ -61,7 +61,8 @@ class EngineSet:
             raise
         if wait:
             self.wait_ready()
-        self.handles = [(p.client, functools.partial(self._restart, p), lambda url=p.url: url not in self.stale)
+        # p.url read when asked: an engine whose port was taken at start-up moves to another (LocalEngineProcess)
+        self.handles = [(p.client, functools.partial(self._restart, p), lambda p=p: p.url not in self.stale)
                         for p in self.processes]
 
     def wait_ready(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 import subprocess
@@ -32,6 +33,8 @@ def engine_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 class LocalEngineProcess:
     """One engine server process: its own process group (so stop() takes its children too) and a log file."""
+
+    PORT_RETRIES = 3  # start-ups that may move to another port because the picked one was taken meanwhile
 
     def __init__(self, command: list[str], *, port: int, log_path: Path, api_key: str | None = None,
                  startup_timeout_s: float = 300.0, env: dict[str, str] | None = None,
@@ -80,8 +83,14 @@ class LocalEngineProcess:
         """Wait until the launched engine answers health checks (startup_timeout_s); stops it and raises if it exits
         or does not."""
         deadline = time.monotonic() + self.startup_timeout_s
+        moves = 0
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if moves < self.PORT_RETRIES and self._port_was_taken():
+                    moves += 1
+                    self._move_to_a_free_port()
+                    self.launch()
+                    continue
                 raise RuntimeError(f"engine on port {self.port} exited with {self.process.returncode} during "
                                    f"start-up; log: {self.log_path}\n{self.log_tail()}")
             if self.client.healthy(timeout_s=5.0):
@@ -90,6 +99,20 @@ class LocalEngineProcess:
         self.stop()
         raise RuntimeError(f"engine on port {self.port} not healthy after {self.startup_timeout_s} s; "
                            f"log: {self.log_path}\n{self.log_tail()}")
+
+    def _port_was_taken(self) -> bool:
+        """The engine exited because its port was taken between free_port() and its bind (another process's
+        listener or outgoing connection got it first: a race, most likely on a busy host)."""
+        return os.strerror(errno.EADDRINUSE) in self.log_tail(60)
+
+    def _move_to_a_free_port(self) -> None:
+        """The same command on a newly picked port; the client (shared with whoever holds it) follows."""
+        at = self.command.index("--port") + 1
+        old, self.port = self.port, free_port()
+        self.command = [*self.command[:at], str(self.port), *self.command[at + 1:]]
+        self.client.url = f"http://127.0.0.1:{self.port}"
+        with open(self.log_path, "a") as log:
+            log.write(f"mpo: port {old} was taken before the engine bound it; starting again on port {self.port}\n")
 
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.process is None or self.process.poll() is not None:
