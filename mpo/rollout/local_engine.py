@@ -103,7 +103,7 @@ class LocalEngineProcess:
     def _port_was_taken(self) -> bool:
         """The engine exited because its port was taken between free_port() and its bind (another process's
         listener or outgoing connection got it first: a race, most likely on a busy host)."""
-        return os.strerror(errno.EADDRINUSE) in self.log_tail(60)
+        return "--port" in self.command and os.strerror(errno.EADDRINUSE) in self.log_tail(60)
 
     def _move_to_a_free_port(self) -> None:
         """The same command on a newly picked port; the client (shared with whoever holds it) follows."""
