@@ -19,8 +19,10 @@ DECLINED = {"wandb": ("megatron.",)}  # module -> importers (module name prefixe
 class _Decline(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - importlib's protocol
         prefixes = DECLINED.get(fullname)
-        if prefixes and _importer().startswith(prefixes):
-            raise ModuleNotFoundError(f"mpo.lean_imports declines {fullname} for {_importer()}", name=fullname)
+        if prefixes:
+            importer = _importer()
+            if importer.startswith(prefixes):
+                raise ModuleNotFoundError(f"mpo.lean_imports declines {fullname} for {importer}", name=fullname)
         return None  # every other import goes on to the next finder
 
 

@@ -31,6 +31,11 @@ def engine_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _local_url(port: int) -> str:
+    """Where a local engine serves: the loopback address `mpo_engine` gives its command as the host."""
+    return f"http://127.0.0.1:{port}"
+
+
 class LocalEngineProcess:
     """One engine server process: its own process group (so stop() takes its children too) and a log file."""
 
@@ -42,7 +47,7 @@ class LocalEngineProcess:
         self.command, self.port, self.log_path, self.nice = command, port, Path(log_path), nice
         self.startup_timeout_s = startup_timeout_s
         self.env = engine_environment(env)
-        self.client = EngineClient(f"http://127.0.0.1:{port}", api_key=api_key, num_layers=num_layers, topk=topk)
+        self.client = EngineClient(_local_url(port), api_key=api_key, num_layers=num_layers, topk=topk)
         self.process: subprocess.Popen | None = None
 
     @classmethod
@@ -110,7 +115,7 @@ class LocalEngineProcess:
         at = self.command.index("--port") + 1
         old, self.port = self.port, free_port()
         self.command = [*self.command[:at], str(self.port), *self.command[at + 1:]]
-        self.client.url = f"http://127.0.0.1:{self.port}"
+        self.client.url = _local_url(self.port)
         with open(self.log_path, "a") as log:
             log.write(f"mpo: port {old} was taken before the engine bound it; starting again on port {self.port}\n")
 

@@ -11,9 +11,8 @@ first caller's, e.g. another test's captured output), as a spawned rank would.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
-
 from multiprocessing import reduction
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
@@ -60,5 +59,6 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, env: 
 def spawn_ranks(world_size: int, fn: Callable[..., None], *args: Any) -> None:
     """Start `world_size` processes running fn(*args) with torchrun's environment; raise if any fails."""
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts (first call)
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), dict(os.environ), (_CallerFd(1), _CallerFd(2)), args), nprocs=world_size,
+    stdio = (_CallerFd(1), _CallerFd(2))
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), dict(os.environ), stdio, args), nprocs=world_size,
                        join=True, start_method="forkserver")
