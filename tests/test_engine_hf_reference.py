@@ -1,9 +1,15 @@
-"""mpo's engine against a reference that shares no code with it: Hugging Face `transformers`.
+"""mpo's engine against Hugging Face `transformers` loading the same files itself.
 
 The engine (a real server process, real HTTP, preset "tiny") loads a random Qwen3-MoE checkpoint saved by
 `transformers` itself (`/update_weights_from_disk`), and later perturbed copies of it pushed by WeightSync. The
-reference is `Qwen3MoeForCausalLM` (fp32, eager attention) loaded from the same files: its log-softmax gives the
-log-probs, its router logits (`output_router_logits=True`, top-k per layer) the routes. Nothing is faked.
+reference is `Qwen3MoeForCausalLM` (fp32) loaded from the same files by `from_pretrained`: its log-softmax gives the
+log-probs, its router logits (`output_router_logits=True`, top-k per layer) the routes. Nothing is faked. Since issue
+#32 the engine computes with transformers' modeling too (mpo.engine.model), so what this checks is everything around
+it: mpo's loading of per-expert checkpoint names into transformers' fused expert weights (the reference goes through
+transformers' own weight conversion), the weight-update endpoints, the KV-cached decode and the server (the
+reference runs uncached, with eager attention and eager experts where the engine runs SDPA and grouped matmuls). The
+engine's forward against an implementation that shares no code with it (megatron-core's, the trainer's) is
+tests/test_engine_kv_cache.py.
 
 It also proves that probe verification catches a stale expert: a sync that skips one expert of one layer passes a
 short probe that never routes to that expert, and fails the covering probe (mpo.weight_sync.verify.covering_probes)
@@ -33,7 +39,7 @@ from mpo.weight_sync.verify import (ProbeCoverage, covering_probes, run_probes, 
                                     weights_checksum)
 
 CFG = preset("tiny")  # the engine's model: 4 layers, 8 experts, top-2, vocab 256
-LOGPROB_TOL = 1e-5  # fp32 megatron (local spec) vs fp32 transformers (eager)
+LOGPROB_TOL = 1e-5  # fp32 engine (SDPA, grouped expert matmuls) vs fp32 transformers (eager)
 PROBE = [1 + (7 * i) % (CFG.vocab_size - 1) for i in range(16)]  # the trainer's 16-token probe (mpo.trainer.loop)
 COVERAGE = ProbeCoverage(num_experts=CFG.num_experts, num_layers=CFG.num_layers, topk=CFG.router_topk,
                          vocab_size=CFG.vocab_size, tokens_per_sequence=32)
@@ -56,7 +62,8 @@ def _perturbed(model, seed: int, scale: float = 0.05):
 def _load(directory: Path):
     from transformers import Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    return Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                               experts_implementation="eager").eval()
 
 
 def hf_forward(model, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

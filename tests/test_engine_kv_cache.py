@@ -1,7 +1,9 @@
 """mpo's engine decodes a batch with a KV cache (one prefill, then one-token forwards at a shared position; longer
 prompts teacher-forced). Rows of different prompt lengths, token budgets and stop tokens decode together and leave
 the batch at different steps; every row's sampled log-probs, prompt log-probs (logprob_start_len=0) and routes must
-equal the trainer's own forward (mpo.models.forward.run_microbatches, no cache) over that row alone."""
+equal the trainer's own forward (megatron-core's model built with the engine's seed, as a trainer rank builds it,
+through mpo.models.forward.run_microbatches, no cache) over that row alone: two implementations (the engine is
+transformers'), so the log-probs agree to float rounding and the routes exactly."""
 
 from __future__ import annotations
 
@@ -11,6 +13,30 @@ from helpers.spawn import spawn_ranks
 
 PROMPTS = [[5], [3, 9, 27, 81, 4], [7, 7, 7, 2, 200, 13, 1, 66, 90], [11, 12], [250, 1, 2, 3, 4, 5, 6]]
 BUDGETS = [6, 3, 9, 1, 5]
+
+
+def _trainer_model(seed: int):
+    """megatron-core's model of the tiny preset built with `seed` as a trainer rank builds it (the engine's initial
+    weights), with its routing hooks."""
+    from mpo.models.builder import PrecisionConfig, build_model
+    from mpo.models.config import preset
+    from mpo.parallel import ParallelConfig
+    from mpo.parallel.device import detect_device
+    from mpo.routing import attach_routing_hooks
+
+    model = build_model(preset("tiny"), ParallelConfig(), detect_device(),
+                        PrecisionConfig(dtype="fp32", fp32_lm_head=True), seed=seed)
+    return model, attach_routing_hooks(model)
+
+
+def _trainer_score(trainer, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [n], routes [n-1, L, K]) of one sequence by the trainer's forward (no cache), this row alone."""
+    from mpo.models.forward import MicroBatch, run_microbatches
+
+    model, hooks = trainer
+    with torch.no_grad(), hooks.session() as capture:
+        out = run_microbatches(model, [MicroBatch(torch.tensor([sequence]))], vocab_size=256, forward_only=True)[0]
+    return out["logprobs"][0], capture.records[0].indices[0, :-1].to(torch.int32)
 
 
 def _decode_and_score(out_file: str) -> None:
@@ -30,20 +56,21 @@ def _decode_and_score(out_file: str) -> None:
               for i, n in enumerate(BUDGETS)]
     answers = generator.submit_many(PROMPTS, params, routed_experts=True, logprob_start_len=0, timeout_s=120)
     generator.stop()
+    trainer = _trainer_model(seed=5)
     rows = []
     for prompt, answer in zip(PROMPTS, answers):
         meta = answer["meta_info"]
         sequence = prompt + answer["output_ids"]
-        [(reference, routes)] = engine.score([sequence], True)  # the trainer's forward path, this row alone
+        reference, routes = _trainer_score(trainer, sequence)
         rows.append({
             "sequence": sequence, "finish": meta["finish_reason"]["type"],
             "output": torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64),
             "prompt": torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"][1:]], dtype=torch.float64),
             "first_prompt_logprob": meta["input_token_logprobs"][0][0],
-            "reference": torch.tensor(reference, dtype=torch.float64),
+            "reference": reference.to(torch.float64),
             # the generator's compact [tokens, MoE layers, top_k] array (the server encodes it for the wire)
             "routes": torch.from_numpy(np.asarray(meta["routed_experts"]).astype(np.int32)),
-            "reference_routes": torch.from_numpy(routes)})
+            "reference_routes": routes})
     torch.save(rows, out_file)
     torch.distributed.destroy_process_group()
 

@@ -9,7 +9,6 @@ GPU tier's job (tests/gpu/run.sh --offline).
 from __future__ import annotations
 
 import ast
-import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -123,19 +122,32 @@ def test_routing_agreement_takes_routes_from_two_devices(engine_device, captured
 
 # -- mpo's engine: inputs built on the host go to the model's device ------------------------------------------------
 
+class _Gate(torch.nn.Module):
+    """A router's stand-in: (logits, weights, top-2 indices) as transformers' MoE routers answer."""
+
+    def forward(self, hidden):
+        return None, None, torch.zeros(hidden.shape[0], 2, dtype=torch.int64)
+
+
 class _MetaModel(torch.nn.Module):
-    """A stand-in for the engine's GPTModel whose parameters live on the `meta` device (a device that is not the CPU,
-    available without a GPU); it records where its inputs arrive and answers with host logits."""
+    """A stand-in for the engine's transformers model whose parameters live on the `meta` device (a device that is
+    not the CPU, available without a GPU); it records where its inputs arrive and answers with host logits, calling
+    its one MoE layer's router as the real model does."""
 
     def __init__(self, vocab: int) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(vocab, device="meta"))
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.model.layers[0].mlp = torch.nn.Module()
+        self.model.layers[0].mlp.gate = _Gate()
         self.vocab = vocab
         self.seen: list[torch.device] = []
 
-    def forward(self, ids, positions, mask):
-        self.seen += [ids.device, positions.device]
-        return torch.zeros(*ids.shape, self.vocab)
+    def forward(self, input_ids, position_ids, use_cache=False, past_key_values=None):
+        self.seen += [input_ids.device, position_ids.device]
+        self.model.layers[0].mlp.gate(torch.zeros(input_ids.numel(), 1))
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, self.vocab))
 
 
 def _engine(vocab: int = 16):
@@ -153,27 +165,12 @@ def test_engine_logits_run_on_the_models_device():
     assert logits.shape == (2, 3, 16)
 
 
-def test_engine_scoring_runs_on_the_models_device(monkeypatch):
-    import mpo.models.forward as forward
-
-    engine, _ = _engine()
-    seen = []
-
-    def run_microbatches(model, microbatches, *, vocab_size):
-        seen.append(microbatches[0].input_ids.device)
-        b, s = microbatches[0].input_ids.shape
-        return [{"logprobs": torch.full((b, s), -1.0)}]
-
-    @contextlib.contextmanager
-    def session():
-        yield SimpleNamespace(records=[SimpleNamespace(indices=torch.zeros(2, 4, 2, 2, dtype=torch.int64))])
-
-    monkeypatch.setattr(forward, "run_microbatches", run_microbatches)
-    engine.routing = SimpleNamespace(session=session)
+def test_engine_scoring_runs_on_the_models_device():
+    engine, model = _engine()
     scored = engine.score([[1, 2, 3, 4], [5, 6]], want_routes=True)
-    assert seen == [torch.device("meta")], f"the scored batch arrived on {seen}, the model is on meta"
-    assert scored[0][0] == [-1.0] * 4 and scored[1][0] == [-1.0] * 2
-    assert scored[0][1].shape == (3, 2, 2) and scored[1][1].shape == (1, 2, 2)
+    assert model.seen == [torch.device("meta")] * 2, f"the scored batch arrived on {model.seen}, the model is on meta"
+    assert scored[0][0][0] == 0.0 and len(scored[0][0]) == 4 and len(scored[1][0]) == 2
+    assert scored[0][1].shape == (3, 1, 2) and scored[1][1].shape == (1, 1, 2)
 
 
 def test_cuda_ipc_payload_builds_and_loads_back():

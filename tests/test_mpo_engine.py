@@ -316,11 +316,15 @@ def test_colocated_memory_release_and_staged_resume(engines):
     client = engines[1].client
     pool = RolloutPool([EngineHandle(client)])
     long = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=200, sampling_seed=1))
+    # Paused, the engine holds the request once it arrives: it is in the engine (running, to the release rule) however
+    # fast the engine decodes (200 tokens took ~0.2 s once the engine ran transformers' model: a sleep raced it).
+    client.pause_generation(mode="in_place")
     running = threading.Thread(target=lambda: pool.generate([long]))
     running.start()
-    time.sleep(0.3)
+    time.sleep(1.0)
     with pytest.raises(EngineError, match="requests are running"):
         client.release_memory_occupation()
+    client.continue_generation()
     running.join()
     client.release_memory_occupation()
     try:

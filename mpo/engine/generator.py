@@ -1,18 +1,18 @@
-"""mpo's own generation engine: the mpo model (megatron-core GPTModel, TP1 in this process) behind SGLang's API.
+"""mpo's own generation engine: the mpo model (transformers' implementation, mpo.engine.model) behind SGLang's API.
 
-Batches with a KV cache (megatron-core's static inference context, read and filled by the model's own attention):
-queued rows start together as one batch; one prefill forward covers the positions every row already knows (up to
-the shortest prompt), then each decode step is one forward of one token per row at the next position, all rows at
-the same position (a row whose prompt is longer feeds its next prompt token there instead of a sampled one, as
-megatron's static-batch generation does). Rows that finish leave the batch; queued rows start when it is empty.
+Batches with a KV cache (transformers' DynamicCache, read and filled by the model's own attention): queued rows start
+together as one batch; one prefill forward covers the positions every row already knows (up to the shortest prompt),
+then each decode step is one forward of one token per row at the next position, all rows at the same position (a row
+whose prompt is longer feeds its next prompt token there instead of a sampled one, as megatron's static-batch
+generation does). Rows that finish leave the batch; queued rows start when it is empty.
 A batch holds the rows of one call (one submit_many: one /generate) only, the first max_batch of them still queued:
 its forwards, and so its numbers, are then a function of that call alone, never of which other calls happened to be
 in flight (with several calls in flight per engine, rollouts stay a pure function of (weights, seeds)).
 
 The log-probs and routes a response carries come from these forwards: the log-prob of each sampled token under the
-logits it was sampled from (the raw model distribution: the same numbers the trainer's forward gives for that token
-at the same weights, to float rounding) and, per position, the routed experts of the forward that fed it (SGLang's
-routed_experts: position p < n-1). No separate scoring forward.
+logits it was sampled from (the raw model distribution: the numbers the trainer's forward gives for that token at
+the same weights, to float rounding: two implementations of one network) and, per position, the routed experts of
+the forward that fed it (SGLang's routed_experts: position p < n-1). No separate scoring forward.
 
 Weight updates (async schedules) can land between two decode steps of a request: every token is stamped with the
 version it was sampled under and keeps the log-prob it was sampled with (the behaviour policy's). A cache built

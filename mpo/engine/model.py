@@ -1,88 +1,129 @@
-"""The engine's model: the same mpo GPTModel the trainer builds, at TP1 in the engine's own process."""
+"""The engine's model: the mpo model as Hugging Face `transformers` builds it (the architecture's own modeling
+code: Qwen3-MoE or DeepSeek-V3), in the engine's own process.
+
+Why transformers and not the trainer's megatron-core GPTModel (the engine's model until issue #32): an engine is a
+separate implementation of the same network, as SGLang is on a GPU cluster, and megatron-core's modules are built for
+large tensor- and expert-parallel shapes: on the CPU demo one KV-cached generation of 128 rows took 52 ms through
+megatron-core's inference path (its per-expert SequentialMLP, static-context copies) and 22 ms through transformers'
+(grouped expert matmuls, SDPA), the same logits to 2.4e-7. The trainer's forward stays megatron-core's; what the two
+share is the checkpoint format (HF names, mpo.models.hf_mapping), and tests compare the engine's log-probs and routes
+with the trainer's forward as two independent implementations. Meant for CPU runs and tests (an engine holds the
+whole model); GPU clusters use SGLang.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from mpo.models.config import MoEModelConfig
 
-
-def _load_hf_weights(gpt: torch.nn.Module, cfg: MoEModelConfig, hf_dir: str) -> None:
-    """HF safetensors -> this TP1 model, through the same conversion mapping as checkpoints_tools (an engine holds
-    the whole model: fine for mpo's CPU engine, which serves small models; SGLang serves the large ones)."""
-    from mpo.models.full_state import load_full_state
-    from mpo.models.hf_mapping import mapping_for
-    from mpo.models.hf_source import HFCheckpoint
-
-    with HFCheckpoint.open(hf_dir) as source:
-        full = mapping_for(cfg, spec="local").hf_to_full_state(source.get)
-    load_full_state(gpt, full)
+# transformers keeps a MoE layer's experts as two fused 3-D parameters; checkpoints (and mpo's HF names) have one
+# tensor per expert: gate_up_proj [E, 2 * I, H] holds each expert's gate rows then its up rows, down_proj [E, H, I].
+_PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _whole(key: str, parts: list[tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]]) -> torch.Tensor:
-    """One whole parameter from the sharded items that describe it at TP1 (megatron splits SwiGLU's fc1 into its
-    gate and up halves, each a view of the one weight): the row-major tensor of the full shape over the first part's
-    storage, checked to be exactly the memory of every part."""
-    full_shape = parts[0][2]
-    origin = next((data for offset, data, _ in parts if not any(offset)), None)
-    if origin is None:
-        raise RuntimeError(f"{key}: no part at offset 0 (mpo's engine runs at TP1, with whole parameters)")
-    row_major = torch.empty(full_shape, device="meta").stride()
-    whole = origin.as_strided(full_shape, row_major, origin.storage_offset())
-    covered = 0
-    for offset, data, _ in parts:
-        place = whole[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))]
-        if place.data_ptr() != data.data_ptr() or place.stride() != data.stride() or place.shape != data.shape:
-            raise RuntimeError(f"{key}: the parts at TP1 are not one row-major parameter (mpo's engine runs at TP1)")
-        covered += data.numel()
-    if covered != whole.numel():
-        raise RuntimeError(f"{key}: the parts cover {covered} of {whole.numel()} elements")
-    return whole
+def _hf_config(cfg: MoEModelConfig):
+    from transformers import AutoConfig
+
+    from mpo.models.config import to_hf_config
+
+    fields = {k: v for k, v in to_hf_config(cfg).items() if k not in ("architectures", "torch_dtype")}
+    model_type = fields.pop("model_type", None) or {"DeepseekV3ForCausalLM": "deepseek_v3"}[cfg.architecture]
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def build_hf_model(cfg: MoEModelConfig, *, dtype: str, fp32_lm_head: bool, device: torch.device) -> torch.nn.Module:
+    """transformers' model of `cfg` on `device` (its own random weights: load_hf replaces every one of them)."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(_hf_config(cfg), dtype=torch_dtype)
+    if fp32_lm_head and torch_dtype != torch.float32:  # the trainer's FP32 LM head: logits from fp32 hidden states
+        model.lm_head.float()
+        model.lm_head.register_forward_pre_hook(lambda _module, args: tuple(a.float() for a in args))
+    return model.eval()
+
+
+class _RouteRecorder:
+    """Each MoE layer's top-k expert indices of one forward (SGLang's routed experts), from a forward hook on the
+    layer's router (`mlp.gate`, whose output is (logits, weights, indices) in both architectures)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.found: list[torch.Tensor] | None = None
+        self.num_moe_layers = 0
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and not isinstance(gate, torch.nn.Linear):  # a dense MLP's gate_proj is not a router
+                gate.register_forward_hook(self._hook)
+                self.num_moe_layers += 1
+
+    def _hook(self, _module, _inputs, output) -> None:
+        if self.found is not None:
+            self.found.append(output[2])
+
+    @contextlib.contextmanager
+    def session(self, want: bool) -> Iterator[list[torch.Tensor]]:
+        self.found = [] if want else None
+        try:
+            yield self.found if want else []
+        finally:
+            self.found = None
+
+    @staticmethod
+    def stacked(found: list[torch.Tensor], rows: int, positions: int) -> torch.Tensor:
+        """[rows, positions, MoE layers, top_k] int32 on the host (the routing hooks' layout)."""
+        return torch.stack(found, 1).view(rows, positions, len(found), -1).to(torch.int32).cpu()
 
 
 @dataclass
 class EngineModel:
-    model: torch.nn.Module
+    model: torch.nn.Module  # transformers' *ForCausalLM
     model_cfg: MoEModelConfig
-    routing: Any = None  # mpo.routing.RoutingHooks: routes of every scored token, as SGLang's routed experts
+    routes: _RouteRecorder | None = field(default=None, repr=False)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model_cfg.vocab_size
+    def __post_init__(self) -> None:
+        if self.routes is None:
+            self.routes = _RouteRecorder(self.model)
 
     @classmethod
     def create(cls, *, preset: str, mcore_dir: str | None, seed: int, dtype: str, fp32_lm_head: bool,
                dist_port: int | None, hf_dir: str | None = None) -> "EngineModel":
         """The engine's model: from an HF directory (`hf_dir`: its config.json and safetensors, as SGLang loads it),
-        else `preset`, seeded, or loaded from the torch_dist checkpoint `mcore_dir`."""
-        from mpo.models.builder import PrecisionConfig, build_model, unwrap
+        else the trainer's initial weights: megatron-core's model of `preset` built with `seed` (as a trainer rank
+        builds it), or loaded from the torch_dist checkpoint `mcore_dir`, converted to HF names once."""
         from mpo.models.config import from_hf_config, preset as get_preset
         from mpo.parallel import ParallelConfig, initialize_parallel
-        from mpo.safe_load import load_sharded
 
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the engine is its own 1-rank world
             os.environ.pop(var, None)
         ctx = initialize_parallel(ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1",
                                   master_port=dist_port)
         cfg = from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text())) if hf_dir else get_preset(preset)
-        model = build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype=dtype, fp32_lm_head=fp32_lm_head),
-                            seed=seed)
+        engine = cls(build_hf_model(cfg, dtype=dtype, fp32_lm_head=fp32_lm_head, device=ctx.device.device), cfg)
         if hf_dir:
-            _load_hf_weights(unwrap(model), cfg, hf_dir)
-        elif mcore_dir:
-            gpt = unwrap(model)
-            gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), mcore_dir))  # runs no code from the files
-        model.eval()
-        from mpo.routing import attach_routing_hooks
+            from mpo.models.hf_source import HFCheckpoint
 
-        return cls(model, cfg, attach_routing_hooks(model))
+            with HFCheckpoint.open(hf_dir) as source:
+                for name, shape in engine.mapping.hf_shapes().items():  # one tensor in memory at a time
+                    engine.load_hf({name: source.get(name, shape)})
+        else:
+            engine.load_hf(dict(_megatron_weights(cfg, ctx, seed=seed, mcore_dir=mcore_dir, dtype=dtype,
+                                                      fp32_lm_head=fp32_lm_head, engine=engine)))
+        return engine
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_cfg.vocab_size
 
     @property
     def device(self) -> torch.device:
@@ -91,20 +132,20 @@ class EngineModel:
         return next(self.model.parameters()).device
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [b, s, V] of the real vocabulary, on the model's device."""
+        """fp32 logits [b, s, V] on the model's device."""
         ids = ids.to(self.device)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return self.model(ids, positions, None)[..., : self.vocab_size].float()
+        return self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[..., : self.vocab_size].float()
 
     # -- KV-cached batch decoding (mpo.engine.generator) ---------------------------------------------------------
     def prefill(self, ids: torch.Tensor, *, capacity: int, want_routes: bool) -> tuple[Any, torch.Tensor, Any]:
         """Start a KV cache for the rows of `ids` [b, n] (host; every row has n known tokens): one causal forward
-        over positions 0..n-1, its keys and values kept for up to `capacity` positions in megatron-core's static
-        inference context (the model's own attention fills and reads it; no second model code path). Returns (the
-        cache, fp32 logits [b, n, V] on the model's device, routes [b, n, L, K] int32 on the host or None)."""
-        from megatron.core.inference.contexts import StaticInferenceContext
+        over positions 0..n-1 (transformers' DynamicCache keeps the keys and values; it grows, so `capacity` is not
+        needed). Returns (the cache, fp32 logits [b, n, V] on the model's device, routes [b, n, L, K] int32 on the
+        host or None)."""
+        from transformers import DynamicCache
 
-        cache = StaticInferenceContext(ids.shape[0], capacity)
+        cache = DynamicCache(config=self.model.config)
         logits, routes = self._cached_forward(cache, ids, want_routes)
         return cache, logits, routes
 
@@ -113,44 +154,33 @@ class EngineModel:
         position. Returns (fp32 logits [b, 1, V] on the model's device, routes [b, 1, L, K] int32 or None)."""
         return self._cached_forward(cache, ids[:, None], want_routes)
 
-    @staticmethod
-    def keep_rows(cache: Any, rows: list[int]) -> None:
+    def keep_rows(self, cache: Any, rows: list[int]) -> None:
         """Keep only these rows of the cache, in this order (finished rows leave the batch: no compute for them)."""
-        index = torch.tensor(rows, dtype=torch.long)
-        for layer, (keys, values) in cache.key_value_memory_dict.items():  # [capacity, b, ...] per layer
-            cache.key_value_memory_dict[layer] = (keys[:, index.to(keys.device)], values[:, index.to(keys.device)])
-        cache.max_batch_size = len(rows)
+        cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
 
     def _cached_forward(self, cache: Any, ids: torch.Tensor, want_routes: bool) -> tuple[torch.Tensor, Any]:
-        from mpo.routing.capture import CaptureConfig
-
         ids = ids.to(self.device)
-        start = cache.sequence_len_offset  # megatron's attention writes keys/values here and attends to [0, end)
+        start = cache.get_seq_length()
         positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand_as(ids)
-        routes = None
-        if want_routes:
-            with self.routing.session(config=CaptureConfig(record=True, record_logprobs=False)) as capture:
-                out = self.model(ids, positions, None, inference_context=cache)
-            routes = capture.records[0].indices.to(torch.int32).cpu()
-        else:
-            out = self.model(ids, positions, None, inference_context=cache)
-        cache.sequence_len_offset = start + ids.shape[1]  # megatron's own generation loop advances it the same way
-        return out[..., : self.vocab_size].float(), routes
+        with self.routes.session(want_routes) as found:
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        routes = _RouteRecorder.stacked(found, *ids.shape) if want_routes else None
+        return out.logits[..., : self.vocab_size].float(), routes
 
     def score(self, sequences: list[list[int]], want_routes: bool) -> list[tuple[list[float], Any]]:
-        """Log-probs of every token of each sequence (position 0 gets 0), by the trainer's own forward path."""
-        from mpo.models.forward import MicroBatch, run_microbatches
-
+        """Log-probs of every token of each sequence (position 0 gets 0) by one uncached forward of the batch (right
+        padding: causal attention keeps it out of every real position), and each position's routes (SGLang's
+        routed_experts: position p < n-1)."""
         longest = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), longest, dtype=torch.long)
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = torch.tensor(seq)
-        with self.routing.session() as capture:
-            out = run_microbatches(self.model, [MicroBatch(ids.to(self.device))], vocab_size=self.vocab_size)[0]
-        # Back to the host once per batch (numpy and lists need host memory; one copy, not one per row).
-        logprobs = out["logprobs"].float().cpu()
-        # SGLang's routed_experts: row p = routing of the token at input position p, for p < n-1, all layers.
-        routes = capture.records[0].indices.to(torch.int32).cpu() if want_routes else None
+        with torch.no_grad(), self.routes.session(want_routes) as found:
+            logits = self.logits(ids)
+        logprobs = torch.zeros(ids.shape)
+        logprobs[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None].to(logits.device)) \
+            .squeeze(-1).cpu()
+        routes = _RouteRecorder.stacked(found, *ids.shape) if want_routes else None
         return [(logprobs[i, : len(seq)].tolist(),
                  routes[i, : len(seq) - 1].numpy() if routes is not None else None)
                 for i, seq in enumerate(sequences)]
@@ -158,80 +188,92 @@ class EngineModel:
     # -- weights -------------------------------------------------------------------------------------------------
     @functools.cached_property
     def mapping(self):
-        """HF <-> megatron names of this model; built once, used by every sync, checksum and disk load."""
+        """mpo's HF names of this model (mpo.models.hf_mapping: the checkpoint format trainer and engines share)."""
         from mpo.models.hf_mapping import mapping_for
 
         return mapping_for(self.model_cfg, spec="local")
 
     def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        from mpo.models.builder import unwrap
-        from mpo.models.full_state import gather_full_state
-
-        return list(self.mapping.full_state_to_hf(gather_full_state(unwrap(self.model))))
+        """(HF name, the view of this model's weights that holds it), every tensor of the checkpoint format."""
+        return [(name, views[0]) for name, views in self._targets.items()]
 
     def checksum(self) -> str:
-        """weights_checksum of the HF weights, read through the cached HF views of the parameters (`_targets`, the
-        ones load_hf writes through): the same digests as of `hf_weights()`, without rebuilding megatron's sharded
-        state dict and gathering the model at every sync (that was most of a demo sync's verification time). A
-        name stored under several keys must hold one value in all of them, else the checksum cannot match."""
+        """weights_checksum of the HF weights, read through the views load_hf writes through. A name stored in
+        several places (tied embeddings) must hold one value in all of them, else the checksum cannot match."""
         from mpo.weight_sync.verify import combine_digests, tensor_digest
 
-        views, _ = self._targets
         return combine_digests([{
             name: tensor_digest(found[0]) if all(torch.equal(found[0], other) for other in found[1:])
             else f"copies of {name} differ"
-            for name, found in views.items()}])
+            for name, found in self._targets.items()}])
 
     @functools.cached_property
-    def _targets(self) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
-        """(HF name -> the views of this model's parameters its values go to, the vocabulary padding rows).
-
-        The views are the mapping's to_hf(views=True) of each unit's parameter (q/k/v: (groups, rows, hidden) views
-        into the fused QKV weight). The engine runs at TP1, so every parameter is whole; a name has several views
-        when a unit is stored under several keys."""
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
+    def _targets(self) -> dict[str, list[torch.Tensor]]:
+        """HF name -> the views of transformers' weights it is copied into: the weight of that name, or for a
+        per-expert name its expert's slice of the fused expert weights. Checked once: every name of the checkpoint
+        format has a view of its shape, and the views cover every weight of the model exactly (no weight keeps
+        transformers' random initialisation)."""
         from mpo.models.hf_source import ConversionError
-        from mpo.models.builder import unwrap
 
-        sharded = unwrap(self.model).sharded_state_dict()
-        apply_factories(sharded)
-        parts: dict[str, dict[tuple[int, ...], list]] = {}  # key -> stacked index -> [(offset, data)]
-        for item in nested_values(sharded):
-            if isinstance(item, ShardedTensor):
-                stacked = len(item.global_shape) - item.data.dim()
-                parts.setdefault(item.key, {}).setdefault(tuple(item.global_offset[:stacked]), []).append(
-                    (tuple(item.global_offset[stacked:]), item.data, tuple(item.global_shape[stacked:])))
-        params = {key: {index: _whole(key, found) for index, found in by_index.items()}
-                  for key, by_index in parts.items()}
-        views: dict[str, list[torch.Tensor]] = {}
-        padding: list[torch.Tensor] = []
-        for unit in self.mapping.units():
-            found = [params[key][tuple(unit.index)] for key in unit.keys if key in params]
-            if not found:
-                raise ConversionError("the engine's model has no parameter for this tensor", tensor=unit.keys[0])
-            for data in found:
-                for name, view in self.mapping.to_hf(unit, data, views=True):
-                    views.setdefault(name, []).append(view)
-                if unit.rule.kind == "vocab":  # rows past the vocabulary stay zero, as to_mcore pads them
-                    padding.append(data[self.mapping.info.vocab_size:])
-        return views, padding
+        state = self.model.state_dict(keep_vars=True)  # parameters and persistent buffers (a router's bias)
+        targets: dict[str, list[torch.Tensor]] = {}
+        for name, shape in self.mapping.hf_shapes().items():
+            match = _PER_EXPERT.match(name)
+            if name in state:
+                view = state[name].data
+            elif match and f"{match['block']}.gate_up_proj" in state:
+                expert, part = int(match["expert"]), match["part"]
+                if part == "down_proj":
+                    view = state[f"{match['block']}.down_proj"].data[expert]
+                else:
+                    fused = state[f"{match['block']}.gate_up_proj"].data[expert]
+                    half = fused.shape[0] // 2
+                    view = fused[:half] if part == "gate_proj" else fused[half:]
+            else:
+                raise ConversionError("the engine's transformers model has no weight for this tensor", tensor=name)
+            if tuple(view.shape) != tuple(shape):
+                raise ConversionError(f"shape {tuple(view.shape)} in the engine's model, {tuple(shape)} in the "
+                                      "checkpoint format", tensor=name)
+            targets.setdefault(name, []).append(view)
+        covered: dict[int, int] = {}
+        for views in targets.values():
+            for view in views:
+                key = view.untyped_storage().data_ptr()
+                covered[key] = covered.get(key, 0) + view.numel()
+        for name, tensor in state.items():
+            key = tensor.untyped_storage().data_ptr()
+            if covered.get(key, 0) < tensor.numel():
+                raise ConversionError("the checkpoint format leaves part of this weight of the engine's model unset",
+                                      tensor=name)
+        return targets
 
     def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace weights from HF-named tensors, each copied once straight into its parameters (dtype converted on
-        copy); names not given keep their current values. (It used to build the full megatron state first: two
-        more copies of the model and fresh pages every sync, most of a sync's apply time.)"""
-        views, padding = self._targets
+        """Replace weights from HF-named tensors, each copied once straight into its place in the model (dtype
+        converted on copy); names not given keep their current values."""
+        targets = self._targets
         with torch.no_grad():
             for name, tensor in tensors.items():
-                for view in views[name]:
+                for view in targets[name]:
                     view.copy_(tensor.reshape(view.shape))
-            for rows in padding:
-                rows.zero_()
 
     def add_weight_routes(self, app: Any, *, group_init_timeout_s: float = 60.0) -> None:
         """SGLang's weight-update endpoints, tensor, distributed and disk paths (mpo.engine.weight_routes)."""
         from mpo.engine.weight_routes import WeightRoutes
 
         WeightRoutes(self, app, group_init_timeout_s=group_init_timeout_s).install()
+
+
+def _megatron_weights(cfg: MoEModelConfig, ctx: Any, *, seed: int, mcore_dir: str | None, dtype: str,
+                      fp32_lm_head: bool, engine: EngineModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's initial weights under HF names: megatron-core's model of `cfg` built with `seed` exactly as a
+    trainer rank builds it (or loaded from `mcore_dir`), gathered whole once at start-up (an engine holds the whole
+    model anyway) and freed after."""
+    from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.full_state import gather_full_state
+    from mpo.safe_load import load_sharded
+
+    gpt = unwrap(build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype=dtype, fp32_lm_head=fp32_lm_head),
+                             seed=seed))
+    if mcore_dir:
+        gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), mcore_dir))  # runs no code from the files
+    yield from engine.mapping.full_state_to_hf(gather_full_state(gpt))
