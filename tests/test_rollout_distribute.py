@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import struct
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.spawn import spawn_ranks
-from mpo.rollout.frames import CONTENT_TYPE, decode_frames, encode_frames, frames_answer, sglang_json
+from mpo.rollout.frames import CONTENT_TYPE, MAGIC, decode_frames, encode_frames, frames_answer, sglang_json
 from mpo.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams, compact_routes
 from mpo.trainer.distribute import Distributor, dp_owners, share_for
 from mpo.trainer.packing import pack_pass
@@ -202,6 +203,11 @@ def test_frames_errors_are_one_line():
     good = encode_frames({"a": np.zeros(4, np.uint8)})
     with pytest.raises(ValueError, match="does not fit"):
         decode_frames(good[:-1])
+    for header, message in (({"payload": {"a": {"__array__": 1}}, "arrays": [["uint8", [4], 0, 4]]}, "names array 1"),
+                            ({"payload": {"a": {"__array__": 0}}, "arrays": [["uint8", 4, 0, 4]]}, "list of sizes")):
+        text = json.dumps(header).encode()  # a hostile header: a missing array, a shape that is not one
+        with pytest.raises(ValueError, match=message):
+            decode_frames(MAGIC + struct.pack("<Q", len(text)) + text + bytes(4))
     with pytest.raises(ValueError, match=r"valid: \[0, 16\)"):
         compact_routes(np.array([[[16]]]), 16)
     request = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=2), return_routed_experts=True)
