@@ -64,10 +64,20 @@ def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, b
 
     chunks = as_chunks(ddp_model)
     distributed = chunks[0].ddp_config.use_distributed_optimizer
-    return get_megatron_optimizer(
+    optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, clip_grad=clip_grad, bf16=bf16,
                         weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
                         use_distributed_optimizer=distributed), chunks)
+    # torch's Adam (megatron's optimizer without TE or apex) takes its per-tensor Python loop unless every parameter
+    # is on CUDA; its foreach kernels give the same numbers bit for bit (checked on the tiny model's 159 tensors)
+    # in a third less time on the CPU, where the loop was most of the optimizer step.
+    for member in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(member, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for group in inner.param_groups:
+                if group.get("foreach") is None and not group.get("fused"):
+                    group["foreach"] = True
+    return optimizer
 
 
 def ddp_options(parallel, device) -> dict[str, bool]:
