@@ -10,7 +10,8 @@ answers, is what is timed) as a plain PyTorch module in this process, doing per 
 prompts (the toy task's draw), sampled generation with a KV cache (HF `generate`), scoring with the task's reward,
 group-normalised advantages, an old-logprob forward, then `schedule.updates_per_step` updates of PPO's clipped token
 loss over micro-batches of `schedule.micro_batch_size`, each closed by an Adam step. Same thread count as the demo's
-processes together (torch.set_num_threads(--threads)).
+processes together (torch.set_num_threads(--threads)). It runs before mpo's command and again after it; its seconds
+per step are the mean of the two runs (both printed).
 
 Last line: `step-profile mpo_s_per_step=<a> reference_s_per_step=<b> ratio=<a/b>`.
 """
@@ -141,9 +142,15 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (step 0 is not counted)")
+    # The reference runs once before mpo's command and once after it, and counts as their mean: on a shared machine
+    # the speed drifts by up to a fifth over a minute, and one short reference run taken in a fast or a slow moment
+    # moved the ratio by as much as everything this bench exists to measure.
+    before = run_reference(args.steps, args.overrides, args.threads)
     with tempfile.TemporaryDirectory(prefix="mpo-step-profile-") as tmp:
         mpo_s, phases, wall = run_mpo(args.steps, args.overrides, Path(tmp))
-    ref_s, ref_phases = run_reference(args.steps, args.overrides, args.threads)
+    after = run_reference(args.steps, args.overrides, args.threads)
+    ref_s = (before[0] + after[0]) / 2
+    ref_phases = {name: (before[1][name] + after[1][name]) / 2 for name in before[1]}
     print(f"demo config, {args.steps} RL steps each (the first not counted); mpo's command took {wall:.1f} s in all "
           f"(start-up and warm start included)")
     print(f"{'mpo phase (rank 0)':28s}{'s/step':>9s}{'share':>8s}")
@@ -156,6 +163,6 @@ def main(argv: list[str]) -> int:
     print(f"{'reference phase':28s}{'s/step':>9s}")
     for name, seconds in ref_phases.items():
         print(f"{name:28s}{seconds:9.4f}")
-    print(f"{'reference step':28s}{ref_s:9.4f}")
+    print(f"{'reference step':28s}{ref_s:9.4f}  (before mpo's run {before[0]:.4f}, after it {after[0]:.4f})")
     print(f"step-profile mpo_s_per_step={mpo_s:.4f} reference_s_per_step={ref_s:.4f} ratio={mpo_s / ref_s:.2f}")
     return 0
