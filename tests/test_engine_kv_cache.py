@@ -7,6 +7,7 @@ transformers'), so the log-probs agree to float rounding and the routes exactly.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.spawn import spawn_ranks
@@ -15,8 +16,8 @@ PROMPTS = [[5], [3, 9, 27, 81, 4], [7, 7, 7, 2, 200, 13, 1, 66, 90], [11, 12], [
 BUDGETS = [6, 3, 9, 1, 5]
 
 
-def _trainer_model(seed: int):
-    """megatron-core's model of the tiny preset built with `seed` as a trainer rank builds it (the engine's initial
+def _trainer_model(name: str, seed: int):
+    """megatron-core's model of preset `name` built with `seed` as a trainer rank builds it (the engine's initial
     weights), with its routing hooks."""
     from mpo.models.builder import PrecisionConfig, build_model
     from mpo.models.config import preset
@@ -24,7 +25,7 @@ def _trainer_model(seed: int):
     from mpo.parallel.device import detect_device
     from mpo.routing import attach_routing_hooks
 
-    model = build_model(preset("tiny"), ParallelConfig(), detect_device(),
+    model = build_model(preset(name), ParallelConfig(), detect_device(),
                         PrecisionConfig(dtype="fp32", fp32_lm_head=True), seed=seed)
     return model, attach_routing_hooks(model)
 
@@ -39,7 +40,7 @@ def _trainer_score(trainer, sequence: list[int]) -> tuple[torch.Tensor, torch.Te
     return out["logprobs"][0], capture.records[0].indices[0, :-1].to(torch.int32)
 
 
-def _decode_and_score(out_file: str) -> None:
+def _decode_and_score(out_file: str, name: str) -> None:
     import numpy as np
 
     from mpo.engine.generator import MpoGenerator
@@ -47,7 +48,7 @@ def _decode_and_score(out_file: str) -> None:
     from mpo.parallel.ports import free_port
     from mpo.rollout.protocol import SamplingParams
 
-    engine = EngineModel.create(preset="tiny", mcore_dir=None, seed=5, dtype="fp32", fp32_lm_head=True,
+    engine = EngineModel.create(preset=name, mcore_dir=None, seed=5, dtype="fp32", fp32_lm_head=True,
                                 dist_port=free_port())
     generator = MpoGenerator(engine, vocab_size=engine.vocab_size, max_batch=8)
     # Row 4 stops on any token of the upper half of the vocabulary: rows finish by a stop token as well as by length.
@@ -56,7 +57,7 @@ def _decode_and_score(out_file: str) -> None:
               for i, n in enumerate(BUDGETS)]
     answers = generator.submit_many(PROMPTS, params, routed_experts=True, logprob_start_len=0, timeout_s=120)
     generator.stop()
-    trainer = _trainer_model(seed=5)
+    trainer = _trainer_model(name, seed=5)
     rows = []
     for prompt, answer in zip(PROMPTS, answers):
         meta = answer["meta_info"]
@@ -75,8 +76,9 @@ def _decode_and_score(out_file: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def test_engine_kv_cache_batch_of_mixed_lengths_equals_the_trainers_forward(tmp_path):
-    spawn_ranks(1, _decode_and_score, str(tmp_path / "out.pt"))
+@pytest.mark.parametrize("name", ["tiny", "tiny-dsv3"])  # Qwen3-MoE; DeepSeek-V3 (MLA, a dense first layer)
+def test_engine_kv_cache_batch_of_mixed_lengths_equals_the_trainers_forward(tmp_path, name):
+    spawn_ranks(1, _decode_and_score, str(tmp_path / "out.pt"), name)
     rows = torch.load(tmp_path / "out.pt", weights_only=False)
     assert [row["finish"] for row in rows] == ["length"] * 4 + ["stop"]
     for prompt, budget, row in zip(PROMPTS, BUDGETS, rows):

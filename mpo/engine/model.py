@@ -60,12 +60,10 @@ class _RouteRecorder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.found: list[torch.Tensor] | None = None
-        self.num_moe_layers = 0
-        for layer in model.model.layers:
+        for layer in model.model.layers:  # MoE layers only (DeepSeek-V3's first dense layers have no router)
             gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and not isinstance(gate, torch.nn.Linear):  # a dense MLP's gate_proj is not a router
+            if gate is not None and not isinstance(gate, torch.nn.Linear):
                 gate.register_forward_hook(self._hook)
-                self.num_moe_layers += 1
 
     def _hook(self, _module, _inputs, output) -> None:
         if self.found is not None:
