@@ -201,10 +201,12 @@ def test_frames_errors_are_one_line():
     with pytest.raises(ValueError, match="bad magic"):
         decode_frames(b"{}")
     good = encode_frames({"a": np.zeros(4, np.uint8)})
+    assert decode_frames(encode_frames(7)) == 7 and decode_frames(encode_frames("x")) == "x"  # a bare scalar payload
     with pytest.raises(ValueError, match="does not fit"):
         decode_frames(good[:-1])
     for header, message in (({"payload": {"a": {"__array__": 1}}, "arrays": [["uint8", [4], 0, 4]]}, "names array 1"),
-                            ({"payload": {"a": {"__array__": 0}}, "arrays": [["uint8", 4, 0, 4]]}, "list of sizes")):
+                            ({"payload": {"a": {"__array__": 0}}, "arrays": [["uint8", 4, 0, 4]]}, "list of sizes"),
+                            ({"payload": 1, "arrays": 5}, "frames header is not"), ([1, 2], "frames header is not")):
         text = json.dumps(header).encode()  # a hostile header: a missing array, a shape that is not one
         with pytest.raises(ValueError, match=message):
             decode_frames(MAGIC + struct.pack("<Q", len(text)) + text + bytes(4))

@@ -83,7 +83,11 @@ def decode_frames(body: bytes) -> Any:
     (length,) = _LENGTH.unpack_from(body, len(MAGIC))
     if start + length > len(body):
         raise ValueError(f"frames header of {length} bytes runs past the body's {len(body)}")
-    header = json.loads(body[start:start + length])
+    header = json.loads(body[start:start + length])  # json's ValueError names the position
+    if not (isinstance(header, dict) and "payload" in header and isinstance(header.get("arrays"), list)
+            and all(isinstance(row, list) and len(row) == 4 and all(type(n) is int for n in row[2:])
+                    for row in header["arrays"])):
+        raise ValueError("frames header is not {\"payload\": ..., \"arrays\": [[dtype, shape, offset, nbytes], ...]}")
     data = memoryview(body)[start + length:]
     arrays = []
     for dtype, shape, offset, nbytes in header["arrays"]:
@@ -106,7 +110,8 @@ def decode_frames(body: bytes) -> Any:
             return {k: restore(v) if type(v) in _NESTED else v for k, v in value.items()}
         return [restore(v) if type(v) in _NESTED else v for v in value]
 
-    return restore(header["payload"])
+    payload = header["payload"]
+    return restore(payload) if type(payload) in _NESTED else payload
 
 
 def frames_answer(payload: Any) -> Any:
