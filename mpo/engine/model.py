@@ -17,7 +17,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,11 +24,6 @@ from typing import Any, Iterator
 import torch
 
 from mpo.models.config import MoEModelConfig
-
-# transformers keeps a MoE layer's experts as two fused 3-D parameters; checkpoints (and mpo's HF names) have one
-# tensor per expert: gate_up_proj [E, 2 * I, H] holds each expert's gate rows then its up rows, down_proj [E, H, I].
-_PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
-
 
 def _hf_config(cfg: MoEModelConfig):
     from transformers import AutoConfig
@@ -115,8 +109,8 @@ class EngineModel:
                 for name, shape in engine.mapping.hf_shapes().items():  # one tensor in memory at a time
                     engine.load_hf({name: source.get(name, shape)})
         else:
-            engine.load_hf(dict(_megatron_weights(cfg, ctx, seed=seed, mcore_dir=mcore_dir, dtype=dtype,
-                                                      fp32_lm_head=fp32_lm_head, engine=engine)))
+            engine.load_hf(dict(_megatron_weights(cfg, ctx, engine.mapping, seed=seed, mcore_dir=mcore_dir,
+                                                      dtype=dtype, fp32_lm_head=fp32_lm_head)))
         return engine
 
     @property
@@ -211,22 +205,19 @@ class EngineModel:
         per-expert name its expert's slice of the fused expert weights. Checked once: every name of the checkpoint
         format has a view of its shape, and the views cover every weight of the model exactly (no weight keeps
         transformers' random initialisation)."""
-        from mpo.models.hf_source import ConversionError
+        from mpo.models.hf_source import ConversionError, expert_part, fused_source
 
         state = self.model.state_dict(keep_vars=True)  # parameters and persistent buffers (a router's bias)
         targets: dict[str, list[torch.Tensor]] = {}
         for name, shape in self.mapping.hf_shapes().items():
-            match = _PER_EXPERT.match(name)
+            # transformers keeps a MoE layer's experts fused (gate_up_proj [E, 2I, H], down_proj [E, H, I]); the
+            # checkpoint format has a tensor per expert: the same layout HFCheckpoint reads fused checkpoints in
+            fused = fused_source(name)
             if name in state:
                 view = state[name].data
-            elif match and f"{match['block']}.gate_up_proj" in state:
-                expert, part = int(match["expert"]), match["part"]
-                if part == "down_proj":
-                    view = state[f"{match['block']}.down_proj"].data[expert]
-                else:
-                    fused = state[f"{match['block']}.gate_up_proj"].data[expert]
-                    half = fused.shape[0] // 2
-                    view = fused[:half] if part == "gate_proj" else fused[half:]
+            elif fused is not None and fused[0] in state:
+                fused_name, expert, proj = fused
+                view = expert_part(state[fused_name].data[expert], proj)
             else:
                 raise ConversionError("the engine's transformers model has no weight for this tensor", tensor=name)
             if tuple(view.shape) != tuple(shape):
@@ -261,8 +252,8 @@ class EngineModel:
         WeightRoutes(self, app, group_init_timeout_s=group_init_timeout_s).install()
 
 
-def _megatron_weights(cfg: MoEModelConfig, ctx: Any, *, seed: int, mcore_dir: str | None, dtype: str,
-                      fp32_lm_head: bool, engine: EngineModel) -> Iterator[tuple[str, torch.Tensor]]:
+def _megatron_weights(cfg: MoEModelConfig, ctx: Any, mapping: Any, *, seed: int, mcore_dir: str | None, dtype: str,
+                      fp32_lm_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's initial weights under HF names: megatron-core's model of `cfg` built with `seed` exactly as a
     trainer rank builds it (or loaded from `mcore_dir`), gathered whole once at start-up (an engine holds the whole
     model anyway) and freed after."""
@@ -274,4 +265,4 @@ def _megatron_weights(cfg: MoEModelConfig, ctx: Any, *, seed: int, mcore_dir: st
                              seed=seed))
     if mcore_dir:
         gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), mcore_dir))  # runs no code from the files
-    yield from engine.mapping.full_state_to_hf(gather_full_state(gpt))
+    yield from mapping.full_state_to_hf(gather_full_state(gpt))

@@ -214,8 +214,7 @@ class HFCheckpoint:
         if rows % 2:
             raise ConversionError(f"fused gate_up_proj has an odd row count {rows}", file=self.file_of(fused_name),
                                   tensor=fused_name)
-        # transformers 5 fuses [gate; up] along the output rows, gate first.
-        return tensor[: rows // 2].clone() if proj == "gate_proj" else tensor[rows // 2 :].clone()
+        return expert_part(tensor, proj).clone()
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """Shape of `name` from the safetensors header (no data read); per-expert names resolve into fused tensors."""
@@ -259,6 +258,22 @@ class HFCheckpoint:
 def _fused(match: re.Match) -> str:
     """The fused tensor a per-expert name (a _PER_EXPERT match) is served from."""
     return f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
+def fused_source(name: str) -> tuple[str, int, str] | None:
+    """Where transformers 5's fused layout keeps the per-expert tensor `name`: (the fused tensor's name, the expert,
+    gate_proj / up_proj / down_proj); None for a name that is not per-expert."""
+    match = _PER_EXPERT.match(name)
+    return None if match is None else (_fused(match), int(match["expert"]), match["proj"])
+
+
+def expert_part(fused_expert: torch.Tensor, proj: str) -> torch.Tensor:
+    """`proj` of one expert from that expert's row of a fused tensor, as a view: down_proj is the row itself;
+    gate_up_proj holds [gate; up] along the output rows, gate first (transformers 5)."""
+    if proj == "down_proj":
+        return fused_expert
+    half = fused_expert.shape[0] // 2
+    return fused_expert[:half] if proj == "gate_proj" else fused_expert[half:]
 
 
 def _first_line(exc: Exception) -> str:
