@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -71,13 +73,17 @@ def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, b
     # torch's Adam (megatron's optimizer without TE or apex) takes its per-tensor Python loop unless every parameter
     # is on CUDA; its foreach kernels give the same numbers bit for bit (checked on the tiny model's 159 tensors)
     # in a third less time on the CPU, where the loop was most of the optimizer step.
-    for member in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(member, "optimizer", None)
+    for inner in inner_optimizers(optimizer):
         if isinstance(inner, torch.optim.Optimizer):
             for group in inner.param_groups:
                 if group.get("foreach") is None and not group.get("fused"):
                     group["foreach"] = True
     return optimizer
+
+
+def inner_optimizers(optimizer: Any) -> list:
+    """The torch optimizers behind a megatron (chained) optimizer."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def ddp_options(parallel, device) -> dict[str, bool]:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mpo.lifecycle import NoSpaceLeft, _no_space_error, die_with_parent, writing
+from mpo.models.ddp import inner_optimizers
 
 log = logging.getLogger(__name__)
 
@@ -546,15 +547,10 @@ def _fill(skeleton: Any, loaded: Any) -> Any:
     return loaded if skeleton is _SHARDED else skeleton
 
 
-def _inner_optimizers(optimizer: Any) -> list:
-    """The torch optimizers behind a megatron (chained) optimizer."""
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
 def optimizer_step(optimizer: Any) -> int:
     """Adam's step count: in the param groups (TE/apex fused Adam) or per parameter (torch Adam); one value for all."""
     steps = set()
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             if "step" in group:
                 steps.add(int(group["step"]))
@@ -571,7 +567,7 @@ def _set_per_parameter_step(optimizer: Any, step: int) -> None:
     """torch Adam (no TE or apex) keeps a `step` tensor per parameter, which megatron's dp_reshardable load copies from
     the state dict it built to load into (the fresh optimizer's, step 0; the format does not store it): set each to
     the checkpoint's step count, a tensor of its own (Adam increments them in place)."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for state in inner.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = torch.full_like(state["step"], step)
