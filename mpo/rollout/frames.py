@@ -84,13 +84,16 @@ def decode_frames(body: bytes) -> Any:
     if start + length > len(body):
         raise ValueError(f"frames header of {length} bytes runs past the body's {len(body)}")
     header = json.loads(body[start:start + length])  # json's ValueError names the position
-    if not (isinstance(header, dict) and "payload" in header and isinstance(header.get("arrays"), list)
-            and all(isinstance(row, list) and len(row) == 4 and all(type(n) is int for n in row[2:])
-                    for row in header["arrays"])):
-        raise ValueError("frames header is not {\"payload\": ..., \"arrays\": [[dtype, shape, offset, nbytes], ...]}")
+    malformed = "frames header is not {\"payload\": ..., \"arrays\": [[dtype, shape, offset, nbytes], ...]}"
+    if not (isinstance(header, dict) and "payload" in header and isinstance(header.get("arrays"), list)):
+        raise ValueError(malformed)
     data = memoryview(body)[start + length:]
     arrays = []
-    for dtype, shape, offset, nbytes in header["arrays"]:
+    for row in header["arrays"]:
+        if not (isinstance(row, list) and len(row) == 4 and type(row[0]) is str and type(row[2]) is int
+                and type(row[3]) is int):
+            raise ValueError(malformed)
+        dtype, shape, offset, nbytes = row
         if dtype not in _DTYPES:
             raise ValueError(f"frames array dtype {dtype!r}; valid: {sorted(_DTYPES)}")
         if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
