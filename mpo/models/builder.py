@@ -151,22 +151,27 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_sta
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from mpo.models.lean_linear import use_lean_linears
+
     if model.multi_latent_attention or model.first_k_dense:
         if config is None:
             raise ValueError("layer_spec: this architecture needs the TransformerConfig")
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=device.layer_spec == "te",
                                            normalization="RMSNorm", vp_stage=vp_stage)
-        if device.layer_spec != "te" and model.multi_latent_attention:
+        if device.layer_spec == "te":
+            return block
+        if model.multi_latent_attention:
             from mpo.models.mla_local import use_local_mla_core_attention
 
             use_local_mla_core_attention(block)
-        return block
+        return use_lean_linears(block)
     if device.layer_spec == "te":
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts, moe_grouped_gemm=True, qk_layernorm=model.qk_layernorm)
-    return get_gpt_layer_local_spec(
+    # The local spec's linears at tensor-parallel size 1 skip megatron's parallel plumbing (mpo.models.lean_linear)
+    return use_lean_linears(get_gpt_layer_local_spec(
         num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm,
-        normalization="RMSNorm")
+        normalization="RMSNorm"))
 
 
 def build_model(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceProfile,
