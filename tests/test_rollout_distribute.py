@@ -285,6 +285,8 @@ def test_version_numbers_and_versions_jsonl_summary(tmp_path):
     assert token_versions(token_versions(stamps), 9).tolist() == [3, 3, 4, 9, 4]  # as collect gets them
     assert token_versions(None, 7, 3).tolist() == token_versions([], 7, 3).tolist() == [7, 7, 7]
     assert token_versions([5, None]).tolist() == [5, -1] and token_versions([]).tolist() == []
+    # what a broken or hostile engine might stamp: unknown (-1), never an error or a wrong version
+    assert token_versions([[3], {"v": 3}, True, 3.0, -2, "-2", "3"]).tolist() == [-1, -1, -1, -1, -1, -1, 3]
     assert weight_version("step3") is None and weight_version(7) == 7 and weight_version("\u00b2") is None
     versions = [np.array([3, 3, 4, 4, 3]), [5], []]
     for per_token in (False, True):
