@@ -39,8 +39,9 @@ def scenario_cuda_factories() -> None:
 
 
 def scenario_alltoall() -> None:
-    # A fresh model (new dispatchers) forward: dispatcher __init__ and the split-size host copy.
-    model = _tiny_model()
+    # A fresh model (new dispatchers) forward: dispatcher __init__ and the split-size host copy. EP2: at EP1 the
+    # builder picks megatron's allgather dispatcher (nothing to exchange), which has no such copy.
+    model = _tiny_model({"expert_parallel": 2})
     ids = torch.randint(0, 256, (1, 8))
     model(ids, torch.arange(8)[None], None)
 
