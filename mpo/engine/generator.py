@@ -366,15 +366,17 @@ class MpoGenerator:
             return
         rows = [batch.rows[i] for i in sampling]
         tokens = _sample_rows(last[sampling], rows)
-        # the behaviour policy's log-prob (raw model distribution, as the trainer's forward gives it)
-        logp_last = torch.log_softmax(last[sampling].double(), -1)
-        for k, (request, token) in enumerate(zip(rows, tokens)):
+        # the behaviour policy's log-prob (raw model distribution, as the trainer's forward gives it), gathered for
+        # every row at once (an indexing call per row was ~1.5 us each, per token)
+        picked = torch.tensor([0 if isinstance(token, Exception) else token for token in tokens])
+        logprobs = torch.log_softmax(last[sampling].double(), -1).gather(1, picked[:, None]).squeeze(1).tolist()
+        for request, token, logprob in zip(rows, tokens, logprobs):
             if isinstance(token, Exception):
                 request.finish_reason = {"type": "abort", "message": f"engine error: {type(token).__name__}: {token}"}
                 continue
             request.output.append(token)
             request.versions.append(version)
-            request.sampled_logprobs.append(float(logp_last[k, token]))
+            request.sampled_logprobs.append(logprob)
             if token in request.sampling.stop_token_ids:
                 request.finish_reason = {"type": "stop", "matched": token}
             elif len(request.output) >= request.sampling.max_new_tokens:
