@@ -155,7 +155,7 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_sta
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from mpo.models.lean_linear import use_lean_linears
+    from mpo.models.lean_local import use_lean_modules
 
     if model.multi_latent_attention or model.first_k_dense:
         if config is None:
@@ -168,12 +168,12 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_sta
             from mpo.models.mla_local import use_local_mla_core_attention
 
             use_local_mla_core_attention(block)
-        return use_lean_linears(block)
+        return use_lean_modules(block)
     if device.layer_spec == "te":
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts, moe_grouped_gemm=True, qk_layernorm=model.qk_layernorm)
-    # The local spec's linears at tensor-parallel size 1 skip megatron's parallel plumbing (mpo.models.lean_linear)
-    return use_lean_linears(get_gpt_layer_local_spec(
+    # The local spec's linears and experts without megatron's per-call plumbing (mpo.models.lean_local)
+    return use_lean_modules(get_gpt_layer_local_spec(
         num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm,
         normalization="RMSNorm"))
 

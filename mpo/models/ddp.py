@@ -63,6 +63,9 @@ def make_optimizer(ddp_model: torch.nn.Module, *, lr: float, clip_grad: float, b
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mpo.models.chunks import as_chunks
+    from mpo.models.multi_tensor import use_foreach_multi_tensor
+
+    use_foreach_multi_tensor()  # without TE or apex: clipping's norm and scale without a Python call per tensor
 
     chunks = as_chunks(ddp_model)
     distributed = chunks[0].ddp_config.use_distributed_optimizer
