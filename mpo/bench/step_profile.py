@@ -9,7 +9,8 @@ Reference: the same model (the demo's preset as HF transformers' Qwen3-MoE, rand
 answers, is what is timed) as a plain PyTorch module in this process, doing per step what the demo does: the same
 prompts (the toy task's draw), sampled generation with a KV cache (HF `generate`), scoring with the task's reward,
 group-normalised advantages, an old-logprob forward, then `schedule.updates_per_step` updates of PPO's clipped token
-loss over micro-batches of `schedule.micro_batch_size`, each closed by an Adam step. Same thread count as the demo's
+loss over micro-batches of `schedule.micro_batch_size`, each closed by the gradient-norm clip at `schedule.clip_grad`
+(as the demo's optimizer clips) and an Adam step. Same thread count as the demo's
 processes together (torch.set_num_threads(--threads)). It runs before mpo's command and again after it; its seconds
 per step are the mean of the two runs (both printed).
 
@@ -70,7 +71,7 @@ def run_reference(steps: int, overrides: list[str], threads: int) -> tuple[float
     torch.manual_seed(config.seed)
     hf = {k: v for k, v in to_hf_config(cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).float()
-    optimizer = torch.optim.Adam(model.parameters(), lr=sched.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=sched.lr, foreach=True)
     task = make_task(config)
     G, clip = rollout.samples_per_prompt, 0.2
     budget = min(rollout.max_new_tokens, task.max_answer_tokens or rollout.max_new_tokens)
@@ -126,6 +127,8 @@ def run_reference(steps: int, overrides: list[str], threads: int) -> tuple[float
                 adv = advantages[chunk, None]
                 loss = -(torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv) * mask[chunk]).sum() / tokens
                 loss.backward()
+            if sched.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), sched.clip_grad, foreach=True)
             optimizer.step()
         phase["updates"] = time.perf_counter() - t
         times.append(time.perf_counter() - began)

@@ -107,7 +107,8 @@ class Publisher:
                 return tensor_digest(tensor if name in fp32_names else tensor.to(engine_dtype))
 
         if engines is not None:
-            sync.begin_session()
+            # A synchronous schedule syncs between rollouts: nothing is generating, no pause (or continue) is needed
+            sync.begin_session(pause=self.config.schedule.mode != "sync")
         try:
             dist.barrier()
             push = (lambda named: sync.push_bucket(named, version, wait=False)) if sync is not None else None
