@@ -273,6 +273,13 @@ class ScheduleSection:
         max_tokens_per_microbatch: sequence packing (mpo.trainer.packing): every pass packs its samples end to end
             into micro-batches of at most this many tokens (no padding between sequences; DP shares balanced by
             token count); null: off, each micro-batch is micro_batch_size right-padded rows.
+        forward_micro_batch_size: rows per forward of the old-logprob pass (verl's log_prob_micro_batch_size):
+            consecutive right-padded micro-batches are joined up to this many rows, so the fixed cost of a forward
+            is paid once per group (each row's log-probs are its own micro-batch's, to float rounding: a GEMM over
+            more rows may add in another order, <= 5e-7 measured). The memory plan counts
+            it as a training micro-batch of that size (an upper bound: the pass keeps no activations). null:
+            micro_batch_size. Unused with packing (its micro-batches are sized by tokens) and under pipeline
+            parallelism (megatron's stage buffers take one shape per pass).
         lr: Adam learning rate (the peak, after warmup).
         clip_grad: gradient-norm clip.
         lr_warmup_steps: RL steps of linear warmup from 0 to lr (0: none); below `steps` (mpo.trainer.lr_schedule).
@@ -298,6 +305,7 @@ class ScheduleSection:
     updates_per_step: int = 1
     micro_batch_size: int = 16
     max_tokens_per_microbatch: int | None = None
+    forward_micro_batch_size: int | None = None
     lr: float = 1e-3
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
@@ -815,6 +823,8 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "schedule.micro_batch_size": (lambda v: v >= 1, ">= 1"),
     "schedule.max_tokens_per_microbatch": (lambda v: v is None or v >= 2,
                                            ">= 2 (tokens per packed micro-batch; null: packing off)"),
+    "schedule.forward_micro_batch_size": (lambda v: v is None or v >= 1,
+                                          ">= 1 (rows per forward of the old-logprob pass; null: micro_batch_size)"),
     "schedule.lr": (lambda v: v > 0, "> 0"),
     "schedule.clip_grad": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "schedule.lr_warmup_steps": (lambda v: v >= 0, ">= 0 (0: no warmup)"),

@@ -308,6 +308,13 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
                           "critic optimizer": value.optimizer})
         items["activations"] = activation_bytes(m, par, rank, seq_len=act_seq, micro_batch_size=act_rows,
                                                 num_microbatches=microbatches, recompute=config.model.recompute)
+        if (s.forward_micro_batch_size and s.forward_micro_batch_size > act_rows and par.pipeline_parallel == 1
+                and not s.max_tokens_per_microbatch):
+            # the old-logprob pass's joined forwards, counted as one training micro-batch of that many rows (an upper
+            # bound: a forward-only pass keeps no layer's activations)
+            items["activations"] = max(items["activations"], activation_bytes(
+                m, par, rank, seq_len=act_seq, micro_batch_size=s.forward_micro_batch_size, num_microbatches=1,
+                recompute=config.model.recompute))
         items["routing records (R2/R3, RSPO)"] = routing_bytes(
             m, par, rank, step_tokens=-(-rows // dp) * seq, updates_per_step=s.updates_per_step,
             microbatch_tokens=act_seq * act_rows, replay=config.algorithm.replay or "none",

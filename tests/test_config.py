@@ -44,6 +44,7 @@ from mpo.config import ConfigError, load_config
     (["rollout.bucket_mb=8"], "rollout.bucket_mb moved to sync.bucket_mb"),
     (["rollout.sync_master_address=h"], "rollout.sync_master_address moved to sync.master_address"),
     (["rollout.host_shared_memory=false"], "rollout.host_shared_memory moved to sync.host_shared_memory"),
+    (["schedule.forward_micro_batch_size=0"], "schedule.forward_micro_batch_size=0"),
 ])
 def test_bad_config_fails_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

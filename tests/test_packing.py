@@ -138,3 +138,22 @@ def test_packed_rows_keep_a_multi_turn_loss_mask():
     assert masks[id(turn)][:7].tolist() == [0, 0, 1, 1, 0, 0, 1]
     assert masks[id(plain)][:3].tolist() == [0, 1, 1]
     assert padded[0].extras["mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 1]
+
+
+def test_plan_counts_the_joined_old_logprob_forwards():
+    """schedule.forward_micro_batch_size: the old-logprob pass's joined forwards are planned as a training micro-batch
+    of that many rows (an upper bound) when larger than micro_batch_size; packing does not join (unchanged plan)."""
+    from mpo.memory_plan import PlanInputs, plan_memory
+
+    recipe = REPO / "mpo/recipes/qwen3_30b_a3b_gspo.yaml"
+    inputs = PlanInputs(seq_len=4096)
+
+    def activations(*overrides: str) -> int:
+        return plan_memory(load_config(recipe, list(overrides)), inputs)[0].items["activations"]
+
+    base = activations("schedule.micro_batch_size=2")
+    assert activations("schedule.micro_batch_size=2", "schedule.forward_micro_batch_size=1") == base
+    joined = activations("schedule.micro_batch_size=2", "schedule.forward_micro_batch_size=8")
+    assert joined > base and joined == activations("schedule.micro_batch_size=8", "schedule.updates_per_step=64")
+    packed = ["schedule.max_tokens_per_microbatch=8192"]
+    assert activations(*packed, "schedule.forward_micro_batch_size=8") == activations(*packed)

@@ -111,6 +111,22 @@ def test_second_wave_algorithms_run_a_step(algorithms_v2_run, name):
         assert metrics["critic/grad_norm"] > 0 and "critic/returns_mean" in metrics
 
 
+def test_joined_old_logprob_forwards_give_each_micro_batch_its_own_results(tmp_path):
+    """schedule.forward_micro_batch_size: the old-logprob pass joins consecutive micro-batches (of different widths
+    here) into one forward; each micro-batch's log-probs and routing records (chosen and natural experts) must be
+    those of its own forward, with and without R3 replay (the engine routes joined too). A size below a micro-batch
+    joins nothing."""
+    spawn_ranks(2, trainer_worker.joined_old_pass, str(tmp_path))
+    results = json.loads((tmp_path / "joined.json").read_text())
+    for replay in ("none", "r3"):
+        out = results[replay]
+        assert len(set(out["widths"])) > 1, out["widths"]  # the joined forwards pad some rows
+        assert out["groups_3"] == [[i] for i in range(len(out["widths"]))]
+        assert all(len(g) == 2 for g in out["groups_8"]), out["groups_8"]
+        assert out["logp_equal_3"] and out["records_equal_3"] and out["records_equal_8"], out
+        assert out["logp_maxdiff_8"] <= 1e-6, out
+
+
 def test_critic_value_loss_falls_on_fixed_targets(tmp_path):
     """The megatron critic (value head on the policy's body, DP2xEP2) regresses one step's GAE returns: its clipped
     value loss falls well below where it started (the zero-initialised head predicts V = 0)."""

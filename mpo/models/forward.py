@@ -54,6 +54,32 @@ class MicroBatch:
         return torch.arange(s, device=self.input_ids.device).expand(b, s)
 
 
+def join_rows(microbatches: list[MicroBatch], max_rows: int) -> list[list[int]]:
+    """Consecutive right-padded micro-batches grouped for one forward each: groups of at most `max_rows` rows (a
+    micro-batch larger than that is a group of its own). Returns each group's micro-batch indices."""
+    groups: list[list[int]] = []
+    rows = 0
+    for i, mb in enumerate(microbatches):
+        b = mb.input_ids.shape[0]
+        if groups and rows + b <= max_rows:
+            groups[-1].append(i)
+            rows += b
+        else:
+            groups.append([i])
+            rows = b
+    return groups
+
+
+def joined(microbatches: list[MicroBatch]) -> MicroBatch:
+    """One micro-batch of the rows of right-padded `microbatches`, as wide as the widest (token 0 after each row's
+    end, as rank_microbatches pads): a forward of it gives each row what the row's own micro-batch gives (causal
+    attention: a row's positions never see the padding after them). No extras: for forward-only passes."""
+    width = max(mb.input_ids.shape[1] for mb in microbatches)
+    ids = torch.cat([torch.nn.functional.pad(mb.input_ids, (0, width - mb.input_ids.shape[1]))
+                     for mb in microbatches])
+    return MicroBatch(ids)
+
+
 # loss_fn(micro_batch, logprobs [b,s], entropy [b,s]) -> (scalar loss, dict of detached metrics)
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 

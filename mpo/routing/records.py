@@ -69,6 +69,21 @@ class MicroBatchRouting:
         return MicroBatchRouting(self.layers, self.indices.to(device), move(self.logp), move(self.logp_at),
                                  move(self.natural))
 
+    def rows(self, start: int, stop: int, width: int) -> "MicroBatchRouting":
+        """Rows [start, stop) and their first `width` positions (one micro-batch's part of a joined one)."""
+        part = (lambda x: None if x is None else x[start:stop, :width])  # noqa: E731
+        return MicroBatchRouting(self.layers, part(self.indices), part(self.logp), part(self.logp_at),
+                                 part(self.natural))
+
+    @staticmethod
+    def join(records: "list[MicroBatchRouting]", width: int) -> "MicroBatchRouting":
+        """Replay inputs of several micro-batches as one (their rows in order), positions padded to `width` with -1
+        (no record: routed naturally, as padding is)."""
+        first = records[0]
+        padded = [torch.nn.functional.pad(r.indices, (0, 0, 0, 0, 0, width - r.indices.shape[1]), value=-1)
+                  for r in records]
+        return MicroBatchRouting(first.layers, torch.cat(padded))
+
     def natural_choice(self) -> "MicroBatchRouting":
         """The router's own top-K as a record (``indices`` themselves when nothing was replayed)."""
         if self.natural is None:

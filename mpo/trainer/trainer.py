@@ -130,7 +130,8 @@ class Trainer:
         self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
         self.policy = PolicyUpdate(self.model, self.gpt, self.optimizer, self.routing, self.model_cfg, algorithm,
                                    loss_spec, loss_cfg, correction, self.reference, device=self.device,
-                                   dp_group=self.dp_group, pp_group=self.pp_group, clock=self.clock)
+                                   dp_group=self.dp_group, pp_group=self.pp_group, clock=self.clock,
+                                   forward_rows=self.config.schedule.forward_micro_batch_size)
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """The initial weights, kept on the host for the KL reference forward."""

@@ -15,7 +15,7 @@ from mpo.algorithms import (CorrectionConfig, PolicyBatch, all_reduce_metrics, a
                             compute_global_denominators, compute_policy_loss, correction_counts, merge_metrics,
                             positive_nll)
 from mpo.models.chunks import as_chunks
-from mpo.models.forward import MicroBatch, run_microbatches
+from mpo.models.forward import MicroBatch, join_rows, joined, run_microbatches
 from mpo.parallel.collectives import all_reduce_
 
 
@@ -39,6 +39,7 @@ class PolicyUpdate:
     dp_group: Any
     pp_group: Any
     clock: Any
+    forward_rows: int | None = None  # schedule.forward_micro_batch_size: rows per forward of the old-logprob pass
 
     def engine_routes(self, mb: MicroBatch):
         from mpo.routing import RolloutRoutes, place_rollout_routes
@@ -60,7 +61,7 @@ class PolicyUpdate:
         return place_rollout_routes(rows, seq, first.route_layers)
 
     def old_forward(self, microbatches: list[MicroBatch]) -> tuple[list, dict[str, float]]:
-        from mpo.routing import agreement_metrics, replay_forced_metrics
+        from mpo.routing import MicroBatchRouting, agreement_metrics, replay_forced_metrics
 
         vocab = self.model_cfg.vocab_size
         # Engine routes of this stage's layers, placed once per micro-batch: R3 replays them here and in the updates.
@@ -74,8 +75,15 @@ class PolicyUpdate:
             if any(r is None for r in engine_routes):
                 raise RuntimeError("algorithm.replay=r3 but the engines returned no routed experts")
             replay = engine_routes
+        groups = self.forward_groups(microbatches)
+        forward = [microbatches[g[0]] if len(g) == 1 else joined([microbatches[i] for i in g]) for g in groups]
+        if replay is not None:
+            replay = [replay[g[0]] if len(g) == 1 else
+                      MicroBatchRouting.join([replay[i] for i in g], mb.input_ids.shape[1])
+                      for g, mb in zip(groups, forward)]
         with self.routing.session(replay=replay) as old:
-            outs = run_microbatches(self.model, microbatches, vocab_size=vocab, forward_only=True)
+            joined_outs = run_microbatches(self.model, forward, vocab_size=vocab, forward_only=True)
+        outs, records = _split_joined(groups, microbatches, joined_outs, old.records)
         metrics: dict[str, float] = {}
         if self.reference is not None:
             outs_ref = self.reference_logprobs(microbatches)
@@ -88,9 +96,9 @@ class PolicyUpdate:
         layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
         if all(r is not None for r in engine_routes):
             # Against the trainer's natural choice: under R3 the replayed experts equal the engine's by construction.
-            metrics.update(agreement_metrics(engine_routes, [r.natural_choice() for r in old.records], valid,
+            metrics.update(agreement_metrics(engine_routes, [r.natural_choice() for r in records], valid,
                                              prefix="routing/rollout_vs_old", **layers))
-        metrics.update(replay_forced_metrics(old.records, valid, prefix="routing/old_replay", **layers))
+        metrics.update(replay_forced_metrics(records, valid, prefix="routing/old_replay", **layers))
         if outs:  # train-vs-rollout log-prob mismatch, over the loss tokens
             diff = torch.zeros(2, dtype=torch.float64, device=self.device)
             for mb in microbatches:
@@ -99,7 +107,17 @@ class PolicyUpdate:
                 diff[1] += m.sum()
             all_reduce_(diff, group=self.dp_group)
             metrics["train_rollout_logprob_absdiff"] = (diff[0] / diff[1].clamp(min=1)).item()
-        return old.records, metrics
+        return records, metrics
+
+    def forward_groups(self, microbatches: list[MicroBatch]) -> list[list[int]]:
+        """The old-logprob pass's forwards: consecutive micro-batches joined up to `forward_rows` rows (right-padded
+        rows, one pipeline stage: megatron's stage buffers take one shape per pass), else one forward each."""
+        from megatron.core import parallel_state
+
+        if (self.forward_rows is None or parallel_state.get_pipeline_model_parallel_world_size() > 1
+                or any(mb.packing is not None or mb.position_ids is not None for mb in microbatches)):
+            return [[i] for i in range(len(microbatches))]
+        return join_rows(microbatches, self.forward_rows)
 
     def reference_logprobs(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         current = {k: v.detach().clone() for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -237,3 +255,23 @@ class PolicyUpdate:
         else:
             metrics["nonfinite_skipped"] = 1.0
         return metrics
+
+
+def _split_joined(groups: list[list[int]], microbatches: list[MicroBatch], outs: list[dict],
+                  records: list) -> tuple[list[dict], list]:
+    """Per micro-batch outputs and routing records of a pass whose forwards joined `groups` of them: each one's rows
+    and positions of its group's (unchanged where a group is a single micro-batch). Empty lists stay empty (a stage
+    that is not the last has no outputs; a pass that records nothing has no records)."""
+    split_outs, split_records = [], []
+    for k, group in enumerate(groups):
+        row = 0
+        for i in group:
+            b, s = microbatches[i].input_ids.shape
+            if outs:
+                split_outs.append(outs[k] if len(group) == 1 else
+                                  {"logprobs": outs[k]["logprobs"][row:row + b, :s],
+                                   "entropy": outs[k]["entropy"][row:row + b, :s]})
+            if records:
+                split_records.append(records[k] if len(group) == 1 else records[k].rows(row, row + b, s))
+            row += b
+    return split_outs, split_records

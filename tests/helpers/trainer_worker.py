@@ -234,3 +234,42 @@ def critic_fits(out_dir: str, updates: int) -> None:
         trainer.policy.old_forward(mbs)
         trainer.critic.advantages(mbs)
         results["value_loss"] = [trainer.critic.update(mbs)["critic/value_loss"] for _ in range(updates)]
+
+
+def joined_old_pass(out_dir: str) -> None:
+    """The old-logprob pass with its forwards joined (schedule.forward_micro_batch_size) against one forward per
+    micro-batch, on the same micro-batches of different widths: rank 0 records, per replay mode, the largest
+    log-prob and entropy difference, whether the routing records (chosen, natural) are equal, and the groups."""
+    from mpo.config import AlgorithmSection
+    from mpo.trainer.rows import rank_microbatches
+
+    with _worker_run(out_dir, "joined", ["algorithm.filter_zero_variance=false"]) as (trainer, _, _, results):
+        samples, _ = trainer.collector.collect(0) if trainer.rank == 0 else (None, {})
+        box = [samples]
+        torch.distributed.broadcast_object_list(box, src=0)
+        dp_rank, dp_size = trainer._dp()
+        half = len(box[0]) // 2
+        narrow = rank_microbatches(box[0][:half], dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=4)
+        wide = rank_microbatches(box[0][half:], dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=4,
+                                 seq_len=narrow[0].input_ids.shape[1] + 3)  # padded 3 positions further
+        mbs = [mb for pair in zip(narrow, wide) for mb in pair]  # each joined forward mixes the two widths
+        for replay in ("none", "r3"):
+            trainer.set_algorithm(AlgorithmSection(loss="grpo", replay=replay, filter_zero_variance=False))
+            runs = {}
+            for rows in (None, 3, 8):
+                trainer.policy.forward_rows = rows
+                records, _ = trainer.policy.old_forward(mbs)
+                runs[rows] = ([mb.extras["logp_old"].clone() for mb in mbs], records,
+                              trainer.policy.forward_groups(mbs))
+            base_logp, base_records, _ = runs[None]
+            out = {"widths": [mb.input_ids.shape[1] for mb in mbs]}
+            for rows in (3, 8):
+                logp, records, groups = runs[rows]
+                out[f"groups_{rows}"] = groups
+                out[f"logp_maxdiff_{rows}"] = max((a - b).abs().max().item() for a, b in zip(logp, base_logp))
+                out[f"logp_equal_{rows}"] = all(torch.equal(a, b) for a, b in zip(logp, base_logp))
+                out[f"records_equal_{rows}"] = all(
+                    torch.equal(a.indices, b.indices) and torch.equal(a.natural_choice().indices,
+                                                                      b.natural_choice().indices)
+                    and a.indices.shape == b.indices.shape for a, b in zip(records, base_records, strict=True))
+            results[replay] = out
