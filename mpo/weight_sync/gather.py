@@ -249,14 +249,14 @@ class WeightStreamer:
                 named: list[tuple[str, torch.Tensor]] = []
                 for pu, tensor in zip(bucket.units, tensors):
                     named += self.mapping.to_hf(pu.unit, tensor, views=hf_views)
-                if digest is not None:
-                    result.digests.update((name, digest(name, t)) for name, t in named)
                 if push is not None:
                     began = time.perf_counter()
                     ticket = push(named)
                     result.push_s += time.perf_counter() - began
                     if ticket is not None:
                         reading[k % 2] = ticket
+                if digest is not None:  # while the engines copy the bucket out (both only read the slot)
+                    result.digests.update((name, digest(name, t)) for name, t in named)
                 if pending is not None:
                     pending.place_own()  # while the engines copy bucket k out of the other slot
                 result.bytes += sum(t.numel() * t.element_size() for _, t in named)
