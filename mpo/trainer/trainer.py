@@ -23,6 +23,7 @@ from mpo.algorithms.step_advantages import StepAdvantages
 from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to_dict
 from mpo.data.retirement import PromptRetirement
 from mpo.models.forward import MicroBatch
+from mpo.parallel.collectives import one_rank
 from mpo.trainer.collect import Collector
 from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
 from mpo.trainer.offload import TrainerOffload, offload_enabled
@@ -37,6 +38,8 @@ class NonFiniteStop(RuntimeError):
 
 
 def _broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    if one_rank(group):
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -266,8 +269,11 @@ class Trainer:
         metrics["train_tokens_per_s"] = tokens / max(metrics["train_time_s"], 1e-9)
         # Metrics live on the last pipeline stage; rank 0 reports them.
         with self.clock("metrics_gather"):
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, metrics if self.is_last_stage else None, group=self.ctx.object_group)
+            gathered: list = [metrics]
+            if not one_rank(self.ctx.object_group):
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, metrics if self.is_last_stage else None,
+                                       group=self.ctx.object_group)
         merged = next(m for m in gathered if m is not None)
         merged.update(rollout_metrics)
         return merged

@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from mpo.parallel.collectives import one_rank
+
 if TYPE_CHECKING:
     from mpo.config import TrainConfig
 
@@ -50,7 +52,8 @@ class Publisher:
             with engines.updating() if engines is not None else contextlib.nullcontext():
                 metrics = self._stream(version)
             again = [engines is not None and bool(engines.stale)]
-            dist.broadcast_object_list(again, src=0)
+            if not one_rank():
+                dist.broadcast_object_list(again, src=0)
             if not again[0]:
                 break
         if self.config.rollout.engine == "sglang":
@@ -93,7 +96,8 @@ class Publisher:
             tp_sizes = list(self._sender_sync({}).tp_sizes)  # first: making rank 0's WeightSync resolves "auto"
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
                      "tp_sizes": tp_sizes}]
-        dist.broadcast_object_list(info, src=0)
+        if not one_rank():
+            dist.broadcast_object_list(info, src=0)
         info = info[0]
         if info is None:  # no engines: nothing to push
             return {}
@@ -110,19 +114,23 @@ class Publisher:
             # A synchronous schedule syncs between rollouts: nothing is generating, no pause (or continue) is needed
             sync.begin_session(pause=self.config.schedule.mode != "sync")
         try:
-            dist.barrier()
+            if not one_rank():
+                dist.barrier()
             push = (lambda named: sync.push_bucket(named, version, wait=False)) if sync is not None else None
             # shm: the engines read strided views of the slots, no conversion copies
             result = streamer.stream(push, sequential=info["transport"] == "distributed", digest=digest,
                                      hf_views=info["transport"] == "shm")
-            dist.barrier()
+            if not one_rank():
+                dist.barrier()
         finally:
             if engines is not None:
                 sync.end_session()
         totals = torch.tensor([float(result.bytes), float(result.buckets)], dtype=torch.float64)
         all_reduce_(totals)  # a host tensor: NCCL needs it on the GPU, all_reduce_ moves it there and back
         digests: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        if digest is not None:
+        if digest is not None and one_rank():
+            digests = [result.digests]
+        elif digest is not None:
             dist.gather_object(result.digests, digests, dst=0)
         if engines is not None:
             engines.stale.difference_update(c.url for c in sync.live)  # they hold the current weights now
