@@ -40,14 +40,20 @@ def test_read_view_refuses_symlinks_and_foreign_names(tmp_path):
     os.symlink(real.path, link)
     try:
         loc = shm.locate("w", real.tensor[:4]).to_json()
-        with pytest.raises(OSError):  # O_NOFOLLOW
-            shm.read_view({**loc, "path": str(link)})
-        with pytest.raises(ValueError, match="is not an mpo-sync-\\* file"):
-            shm.read_view({**loc, "path": str(shm.shm_dir() / "other-file")})
-        with pytest.raises(ValueError, match="is not an mpo-sync-\\* file"):
-            shm.read_view({**loc, "path": f"{shm.shm_dir()}/../{os.path.basename(real.path)}"})
-        with pytest.raises(ValueError, match="must be lists"):
-            shm.read_view({**loc, "offset": -1})
+        # the same refusals with an engine's session cache that already holds the good slot (checked once per path)
+        for cache in (None, {}):
+            if cache is not None:
+                real.tensor[:4] = 7.0
+                assert torch.equal(shm.read_view(loc, cache=cache), torch.full((4,), 7.0))
+                assert torch.equal(shm.read_view(loc, cache=cache), torch.full((4,), 7.0))
+            with pytest.raises(OSError):  # O_NOFOLLOW
+                shm.read_view({**loc, "path": str(link)}, cache=cache)
+            with pytest.raises(ValueError, match="is not an mpo-sync-\\* file"):
+                shm.read_view({**loc, "path": str(shm.shm_dir() / "other-file")}, cache=cache)
+            with pytest.raises(ValueError, match="is not an mpo-sync-\\* file"):
+                shm.read_view({**loc, "path": f"{shm.shm_dir()}/../{os.path.basename(real.path)}"}, cache=cache)
+            with pytest.raises(ValueError, match="must be lists"):
+                shm.read_view({**loc, "offset": -1}, cache=cache)
     finally:
         link.unlink()
         real.close()

@@ -254,9 +254,12 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     head-group axis: mpo.weight_sync.gather) as long as it holds as many elements, in the same row-major order."""
     from mpo.weight_sync.wire import dtype_from_name
 
-    path = Path(str(locator.get("path", "")))
-    if path.parent != shm_dir() or not _NAME.match(path.name):
-        raise ValueError(f"path {str(path)!r} is not an {PREFIX}* file in {shm_dir()}")
+    raw = str(locator.get("path", ""))
+    path = None
+    if cache is None or ("checked", raw) not in cache:  # a session's slots are checked once, not once per tensor
+        path = Path(raw)
+        if path.parent != shm_dir() or not _NAME.match(path.name):
+            raise ValueError(f"path {str(path)!r} is not an {PREFIX}* file in {shm_dir()}")
     if locator.get("dtype") not in WEIGHT_DTYPES:
         raise ValueError(f"dtype {locator.get('dtype')} is not a weight dtype ({', '.join(WEIGHT_DTYPES)}): it would "
                          f"reinterpret the slot's bytes")
@@ -269,7 +272,12 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     if expected_shape is not None and _numel(shape) != _numel(expected_shape):
         raise ValueError(f"shape {tuple(shape)} ({_numel(shape)} elements) differs from the model's "
                          f"{tuple(expected_shape)} ({_numel(expected_shape)} elements)")
-    flat = _mapped(path, dtype, cache)
+    flat = cache.get(("mapped", raw, dtype)) if cache is not None else None
+    if flat is None:
+        flat = _mapped(path or Path(raw), dtype, cache)
+        if cache is not None:
+            cache[("checked", raw)] = True
+            cache[("mapped", raw, dtype)] = flat
     last = offset + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else offset - 1
     if last >= flat.numel():
         raise ValueError(f"the view ends at element {last} but {path.name} holds {flat.numel()}")
