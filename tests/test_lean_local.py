@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.same_model import assert_bit_identical
 from helpers.spawn import spawn_ranks
 
 
@@ -59,18 +60,8 @@ def _bit_identical(preset_name: str, tensor_parallel: int, dtype: str = "fp32") 
     assert sorted(model.sharded_state_dict()) == sorted(reference.sharded_state_dict())
 
     ids = torch.randint(0, cfg.vocab_size, (6, 12), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    outputs = []
-    for net in (model, reference):
-        logits = net(ids, positions, None)
-        # A loss that reaches every weight (through the vocab-parallel logits), as training's log-probs do
-        logits.float().logsumexp(-1).sum().backward()
-        outputs.append((logits.detach(), {n: p.grad for n, p in net.named_parameters() if p.grad is not None}))
-    (logits, grads), (ref_logits, ref_grads) = outputs
-    assert torch.equal(logits, ref_logits)
-    assert grads.keys() == ref_grads.keys() and sum(".experts." in name for name in grads) >= 2 * cfg.num_experts
-    assert all(torch.equal(grads[name], ref_grads[name]) for name in grads), \
-        [name for name in grads if not torch.equal(grads[name], ref_grads[name])]
+    grads = assert_bit_identical(model, reference, ids)
+    assert sum(".experts." in name for name in grads) >= 2 * cfg.num_experts
 
 
 @pytest.mark.parametrize("ranks,tensor_parallel,preset_name,dtype", [
