@@ -202,9 +202,29 @@ def test_frames_errors_are_one_line():
         decode_frames(b"{}")
     good = encode_frames({"a": np.zeros(4, np.uint8)})
     assert decode_frames(encode_frames(7)) == 7 and decode_frames(encode_frames("x")) == "x"  # a bare scalar payload
+    # columns: arrays of one dtype and row shape travel as one (rows sliced back), others apart, 0-d whole
+    mixed = {"a": [np.arange(3, dtype=np.int64), np.arange(0, dtype=np.int64), np.arange(5, dtype=np.int64)],
+             "r": [np.ones((2, 4, 2), np.uint8), np.zeros((1, 4, 2), np.uint8)], "s": np.array(2.5),
+             "b": np.arange(6, dtype=">f4").reshape(2, 3)}
+    back = decode_frames(encode_frames(mixed))
+    assert [x.tolist() for x in back["a"]] == [[0, 1, 2], [], [0, 1, 2, 3, 4]]
+    assert [x.shape for x in back["r"]] == [(2, 4, 2), (1, 4, 2)] and back["r"][0].dtype == np.uint8
+    assert back["s"].shape == () and float(back["s"]) == 2.5 and back["b"].tolist() == mixed["b"].tolist()
+    body = encode_frames(mixed)
+    (length,) = struct.unpack_from("<Q", body, len(MAGIC))
+    table = json.loads(body[len(MAGIC) + 8:len(MAGIC) + 8 + length])["arrays"]
+    assert [(dtype, shape) for dtype, shape, _, _ in table] == [("int64", [8]), ("uint8", [3, 4, 2]),
+                                                                ("float64", []), ("float32", [2, 3])]
     with pytest.raises(ValueError, match="does not fit"):
         decode_frames(good[:-1])
-    for header, message in (({"payload": {"a": {"__array__": 1}}, "arrays": [["uint8", [4], 0, 4]]}, "names array 1"),
+    one = [["uint8", [4], 0, 4]]
+    for header, message in (({"payload": {"a": {"__array__": 1}}, "arrays": one}, "names array 1"),
+                            ({"payload": {"a": {"__array__": [0, 2, 5]}}, "arrays": one}, "names array"),
+                            ({"payload": {"a": {"__array__": [0, 3, 2]}}, "arrays": one}, "names array"),
+                            ({"payload": {"a": {"__array__": [0, 1]}}, "arrays": one}, "names array"),
+                            ({"payload": {"a": {"__array__": [0, 0, 1.5]}}, "arrays": one}, "names array"),
+                            ({"payload": {"a": {"__array__": [0, 0, 0]}}, "arrays": [["uint8", [], 0, 1]]},
+                             "names array"),
                             ({"payload": {"a": {"__array__": 0}}, "arrays": [["uint8", 4, 0, 4]]}, "list of sizes"),
                             ({"payload": 1, "arrays": 5}, "frames header is not"), ([1, 2], "frames header is not")):
         text = json.dumps(header).encode()  # a hostile header: a missing array, a shape that is not one

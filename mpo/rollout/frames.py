@@ -9,7 +9,10 @@ compact arrays (mpo.rollout.protocol.GenerateResult.from_json). Layout of a fram
     b"MPOF1\\n" | u64 little-endian header length | header (UTF-8 JSON) | array bytes, end to end
 
 The header is ``{"payload": ..., "arrays": [[dtype, shape, offset, nbytes], ...]}``: the JSON answer with each numpy
-array replaced by ``{"__array__": index}``.
+array replaced by ``{"__array__": [index, start, stop]}``, rows start:stop of table array `index`: the arrays of one
+dtype and row shape (a batch answer's output ids, log-probs, routes) travel as one array each, not three per row (a
+table entry and a frombuffer per array were most of a 128-row answer's decoding). ``{"__array__": index}`` names a
+whole array (0-d arrays travel so).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ _DTYPES = {"uint8", "int16", "int32", "int64", "float32", "float64"}
 
 def encode_frames(payload: Any) -> bytes:
     """`payload` (JSON values and numpy arrays) -> a frames body."""
-    arrays: list[np.ndarray] = []
+    arrays: list[tuple[np.ndarray, dict]] = []  # every array of the payload, with the reference that replaces it
 
     def strip(value: Any) -> Any:
         # Only containers are visited: a 128-row answer holds ~3,000 scalars (per-token versions, finish reasons),
@@ -41,8 +44,9 @@ def encode_frames(payload: Any) -> bytes:
         if kind is list or kind is tuple:
             return [strip(v) if type(v) in _NESTED else v for v in value]
         if kind is np.ndarray:
-            arrays.append(np.ascontiguousarray(value))
-            return {"__array__": len(arrays) - 1}
+            reference: dict = {"__array__": None}  # filled once the arrays are grouped into columns
+            arrays.append((value, reference))
+            return reference
         if isinstance(value, dict):  # subclasses take the slow road
             return {k: strip(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -52,14 +56,28 @@ def encode_frames(payload: Any) -> bytes:
         return value
 
     stripped = strip(payload)
-    table, offset = [], 0
-    for a in arrays:
-        little = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-        table.append([_dtype_name(little), list(a.shape), offset, a.nbytes])
-        offset += a.nbytes
+    columns: dict[tuple, list[tuple[np.ndarray, dict]]] = {}  # (dtype, row shape) -> its arrays, in payload order
+    for array, reference in arrays:
+        little = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        key = (_dtype_name(little), array.shape[1:]) if array.ndim else (_dtype_name(little), None, len(columns))
+        columns.setdefault(key, []).append((array.astype(little, copy=False), reference))
+    table, blobs, offset = [], [], 0
+    for key, members in columns.items():
+        if key[1] is None:  # a 0-d array: whole (np.ascontiguousarray would make it 1-d)
+            column = members[0][0].copy(order="C")
+            members[0][1]["__array__"] = len(table)
+        else:
+            column = np.concatenate([array for array, _ in members]) if len(members) > 1 else \
+                np.ascontiguousarray(members[0][0])
+            row = 0
+            for array, reference in members:
+                reference["__array__"] = [len(table), row, row + len(array)]
+                row += len(array)
+        table.append([key[0], list(column.shape), offset, column.nbytes])
+        blobs.append(column.tobytes())
+        offset += column.nbytes
     header = json.dumps({"payload": stripped, "arrays": table}).encode()
-    return b"".join([MAGIC, _LENGTH.pack(len(header)), header, *(a.astype(a.dtype.newbyteorder("<"), copy=False)
-                                                                 .tobytes() for a in arrays)])
+    return b"".join([MAGIC, _LENGTH.pack(len(header)), header, *blobs])
 
 
 _NESTED = frozenset({dict, list, tuple, np.ndarray})  # the types strip and restore descend into
@@ -106,10 +124,14 @@ def decode_frames(body: bytes) -> Any:
     def restore(value: Any) -> Any:  # json.loads made only dicts and lists; only those are visited
         if type(value) is dict:
             if len(value) == 1 and "__array__" in value:
-                index = value["__array__"]
-                if type(index) is not int or not 0 <= index < len(arrays):
-                    raise ValueError(f"frames payload names array {index!r}; the body has {len(arrays)}")
-                return arrays[index]
+                where = value["__array__"]
+                if type(where) is int and 0 <= where < len(arrays):
+                    return arrays[where]
+                if (type(where) is list and len(where) == 3 and all(type(n) is int for n in where)
+                        and 0 <= where[0] < len(arrays) and arrays[where[0]].ndim
+                        and 0 <= where[1] <= where[2] <= len(arrays[where[0]])):
+                    return arrays[where[0]][where[1]:where[2]]
+                raise ValueError(f"frames payload names array {where!r}; the body has {len(arrays)}")
             return {k: restore(v) if type(v) in _NESTED else v for k, v in value.items()}
         return [restore(v) if type(v) in _NESTED else v for v in value]
 
