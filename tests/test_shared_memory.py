@@ -54,6 +54,8 @@ def test_read_view_refuses_symlinks_and_foreign_names(tmp_path):
                 shm.read_view({**loc, "path": f"{shm.shm_dir()}/../{os.path.basename(real.path)}"}, cache=cache)
             with pytest.raises(ValueError, match="must be lists"):
                 shm.read_view({**loc, "offset": -1}, cache=cache)
+            with pytest.raises(ValueError, match="the view ends at element 16 but"):  # past the slot's end
+                shm.read_view({**loc, "offset": 16, "shape": [1], "stride": [1]}, cache=cache)
     finally:
         link.unlink()
         real.close()

@@ -255,11 +255,12 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     from mpo.weight_sync.wire import dtype_from_name
 
     raw = str(locator.get("path", ""))
-    path = None
     if cache is None or ("checked", raw) not in cache:  # a session's slots are checked once, not once per tensor
         path = Path(raw)
         if path.parent != shm_dir() or not _NAME.match(path.name):
             raise ValueError(f"path {str(path)!r} is not an {PREFIX}* file in {shm_dir()}")
+        if cache is not None:
+            cache[("checked", raw)] = True
     if locator.get("dtype") not in WEIGHT_DTYPES:
         raise ValueError(f"dtype {locator.get('dtype')} is not a weight dtype ({', '.join(WEIGHT_DTYPES)}): it would "
                          f"reinterpret the slot's bytes")
@@ -272,15 +273,10 @@ def read_view(locator: dict[str, Any], *, expected_shape: tuple[int, ...] | None
     if expected_shape is not None and _numel(shape) != _numel(expected_shape):
         raise ValueError(f"shape {tuple(shape)} ({_numel(shape)} elements) differs from the model's "
                          f"{tuple(expected_shape)} ({_numel(expected_shape)} elements)")
-    flat = cache.get(("mapped", raw, dtype)) if cache is not None else None
-    if flat is None:
-        flat = _mapped(path or Path(raw), dtype, cache)
-        if cache is not None:
-            cache[("checked", raw)] = True
-            cache[("mapped", raw, dtype)] = flat
+    flat = _mapped(raw, dtype, cache)
     last = offset + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else offset - 1
     if last >= flat.numel():
-        raise ValueError(f"the view ends at element {last} but {path.name} holds {flat.numel()}")
+        raise ValueError(f"the view ends at element {last} but {Path(raw).name} holds {flat.numel()}")
     if not all(shape):
         return torch.empty(tuple(shape), dtype=dtype)
     return flat.as_strided(tuple(shape), tuple(stride), offset)
@@ -290,12 +286,12 @@ def _numel(shape) -> int:
     return math.prod(shape)  # Python integers: a huge dimension is a number too large, not an overflow error
 
 
-def _mapped(path: Path, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+def _mapped(path: str, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
     """The whole file as a flat tensor of `dtype`: mapped once per session (`cache`, keyed by name: a slot's name
     belongs to one sync), after checking that the name opened without following a link is a regular file."""
     import mmap
 
-    key = (str(path), dtype)
+    key = (path, dtype)
     if cache is not None and key in cache:
         return cache[key]
     fd = _open_regular(path, os.O_RDONLY)  # the file checked is the file mapped (no second open by name)
