@@ -342,23 +342,14 @@ class MpoGenerator:
             logits, routes = self.model.decode(batch.cache, ids, want_routes=batch.want_routes)
         batch.version, batch.fed = version, first + logits.shape[1]
         if routes is not None:
-            if batch.routes is None:  # kept in the answer's compact dtype (uint8 up to 256 experts): no copy per row
-                batch.routes = torch.zeros((len(batch.rows), batch.capacity, *routes.shape[2:]),
-                                           dtype=self._route_dtype(routes))
-            if self.num_experts is not None and routes.numel() and (int(routes.min()) < 0
-                                                                    or int(routes.max()) >= self.num_experts):
-                raise ValueError(f"the model routed to experts in [{int(routes.min())}, {int(routes.max())}]; "
-                                 f"valid: [0, {self.num_experts})")  # checked once per step, not once per row
+            if self.num_experts is not None:  # the answer's compact dtype, checked once per step (not once per row)
+                from mpo.rollout.protocol import compact_routes
+
+                routes = torch.from_numpy(compact_routes(routes.cpu().numpy(), self.num_experts))
+            if batch.routes is None:
+                batch.routes = torch.zeros((len(batch.rows), batch.capacity, *routes.shape[2:]), dtype=routes.dtype)
             batch.routes[:, first:batch.fed] = routes
         return first, logits
-
-    def _route_dtype(self, routes: torch.Tensor) -> torch.dtype:
-        """The torch dtype of the answer's compact routes (mpo.rollout.protocol.route_dtype), or the model's."""
-        from mpo.rollout.protocol import route_dtype
-
-        if self.num_experts is None:
-            return routes.dtype
-        return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[route_dtype(self.num_experts).itemsize]
 
     def _take_tokens(self, batch: _Batch, first: int, logits: torch.Tensor, version: str) -> None:
         """Logits at position p score the token at p + 1: the prompt tokens' log-probs where a request asked for
@@ -461,7 +452,7 @@ class MpoGenerator:
         if score and request.want_routes and routes is not None:
             # compact [tokens, MoE layers, top_k] (uint8 up to 256 experts); the server writes it as raw bytes or,
             # for SGLang's JSON, as base64 int32 (mpo.rollout.frames)
-            meta["routed_experts"] = (routes if self.num_experts is not None  # compact and checked per step
+            meta["routed_experts"] = (routes if self.num_experts is not None  # compacted and checked per step
                                       else compact_routes(routes, self.num_experts))
         request.response = {"text": "", "output_ids": list(request.output), "meta_info": meta}
         request.done.set()

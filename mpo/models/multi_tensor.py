@@ -50,18 +50,14 @@ def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[l
         torch._foreach_copy_(destinations, torch._foreach_mul(sources, scale))
 
 
-def use_foreach_multi_tensor() -> int:
-    """Swap the foreach versions in wherever megatron's optimizer modules hold the local fallbacks; returns how many
-    module attributes now point at them."""
+def use_foreach_multi_tensor() -> None:
+    """Swap the foreach versions in wherever megatron's optimizer modules hold the local fallbacks."""
     from megatron.core import utils
 
     fallbacks = {utils.local_multi_tensor_l2_norm: foreach_l2_norm, utils.local_multi_tensor_scale: foreach_scale}
-    swapped = 0
     for name in _MODULES:
         module = importlib.import_module(name)
         for attr in ("l2_norm_impl", "multi_tensor_scale_impl"):
             current = getattr(module, attr, None)
             if current in fallbacks:
                 setattr(module, attr, fallbacks[current])
-            swapped += getattr(module, attr, None) in fallbacks.values()
-    return swapped
