@@ -843,7 +843,8 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "eval.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
     "eval.max_new_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
-    "seed": (lambda v: v >= 0, ">= 0"),
+    # numpy's and the engines' seeds are 32-bit; a 30-digit seed passed the old ">= 0" and overflowed inside a rank
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 4294967295]"),
     "world_size": (lambda v: v >= 1, ">= 1"),
 }
 

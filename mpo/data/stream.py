@@ -28,6 +28,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+FINGERPRINT_ROWS = 16  # rows whose content identifies the data on resume (RowStream.fingerprint)
 DEFAULT_BLOCK_WINDOW = 4  # parquet row groups mixed at a time (sources.PARQUET_CACHE_GROUPS holds them decoded)
 
 
@@ -71,6 +72,7 @@ class RowStream:
         self._epoch = 0
         self._position = 0
         self._perm: torch.Tensor | None = None  # the permutation of self._epoch, built on first use
+        self._fingerprint: str | None = None
 
     @property
     def epoch(self) -> int:
@@ -101,8 +103,27 @@ class RowStream:
         """The next `n` rows (crossing into the next epoch when this one runs out)."""
         return [self.source.row(self.next_index()) for _ in range(n)]
 
+    def fingerprint(self) -> str:
+        """A digest of the rows' content at FINGERPRINT_ROWS spread positions (first and last included): a resume
+        onto another file with the same number of rows is caught, while moving or renaming the data is not refused
+        (row positions, "path:line", are left out). Computed once: a few row reads (a few parquet groups)."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=12)
+            count = min(self._rows, FINGERPRINT_ROWS)
+            for k in range(count):
+                index = k * (self._rows - 1) // max(count - 1, 1)
+                try:
+                    row = self.source.row(index)
+                    piece = repr((row.prompt, row.messages, row.answer, sorted(row.metadata.items(), key=str)))
+                except DataError as exc:  # a bad row is part of the content too (the run skips it)
+                    piece = f"bad row: {exc}"
+                digest.update(f"{index}:{piece}\n".encode("utf-8", "surrogatepass"))
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "position": self._position, "seed": self.seed, "rows": self._rows}
+        return {"epoch": self._epoch, "position": self._position, "seed": self.seed, "rows": self._rows,
+                "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         rows = state.get("rows", self._rows)
@@ -111,6 +132,11 @@ class RowStream:
                             "the saved position does not apply to changed data")
         if state.get("seed", self.seed) != self.seed:
             raise DataError(f"resume: the data order was seeded with {state['seed']}, this run with {self.seed}")
+        saved = state.get("fingerprint")  # absent in checkpoints written before it was recorded
+        if saved is not None and saved != self.fingerprint():
+            raise DataError(f"resume: the data has the {self._rows} rows it had when saved but not the same content "
+                            "(rows sampled across it differ): the saved position does not apply to other data; "
+                            "point the data settings back at the run's data, or start a new run (another logging.out_dir)")
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self._rows:
             raise DataError(f"resume: bad stream state epoch={epoch} position={position} for {self._rows} rows")

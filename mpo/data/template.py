@@ -5,8 +5,9 @@ which stops attribute tricks but not `{% for i in range(99999) %}{% for j in ran
 hangs) nor `{{ 'x' * 10**10 }}` (10 GB). `BoundedTemplate` compiles the same template with the same filters,
 globals and extensions as transformers (taken from transformers' own compiled template), in a sandbox that:
 
-  * checks a deadline at every call, attribute or item lookup, intercepted operator and output piece (a loop that
-    does nothing at all between iterations is the one shape it cannot see: templates loop to emit text);
+  * checks a deadline at every call, attribute or item lookup, intercepted operator and output piece, and at every
+    iteration of every loop of the compiled template (a backward jump in its code, seen through Python's
+    `sys.monitoring`: a nested `for` over a string that calls, looks up and prints nothing is stopped too);
   * refuses `*`, `+` and `**` whose result would exceed `max_chars` (checked before the operation allocates), int
     arguments above `max_chars` to calls and filters (`'x'.ljust(n)`, `center(n)`, `indent(n)`), and widths above it
     in `%` and `str.format` (`'%9999999999s' % x`);
@@ -21,9 +22,12 @@ into one DataError line naming the row. Nothing is evaluated while compiling (ji
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 import threading
 import time
+from types import CodeType
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -31,6 +35,7 @@ from jinja2.utils import _PassArg, pass_context
 
 
 _NUMBER = re.compile(r"\d+")
+log = logging.getLogger(__name__)
 
 
 class TemplateLimit(Exception):
@@ -39,6 +44,56 @@ class TemplateLimit(Exception):
 
 def _seq_len(value: Any) -> int | None:
     return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+class _LoopWatch:
+    """Ticks the rendering thread's sandbox at every backward jump (a loop's next iteration) in templates' code.
+
+    `sys.monitoring` (PEP 669) reports JUMP events only for the code objects it is told about (`watch`), so code
+    outside templates runs at full speed and nothing else's tracing (a debugger, coverage) is displaced. It takes one
+    of the tool ids Python leaves free (3 and 4); if both are taken, loops go unwatched and a warning says so once."""
+
+    NAME = "mpo-template-bound"
+
+    def __init__(self) -> None:
+        self.active = threading.local()  # .env: the sandbox whose render() runs on this thread
+        self.tool: int | None = None
+        self._warned = False
+
+    def _claim(self) -> int | None:
+        monitoring = sys.monitoring
+        for tool in (4, 3):
+            if monitoring.get_tool(tool) == self.NAME:
+                return tool
+            if monitoring.get_tool(tool) is None:
+                monitoring.use_tool_id(tool, self.NAME)
+                monitoring.register_callback(tool, monitoring.events.JUMP, self._on_jump)
+                return tool
+        return None
+
+    def _on_jump(self, code: CodeType, source: int, target: int) -> None:
+        env = getattr(self.active, "env", None)
+        if env is not None and target < source:  # a backward jump: a loop goes round again
+            env.tick()
+
+    def watch(self, code: CodeType) -> None:
+        """Report the jumps of `code` and of every code object nested in it (macros, blocks, generator expressions)."""
+        if self.tool is None:
+            self.tool = self._claim()
+        if self.tool is None:
+            if not self._warned:
+                log.warning("chat templates: Python's monitoring tool ids 3 and 4 are taken; a template loop that "
+                            "calls nothing is not bounded in time")
+                self._warned = True
+            return
+        stack = [code]
+        while stack:
+            current = stack.pop()
+            sys.monitoring.set_local_events(self.tool, current, sys.monitoring.events.JUMP)
+            stack.extend(c for c in current.co_consts if isinstance(c, CodeType))
+
+
+_LOOPS = _LoopWatch()
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -82,6 +137,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return value
 
     # -- sandbox hooks ------------------------------------------------------------------------------------------------
+    def _compile(self, source: str, filename: str) -> CodeType:
+        code = super()._compile(source, filename)
+        _LOOPS.watch(code)
+        return code
+
     def call_binop(self, context, operator: str, left, right):
         self.tick()
         if operator == "*":
@@ -172,6 +232,7 @@ class BoundedTemplate:
 
     def render(self, *, timeout_s: float, max_chars: int, **variables) -> str:
         self.env.arm(timeout_s, max_chars)
+        _LOOPS.active.env = self.env
         try:
             pieces, size = [], 0
             for piece in self.template.generate(**variables):
@@ -181,4 +242,5 @@ class BoundedTemplate:
                 pieces.append(piece)
             return "".join(pieces)
         finally:
+            _LOOPS.active.env = None
             self.env.arm(float("inf"), max_chars)

@@ -17,7 +17,7 @@ import json
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -62,6 +62,14 @@ def read_json(path: str | Path) -> Any:
                               file=str(path)) from None
 
 
+def _inside(shard: str) -> bool:
+    """`shard` names a file under the checkpoint's directory: relative, no `..`, no NUL. Judged on the name, not on
+    the resolved path: HF's hub cache links every shard to a blob outside the snapshot directory, which is fine; an
+    index that names `/etc/passwd` or `../../other/model.safetensors` is not."""
+    path = PurePosixPath(shard)
+    return bool(shard) and "\0" not in shard and not path.is_absolute() and ".." not in path.parts
+
+
 @dataclass
 class HFCheckpoint:
     """An opened HF checkpoint directory: config, tensor -> file map, lazily opened shards.
@@ -98,6 +106,10 @@ class HFCheckpoint:
                                       file=str(index_path))
             weight_map = dict(weight_map)
             for shard in sorted(set(weight_map.values())):
+                if not _inside(shard):
+                    tensor = next(name for name, s in weight_map.items() if s == shard)
+                    raise ConversionError(f"shard {shard[:100]!r} named in the index is not a file name inside the HF "
+                                          "directory", file=str(index_path), tensor=tensor)
                 if not (directory / shard).is_file():
                     tensor = next(name for name, s in weight_map.items() if s == shard)
                     raise ConversionError("shard named in the index is missing", file=str(directory / shard),
