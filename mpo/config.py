@@ -79,8 +79,8 @@ class RolloutSection:
             (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
             trains (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident (when both
             fit, it saves the host copies' time every step).
-        env: multi-turn episodes (mpo.envs): a registered environment (calculator) or a plug-in "module:Class"
-            built from each data row, whose reset() gives the opening messages and step(assistant_text) answers
+        env: multi-turn episodes (mpo.envs): a registered environment (calculator) or a plug-in "module:Class" or
+            "path/to/file.py:Class" (mpo.plugins) built from each data row, whose reset() gives the opening messages and step(assistant_text) answers
             each turn with (messages, reward, done); the episode's reward is the sum of its turns' rewards, and
             only generated tokens carry loss. The environment scores: reward.fn must be unset; its workers use
             reward.timeout_s (per call), reward.workers and reward.max_memory_mb. Text tasks with a chat template.
@@ -246,8 +246,8 @@ class RewardSection:
     """How responses are scored (text tasks; the toy tasks score token ids with their own partial-credit reward).
 
     Attributes:
-        fn: a registered reward (mpo.rewards: math, reasoning_gym, toy) or a plug-in "module:function" with the
-            signature (completion: str, answer, metadata: dict) -> float. None: the task's own (reasoning_gym tasks
+        fn: a registered reward (mpo.rewards: math, reasoning_gym, toy) or a plug-in "module:function" or
+            "path/to/file.py:function" (mpo.plugins) with the signature (completion: str, answer, metadata: dict) -> float. None: the task's own (reasoning_gym tasks
             use their scorer, files use math).
         timeout_s: a verifier slower than this gives 0 and counts in reward_errors (the worker is replaced);
             math-verify bounds its own parse and verify at 5 s each, so keep this above 10.
