@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from mpo.config import ConfigError, load_config
+    from mpo.model_import import refuse_without_weights
 
     overrides = list(args.overrides)
     try:
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if key and not config.rollout.api_key and not config.rollout.urls:
             overrides.append(f"rollout.api_key={key}")
             config = load_config(args.config, overrides)
+        refuse_without_weights(config, where="the launched run")  # conversion is one job before the nodes start
         allocation, node_rank = allocation_from_env(args, dict(os.environ))
         options = LaunchOptions(config_path=args.config, overrides=tuple(overrides), python=args.python,
                                 engine_python=args.engine_python,

@@ -41,6 +41,15 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
     out_dir = Path(config.logging.out_dir)
     lock = lock_run_dir(out_dir)  # held until torchrun returns; first, so a refused run writes nothing here
     try:
+        from mpo.model_import import ensure_converted
+
+        converted = ensure_converted(config)  # model.hf_dir alone: its weights, converted once (never random ones)
+        if converted is not config:
+            import yaml
+
+            from mpo.config import to_dict
+
+            config, text = converted, yaml.safe_dump(to_dict(converted), sort_keys=False)
         resolved = out_dir / "config.yaml"
         with writing(resolved):
             resolved.write_text(text)

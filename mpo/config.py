@@ -30,9 +30,15 @@ class ModelSection:
     Attributes:
         preset: an mpo preset (mpo.models.config.PRESETS) used when no checkpoint is given.
         hf_dir: a Hugging Face checkpoint; its config.json defines the architecture, its tokenizer encodes text tasks,
-            and engines load it (convert it with checkpoints_tools first and point mcore_dir at the result).
+            and engines load it; the trainer starts from its weights (see mcore_dir).
         tokenizer_dir: where the tokenizer lives when not in hf_dir (default: hf_dir).
-        mcore_dir: a torch_dist checkpoint to start from (default: seeded random init).
+        mcore_dir: a torch_dist checkpoint to start from: a converted HF checkpoint or a trainer checkpoint's
+            step directory. Unset with hf_dir set: `mpo train` converts hf_dir once into convert_dir and starts from
+            it (mpo.model_import); unset without hf_dir: the preset's seeded random init.
+        convert_dir: where `mpo train` keeps hf_dir's conversion (default: <logging.out_dir>/hf_converted); reused
+            while hf_dir's files are unchanged.
+        random_init: train hf_dir's architecture from seeded random weights (a from-scratch run); without it an
+            hf_dir run always starts from hf_dir's weights.
         dtype: "fp32" or "bf16" for the transformer body.
         fp32_lm_head: keep the LM head and everything after it in fp32 (engines get the matching flag).
         recompute: full activation recompute of every layer.
@@ -42,6 +48,8 @@ class ModelSection:
     hf_dir: str | None = None
     tokenizer_dir: str | None = None
     mcore_dir: str | None = None
+    convert_dir: str | None = None
+    random_init: bool = False
     dtype: Literal["fp32", "bf16"] = "fp32"
     fp32_lm_head: bool = True
     recompute: bool = False
@@ -676,6 +684,8 @@ def validate(config: TrainConfig) -> None:
     if r.offload_trainer and not r.colocate:
         raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
                           "room for engines on its own GPUs")
+    if m.random_init and m.mcore_dir:
+        raise ConfigError("model.random_init=true with model.mcore_dir set: a run starts from one of them; unset one")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={_show(m.preset)}; valid values: {', '.join(PRESETS)}")
     if r.samples_per_prompt < 2 and _advantage_needs_groups(a.advantage):

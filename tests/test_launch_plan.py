@@ -84,7 +84,8 @@ def test_dry_run_prints_exact_commands_per_node():
     env.pop("SLURM_JOB_NODELIST", None)
     out = subprocess.run([sys.executable, "-m", "launch", "--config", GSPO, "--hosts", "gpu1,gpu2,gpu3,gpu4",
                           "--gpus-per-node", "8", "--job-id", "1234", "--python", "PY", "--engine-python", "SGPY",
-                          "--master-port", "29400", "--engine-port", "30000", "--dry-run", "rollout.api_key=KEY"],
+                          "--master-port", "29400", "--engine-port", "30000", "--dry-run", "rollout.api_key=KEY",
+                          "model.random_init=true"],  # the recipe's hf_dir holds a config.json, no weights
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     skip_torch_compile_without_gpu()
     quiet_no_space_in_threads()
-    from mpo.config import load_config
+    from mpo.config import ConfigError, load_config
     from mpo.data.sources import DataError
     from mpo.trainer.dist_checkpoint import CheckpointError
     from mpo.trainer.loop import run
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_rank_with_one_line(str(first_no_space(exc)))
     except DataError as exc:  # a bad row names its file, line and key; the last checkpoint is intact
         stop_rank_with_one_line(f"data error: {exc}")
+    except ConfigError as exc:  # found only here (e.g. a script's config with model.hf_dir and no weights)
+        stop_rank_with_one_line(f"config error: {exc}")
     except CheckpointError as exc:  # nothing to resume from, and no silent restart either
         stop_rank_with_one_line(f"checkpoint error: {exc}")
     except ProducerDied as exc:  # the off-policy rollout process is gone: the run stops, resumable

@@ -22,6 +22,7 @@ from mpo.algorithms import CorrectionConfig, get_loss, make_loss_config
 from mpo.algorithms.step_advantages import StepAdvantages
 from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to_dict
 from mpo.data.retirement import PromptRetirement
+from mpo.model_import import refuse_without_weights
 from mpo.models.forward import MicroBatch
 from mpo.parallel.collectives import one_rank
 from mpo.trainer.collect import Collector
@@ -62,6 +63,7 @@ class Trainer:
         # state (advantages, retirement, data position) that checkpoints keep; set by loop.run.
         self.producer = None
         self.clock = PhaseClock(enabled=config.logging.phase_times)  # time/<phase>_s per step (bench step_profile)
+        refuse_without_weights(config, where="the trainer")  # never random weights in place of hf_dir's
         self.model_cfg = model_config(config)
         self.ctx = initialize_parallel(config.parallel, num_layers=self.model_cfg.num_layers,
                                        num_experts=self.model_cfg.num_experts,

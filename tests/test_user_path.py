@@ -1,0 +1,110 @@
+"""Issue 49: a user's path from an HF checkpoint, one test per trap, driving the code as a user does.
+
+Real throughout: tiny genuine transformers checkpoints, the real converter run as its own process, the real `mpo`,
+`python -m launch` and `python -m mpo.trainer` command lines. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.tiny_hf import tiny_qwen3_moe
+from mpo.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "mpo" / "recipes" / "demo_cpu.yaml"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("user") / "hf")
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+# ---- item 1: one model path; random weights only by name ----------------------------------------------------------
+
+def test_user_hf_dir_alone_is_converted_once_and_reused(tiny_hf, tmp_path, capfd):
+    from mpo.model_import import STAMP, ensure_converted
+
+    config = load_config(RECIPE, [f"model.hf_dir={tiny_hf}", f"logging.out_dir={tmp_path / 'run'}"])
+    converted = ensure_converted(config)
+    target = tmp_path / "run" / "hf_converted"
+    assert converted.model.mcore_dir == str(target) and (target / ".metadata").is_file() and (target / STAMP).is_file()
+    assert "converting model.hf_dir=" in capfd.readouterr().err
+
+    stamp_mtime = (target / STAMP).stat().st_mtime_ns
+    again = ensure_converted(config)  # unchanged folder: reused, nothing printed
+    assert again.model.mcore_dir == str(target) and (target / STAMP).stat().st_mtime_ns == stamp_mtime
+    assert "converting" not in capfd.readouterr().err
+
+    # the converted weights are the HF folder's, not a random init: the stored embedding equals safetensors' own
+    # read of the HF file (the conversion itself is proven against transformers in tests/test_convert_qwen3.py)
+    from safetensors import safe_open
+
+    from checkpoints_tools.torch_dist_io import TorchDistReader
+
+    index = json.loads((tiny_hf / "model.safetensors.index.json").read_text())["weight_map"]
+    name, key = "model.embed_tokens.weight", "embedding.word_embeddings.weight"
+    with safe_open(str(tiny_hf / index[name]), "pt") as handle:
+        expected = handle.get_tensor(name)
+    assert torch.equal(TorchDistReader(target).read(key), expected)
+
+    os.utime(tiny_hf / "config.json")  # the folder changed: converted again
+    ensure_converted(config)
+    assert "converting again" in capfd.readouterr().err
+
+
+def test_user_hf_dir_alone_refuses_a_foreign_convert_dir(tiny_hf, tmp_path):
+    from mpo.model_import import ensure_converted
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    config = load_config(RECIPE, [f"model.hf_dir={tiny_hf}", f"model.convert_dir={foreign}"])
+    with pytest.raises(ConfigError, match="exists and was not made by mpo"):
+        ensure_converted(config)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_user_launch_refuses_hf_dir_alone_in_one_line_with_the_command(tiny_hf, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "launch", "--config", str(RECIPE), "--hosts", "n1", "--dry-run",
+                          f"model.hf_dir={tiny_hf}", f"logging.out_dir={tmp_path / 'run'}"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    line = _one_line(out.stderr)
+    assert out.returncode == 2
+    assert "would train random weights" in line and "-m checkpoints_tools hf-to-mcore --hf-dir" in line, line
+    ok = subprocess.run([sys.executable, "-m", "launch", "--config", str(RECIPE), "--hosts", "n1", "--dry-run",
+                         f"model.hf_dir={tiny_hf}", "model.random_init=true", f"logging.out_dir={tmp_path / 'run'}"],
+                        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_user_trainer_rank_refuses_hf_dir_alone_in_one_line(tiny_hf, tmp_path):
+    """A script or sbatch line that starts the trainer module directly, skipping `mpo train`."""
+    out = subprocess.run([sys.executable, "-m", "mpo.trainer", "--config", str(RECIPE), f"model.hf_dir={tiny_hf}",
+                          f"logging.out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "would train random weights" in out.stderr, out.stderr[-3000:]
+
+
+def _free_port() -> int:
+    from mpo.parallel.ports import free_port
+
+    return free_port()
