@@ -331,7 +331,7 @@ class RewardPool:
             raise _Broken(f"answered with {str(message)[:80]!r}, not (item {worker.task}, ok, value)")
         task_id, ok, value = message
         if not ok:
-            self._fail(batch, worker, value if isinstance(value, str) else "error of unknown type")
+            self._fail(batch, worker, value[:1000] if isinstance(value, str) else "error of unknown type")
             return
         try:
             batch.results[task_id] = self._check_value(value)
