@@ -31,6 +31,7 @@ MODULE = "mpo_hardening_plugins"
 
 PLUGIN = textwrap.dedent("""
     import os
+    import pickle
     import struct
     import subprocess
     import time
@@ -62,6 +63,19 @@ PLUGIN = textwrap.dedent("""
             for _ in range(1000):
                 os.write(fd, b"x")
                 time.sleep(0.1)
+        return 1.0
+
+    class _Opener:  # unpickles as open(path, "w"): a file created by whoever unpickles it
+        def __init__(self, path):
+            self.path = path
+
+        def __reduce__(self):
+            return (open, (self.path, "w"))
+
+    def forged(completion, answer, metadata):
+        if completion == "bad":  # a well-formed frame whose pickle calls a function when loaded
+            body = pickle.dumps(_Opener(metadata["marker"]))
+            os.write(_protocol_out(), struct.pack("!Q", len(body)) + body)
         return 1.0
 
     def _append(path, line):
@@ -199,6 +213,16 @@ def test_hardening_plugin_half_written_frame_times_out_with_the_call(plugin, dea
     assert (rewards, errors) == ([0.0, 1.0], 1), pool.last_errors
     assert "item 0: timed out after 1 s" in pool.last_errors[0]
     assert took < 10.0, f"the half-written frame held the pool {took:.1f} s (timeout_s=1)"
+
+
+def test_hardening_plugin_frame_that_would_run_code_is_refused(plugin, tmp_path, deadline):
+    """What the trainer unpickles from a worker is plain data: a frame naming a function is a counted error."""
+    marker = tmp_path / "created_by_the_trainer"
+    with RewardPool(f"{plugin}:forged", timeout_s=20, workers=1) as pool:
+        rewards, errors = pool.score(["bad", "ok"], [0, 0], [{"marker": str(marker)}, {}])
+    assert (rewards, errors) == ([0.0, 1.0], 1), pool.last_errors
+    assert "item 0: reward worker sent an unreadable frame (UnpicklingError" in pool.last_errors[0]
+    assert not marker.exists()
 
 
 # -- item 4: containment beyond the process group -------------------------------------------------------------------
