@@ -94,6 +94,11 @@ class RolloutSection:
             reward.timeout_s (per call), reward.workers and reward.max_memory_mb. Text tasks with a chat template.
         max_turns: assistant turns per episode at most (rollout.env).
         max_tokens_per_turn: generation budget of one turn (rollout.env); null: rollout.max_new_tokens.
+        max_env_state_bytes: cap on an environment's pickled state (rollout.env). The state travels through rank 0
+            between turns and rank 0 holds one per live episode, so this times the episodes in flight bounds that
+            memory; a state over it ends its episode as an error (reward 0, counted in env_errors). 1 MiB by
+            default: an environment's state is its conversation and task (kilobytes); keep large resources out of
+            it (re-open them lazily in step()).
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -113,6 +118,7 @@ class RolloutSection:
     env: str | None = None
     max_turns: int = 4
     max_tokens_per_turn: int | None = None
+    max_env_state_bytes: int = 1 << 20
     colocate: bool = False
     offload_trainer: bool | None = None
 
@@ -812,6 +818,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "sync.bucket_mb": (lambda v: v >= 1, ">= 1"),
     "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
     "rollout.max_tokens_per_turn": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
+    "rollout.max_env_state_bytes": (lambda v: v >= 1, ">= 1 (bytes of an environment's pickled state)"),
     "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     "algorithm.positive_nll_coef": (lambda v: v >= 0, ">= 0 (0 disables VAPO's positive-example NLL)"),
     "algorithm.critic_lr": (lambda v: v > 0, "> 0"),

@@ -28,6 +28,7 @@ from typing import IO, Callable, Iterator
 # grandchild started with an inherited environment never mistakes its grandparent for its parent.
 PARENT_ENV = "MPO_PARENT"
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 WATCHDOG_PERIOD_S = 0.5
 
 
@@ -50,6 +51,103 @@ def set_parent_death_signal() -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def set_child_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux): a process started below it whose parent
+    exits is re-parented here instead of to init, even after it called setsid(), so it stays in this process's tree
+    for `kill_descendants`. The caller must reap them (os.waitpid). False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _process_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, start time in clock ticks, state letter) of every process /proc shows."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _stat(int(entry))
+        if stat is not None:
+            table[int(entry)] = stat
+    return table
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the command name, in parentheses, may hold anything
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19]), fields[0].decode()
+
+
+def descendants(root: int) -> dict[int, int]:
+    """The live (not zombie) processes below `root`: pid -> start time (which tells a reused pid apart)."""
+    children: dict[int, list[tuple[int, int, str]]] = {}
+    for pid, (ppid, start, state) in _process_table().items():
+        children.setdefault(ppid, []).append((pid, start, state))
+    found, todo = {}, [root]
+    while todo:
+        for pid, start, state in children.get(todo.pop(), ()):
+            if pid not in found:
+                todo.append(pid)
+                if state != "Z":
+                    found[pid] = start
+    return found
+
+
+def _kill_exactly(pid: int, start: int) -> None:
+    """SIGKILL `pid` if it is still the process that started at `start`: through a pidfd, so a pid that was freed
+    and reused since the scan is never signalled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): check, then signal by pid (a tiny window remains)
+        stat = _stat(pid)
+        if stat is not None and stat[1] == start:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        return
+    try:
+        stat = _stat(pid)
+        if stat is not None and stat[1] == start:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+
+
+def _reap_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_descendants(timeout_s: float = 5.0) -> list[int]:
+    """SIGKILL every process below this one (a child subreaper: see `set_child_subreaper`) and reap its children;
+    returns the pids still alive after `timeout_s` (unkillable, D state). Rounds repeat until a scan finds none:
+    what a dying process forked after a scan is re-parented here and found by the next one."""
+    me, deadline = os.getpid(), time.monotonic() + timeout_s
+    while True:
+        left = descendants(me)
+        if not left or time.monotonic() >= deadline:
+            _reap_children()
+            return sorted(left)
+        for pid, start in left.items():
+            _kill_exactly(pid, start)
+        _reap_children()
+        time.sleep(0.005)
 
 
 def _die(reason: str) -> None:

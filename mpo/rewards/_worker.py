@@ -10,29 +10,34 @@ Containment of what a reward does (a plug-in is arbitrary code):
     program it runs, can neither read nor corrupt the protocol;
   * a plain ``os.fork()`` in a reward: the child loses the protocol (closed at fork) and exits when the reward
     returns or raises in it, so only the worker answers;
-  * the worker leads its own process group (the pool starts it in a new session) and forks a guard first: when the
-    worker dies, however (killed by the pool, or by PR_SET_PDEATHSIG when the trainer dies), the guard kills the
-    group, so processes a reward started do not outlive it;
+  * the process the pool starts is a guard, not the worker: it makes itself a child subreaper, forks the worker and
+    waits. Whatever the reward starts stays below the guard, even a daemon that left its parent and called setsid()
+    (orphans are re-parented to the nearest subreaper, not to init). When the worker dies (whatever killed it),
+    when the pool stops the guard (SIGTERM) or when the pool's owner dies (PR_SET_PDEATHSIG, and a poll of the
+    parent pid), the guard SIGKILLs every process below it, then exits as the worker did (its exit code or signal);
   * RLIMIT_DATA caps the memory of the worker and of what it starts (MAX_MEMORY_MB; 0: no cap): an allocation past
     it fails (MemoryError: a counted error) instead of taking the node's memory.
+
+The parent reads the worker's frames with a cap on their length and the call's own deadline (mpo.rewards.pool), so a
+reward that writes to the protocol itself (it is in this process and can find the fd) costs its call, never the run.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import resource
 import pickle
+import resource
 import signal
 import struct
 import sys
-import time
 
 _HEADER = struct.Struct("!Q")
 # Rewards become float32 tensors on the trainer (Sample rows): a value finite in float64 but not in float32 (1e308)
 # would turn into inf there and NaN in the loss, so it counts as an error like nan does.
 FLOAT32_MAX = 3.4028234663852886e38
-GUARD_POLL_S = 0.2
+GUARD_POLL_S = 0.2  # how often the guard checks that the pool's owner is alive (PR_SET_PDEATHSIG is the fast path)
+MAX_FATAL_CHARS = 2000  # of a load failure's message: the pool caps a reward worker's frames (pool.MAX_REPLY_BYTES)
 
 
 def read_exact(fd: int, n: int) -> bytes | None:
@@ -62,15 +67,19 @@ def write_frame(fd: int, obj) -> None:
         view = view[os.write(fd, view):]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # A worker stuck in a reward function never reads the EOF of a dead parent: let the kernel kill it instead.
+def _set_death_signal(signum: int) -> None:
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signum)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # A worker stuck in a reward function never reads the EOF of a dead parent: let the kernel kill it instead.
+    _set_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
 
@@ -82,20 +91,62 @@ def check_reward(value: float) -> float:
     return value
 
 
-def _start_group_guard() -> None:
-    """Fork a process that kills this worker's process group once the worker is gone (see the module doc)."""
-    worker = os.getpid()
-    if os.getpgid(0) != worker:  # not a group leader (started by hand): killing the group would hit others
-        return
-    if os.fork() != 0:
-        return
-    try:  # the guard: no fds but stderr, nothing imported beyond the stdlib
-        os.closerange(3, 1 << 16)
-        while os.getppid() == worker:
-            time.sleep(GUARD_POLL_S)
-        os.killpg(worker, signal.SIGKILL)  # this guard is in the group too
-    finally:
+def _exit_as(status: int | None) -> None:
+    """Exit as a child that ended with wait `status` did (None: stopped, not the worker's end)."""
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        except (OSError, ValueError):  # SIGKILL / SIGSTOP have no handler to reset
+            pass
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else 128 + signal.SIGTERM)
+
+
+def _guard_then_work(parent_pid: int) -> None:
+    """Become the guard of the module doc: returns only in the worker (this process's child); the guard itself
+    waits, kills every process below it once the worker is gone or it is told to stop, and exits."""
+    from mpo.lifecycle import kill_descendants, set_child_subreaper
+
+    # SIGTERM (the pool's stop, the parent-death signal) and SIGCHLD are taken with sigtimedwait, never by a handler
+    # that could interrupt the clean-up: block them before the worker exists.
+    wanted = {signal.SIGTERM, signal.SIGCHLD}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    _set_death_signal(signal.SIGTERM)
+    if os.getppid() != parent_pid:
         os._exit(0)
+    set_child_subreaper()
+    guard = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        _die_with_parent(guard)
+        return
+    status = None
+    try:  # the guard holds no protocol fd: the pool must see the worker's end of input and output
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        while status is None:
+            info = signal.sigtimedwait(wanted, GUARD_POLL_S)
+            if (info is not None and info.si_signo == signal.SIGTERM) or os.getppid() != parent_pid:
+                break
+            while True:  # reap the worker, and any orphan re-parented here that has exited
+                try:
+                    pid, st = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:  # no child left at all: the worker is gone
+                    status = 0 if status is None else status
+                    break
+                if pid == 0:
+                    break
+                if pid == worker:
+                    status = st
+        kill_descendants()
+    finally:
+        _exit_as(status)
 
 
 def _limit_memory(max_memory_mb: int) -> None:
@@ -114,8 +165,8 @@ def serve(argv: list[str], load, handle) -> None:
     pool's validated messages. Shared by mpo.rewards and mpo.envs, whose workers differ only in what they load."""
     name, parent_pid = argv[0], int(argv[1])
     max_memory_mb = int(argv[2]) if len(argv) > 2 else 0
-    _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
+    _guard_then_work(parent_pid)
     inp, out = os.dup(0), os.dup(1)  # os.dup makes non-inheritable copies: programs a reward runs do not get them
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -123,7 +174,6 @@ def serve(argv: list[str], load, handle) -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     me = os.getpid()
-    _start_group_guard()
 
     def lose_protocol() -> None:  # in the child of an os.fork() done by the reward
         for fd in (inp, out):
@@ -137,7 +187,7 @@ def serve(argv: list[str], load, handle) -> None:
     try:
         loaded = load(name)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
-        write_frame(out, ("fatal", f"{type(e).__name__}: {e}"))
+        write_frame(out, ("fatal", f"{type(e).__name__}: {e}"[:MAX_FATAL_CHARS]))
         return
     write_frame(out, ("ready", os.getpid()))
     while True:

@@ -6,10 +6,17 @@ reward that raises, returns a non-finite value or crashes the worker gives 0.0 a
 after `timeout_s` has its worker killed and replaced. Nothing a reward does ends the run; only a worker that cannot
 start at all (the reward cannot be imported there) raises.
 
-A worker is killed with its whole process group (what the reward started goes with it; _worker.py's guard does the
-same when the trainer dies), its memory is capped (`max_memory_mb`), and its stderr comes through a pipe the pool
-drains: at most MAX_OUTPUT_BYTES a batch reach our stderr, the rest is dropped and counted, so a reward printing
-hundreds of megabytes a call neither fills the disk nor stalls on a full pipe.
+The process the pool starts is the worker's guard (mpo.rewards._worker): stopping it (SIGTERM) kills the worker and
+every process below it, a setsid() daemon included, as it does by itself when the worker dies or the trainer does.
+Its memory is capped (`max_memory_mb`), and its stderr comes through a pipe the pool drains: at most
+MAX_OUTPUT_BYTES a batch reach our stderr, the rest is dropped and counted, so a reward printing hundreds of megabytes
+a call neither fills the disk nor stalls on a full pipe.
+
+The worker's answers are read as they arrive, never with a blocking read: a frame's declared length is checked
+against a cap (`max_frame_bytes`) before anything is read or allocated, a frame still incomplete at its call's
+deadline is that call's timeout, and a frame that does not unpickle to what the protocol allows (plain data only) is
+a broken worker. Each of these fails the call alone (counted) and replaces the worker; none raises. The same holds
+for writing a call to a worker that does not read it (bounded by the call's deadline).
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import io
 import os
+import pickle
+import select
 import selectors
 import signal
 import subprocess
@@ -26,7 +36,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from ._worker import read_frame, write_frame
+from ._worker import _HEADER, check_reward
 from .registry import get_reward
 
 STARTUP_TIMEOUT_S = 120.0  # importing a reward (sympy, reasoning-gym's task modules) can take a while on a busy node
@@ -34,6 +44,9 @@ MAX_START_FAILURES = 3  # consecutive workers that die before "ready" before the
 MAX_OUTPUT_BYTES = 64 << 10  # of the workers' stderr passed on per batch; the rest is dropped (counted)
 DEFAULT_MAX_MEMORY_MB = 4096  # a worker with math + reasoning-gym loaded has ~170 MB of data
 _F_SETPIPE_SZ = 1031  # Linux fcntl: a 1 MiB stderr pipe drains a chatty reward in 16x fewer reads
+MAX_REPLY_BYTES = 1 << 20  # of one reward worker frame: a float or a 500-character error (a load failure: 2000)
+READ_CHUNK = 1 << 20  # bytes read from a worker's output per ready event
+GUARD_STOP_S = 5.0  # for the guard to kill what is below it and exit after SIGTERM, before the group is SIGKILLed
 
 
 @dataclass(eq=False)  # identity: the pool finds a worker by object, not by field values
@@ -43,6 +56,8 @@ class _Worker:
     ready: bool = False
     task: int | None = None
     deadline: float = 0.0
+    inbox: bytearray = field(default_factory=bytearray)  # the frame being read: its header, then its body
+    frame_len: int | None = None  # the declared length of the frame being read, once its header is in
 
     @property
     def stdin(self) -> int:
@@ -59,14 +74,20 @@ class _Worker:
 
 def _kill(worker: _Worker) -> None:
     proc = worker.proc
-    # The worker leads its process group (start_new_session): the group holds what its reward started. The group
-    # outlives a reaped leader while members remain, and its id is not reused meanwhile.
+    # The guard (proc) kills the worker and everything below it, then exits. Should it not exit, SIGKILL its process
+    # group (start_new_session): it, the worker and what stayed in the group. The group outlives a reaped leader
+    # while members remain, and its id is not reused meanwhile.
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.send_signal(signal.SIGTERM)  # no signal once proc is reaped: its pid may be another process's
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS, do not block the run
-        pass
+        proc.wait(timeout=GUARD_STOP_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS, do not block the run
+            pass
     for f in (proc.stdin, proc.stdout, proc.stderr):
         if f is None:
             continue
@@ -103,6 +124,22 @@ class _Batch:
     failed: set[int] = field(default_factory=set)
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (str, bytes, numbers, bool, None, tuple, list, dict): a frame naming any class or
+    function is refused, so nothing a plug-in writes on the protocol runs code here."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"frame refers to {module}.{name}; only plain data is allowed")
+
+
+def _unpickle_plain(body: bytes):
+    return _PlainUnpickler(io.BytesIO(body)).load()
+
+
+class _Broken(Exception):
+    """A worker broke the protocol; the message says how (the call fails, the worker is replaced)."""
+
+
 class RewardPool:
     """`workers` processes computing reward `fn_name` (a registered name or ``module:function``).
 
@@ -133,6 +170,7 @@ class RewardPool:
         self.dropped_output_bytes = 0  # workers' stderr dropped over MAX_OUTPUT_BYTES a batch, over the pool's life
         self._output_left = MAX_OUTPUT_BYTES
         self._env = self._worker_env()
+        self.max_frame_bytes = self._max_frame_bytes()
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         self._start_failures = 0
@@ -143,6 +181,21 @@ class RewardPool:
     def _check_name(fn_name: str) -> None:
         get_reward(fn_name)
 
+    def _max_frame_bytes(self) -> int:
+        """The most bytes one frame from a worker may declare; a larger one is a broken worker."""
+        return MAX_REPLY_BYTES
+
+    def _worker_args(self) -> list[str]:
+        """The worker's command-line arguments after the module name."""
+        return [self.fn_name, str(os.getpid()), str(self.max_memory_mb)]
+
+    def _check_value(self, value):
+        """A successful call's result as the worker sent it, checked again here (a plug-in may have written the
+        frame itself): the value to keep, or an exception (the call fails and the worker is replaced)."""
+        if type(value) is not float:
+            raise ValueError(f"reward is a {type(value).__name__}, not a float")
+        return check_reward(value)
+
     @staticmethod
     def _worker_env() -> dict[str, str]:
         # The worker must import what this process can (plug-ins named module:function): give it our sys.path.
@@ -152,12 +205,12 @@ class RewardPool:
         return env
 
     def _start(self) -> _Worker:
-        proc = subprocess.Popen([sys.executable, "-m", self.worker_module, self.fn_name, str(os.getpid()),
-                                 str(self.max_memory_mb)],
+        proc = subprocess.Popen([sys.executable, "-m", self.worker_module, *self._worker_args()],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                                 env=self._env, start_new_session=True)
         with contextlib.suppress(OSError):
             fcntl.fcntl(proc.stderr.fileno(), _F_SETPIPE_SZ, 1 << 20)
+        os.set_blocking(proc.stdin.fileno(), False)  # _send waits with a deadline, never on a full pipe
         return _Worker(proc, time.monotonic())
 
     def _pass_output(self, worker: _Worker) -> None:
@@ -198,30 +251,93 @@ class RewardPool:
         except subprocess.TimeoutExpired:
             return None
 
+    def _broken(self, batch: _Batch, worker: _Worker, message: str) -> None:
+        """`worker` broke the protocol: its call (if any) fails with `message`, and a fresh worker takes its place."""
+        if worker.task is not None:
+            self._fail(batch, worker, f"{self.kind} worker {message}; worker killed and replaced")
+        elif not worker.ready:
+            self._count_start_failure(worker)
+        self._replace(worker)
+
+    def _count_start_failure(self, worker: _Worker) -> None:
+        self._start_failures += 1
+        if self._start_failures >= MAX_START_FAILURES:
+            raise RuntimeError(f"{self.kind} {self.fn_name!r}: {self._start_failures} workers in a row died "
+                               f"while starting (last exit code {self._exit_code(worker)}); see stderr")
+
+    def _read(self, batch: _Batch, worker: _Worker) -> None:
+        """Read what `worker`'s output holds now (select said it is readable; one read never blocks then): at most
+        the rest of the current frame, whose declared length is checked before its body is read."""
+        if worker.ready and worker.task is None:  # an idle worker has nothing to say: output now is a broken
+            self._replace(worker)  # protocol, end of output is its death; either way a fresh worker takes its place
+            return
+        inbox = worker.inbox
+        want = _HEADER.size - len(inbox) if worker.frame_len is None else worker.frame_len - len(inbox)
+        try:
+            chunk = os.read(worker.stdout, min(want, READ_CHUNK))
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._on_message(batch, worker, None)
+            return
+        inbox += chunk
+        if worker.frame_len is None:
+            if len(inbox) < _HEADER.size:
+                return
+            (length,) = _HEADER.unpack(inbox)
+            inbox.clear()
+            if length > self.max_frame_bytes:
+                self._broken(batch, worker, f"sent a frame of {length} bytes, over the cap of "
+                                            f"{self.max_frame_bytes}")
+                return
+            worker.frame_len = length
+            if length:
+                return
+        if len(inbox) < worker.frame_len:
+            return
+        body = bytes(inbox)
+        inbox.clear()
+        worker.frame_len = None
+        try:
+            message = _unpickle_plain(body)
+        except Exception as e:  # noqa: BLE001 - whatever the bytes were, they are not a frame
+            self._broken(batch, worker, f"sent an unreadable frame ({type(e).__name__}: {str(e)[:200]})")
+            return
+        try:
+            self._on_message(batch, worker, message)
+        except _Broken as e:
+            self._broken(batch, worker, str(e))
+
     def _on_message(self, batch: _Batch, worker: _Worker, message) -> None:
         if message is None:  # the worker died
             if worker.task is not None:
                 self._fail(batch, worker, f"{self.kind} worker died (exit code {self._exit_code(worker)})")
             elif not worker.ready:
-                self._start_failures += 1
-                if self._start_failures >= MAX_START_FAILURES:
-                    raise RuntimeError(f"{self.kind} {self.fn_name!r}: {self._start_failures} workers in a row died "
-                                       f"while starting (last exit code {self._exit_code(worker)}); see stderr")
+                self._count_start_failure(worker)
             self._replace(worker)
-        elif message[0] == "ready":
-            worker.ready = True
-            self._start_failures = 0
-        elif message[0] == "fatal":
-            raise RuntimeError(f"{self.kind} {self.fn_name!r}: worker cannot load it: {message[1]}")
-        else:
-            task_id, ok, value = message
-            if task_id != worker.task:  # cannot happen with one task per worker; guards against a protocol bug
-                raise RuntimeError(f"{self.kind} worker answered item {task_id}, expected {worker.task}")
-            if ok:
-                batch.results[task_id] = value
-                worker.task = None
+            return
+        if not isinstance(message, tuple) or not message:
+            raise _Broken(f"sent a {type(message).__name__}, not a protocol tuple")
+        if not worker.ready:
+            if message[0] == "ready" and len(message) == 2:
+                worker.ready = True
+                self._start_failures = 0
+            elif message[0] == "fatal" and len(message) == 2 and isinstance(message[1], str):
+                raise RuntimeError(f"{self.kind} {self.fn_name!r}: worker cannot load it: {message[1]}")
             else:
-                self._fail(batch, worker, value)
+                raise _Broken("sent something else than ready or fatal while starting")
+            return
+        if len(message) != 3 or message[0] != worker.task or type(message[1]) is not bool:
+            raise _Broken(f"answered with {str(message)[:80]!r}, not (item {worker.task}, ok, value)")
+        task_id, ok, value = message
+        if not ok:
+            self._fail(batch, worker, value[:1000] if isinstance(value, str) else "error of unknown type")
+            return
+        try:
+            batch.results[task_id] = self._check_value(value)
+        except Exception as e:  # noqa: BLE001 - a result the worker should never have sent
+            raise _Broken(f"sent a bad result ({type(e).__name__}: {str(e)[:200]})") from None
+        worker.task = None
 
     def score(self, completions: list[str], answers: list, metadatas: list[dict]) -> tuple[list[float], int]:
         if not (len(completions) == len(answers) == len(metadatas)):
@@ -257,14 +373,34 @@ class RewardPool:
             if not worker.ready or worker.task is not None:
                 continue
             i = pending.popleft()
-            try:
-                write_frame(worker.stdin, (i, *batch.items[i]))
-            except OSError:  # died while idle: the item never ran, so it goes back to the queue
-                pending.appendleft(i)
-                self._replace(worker)
-                continue
             worker.task = i
             worker.deadline = time.monotonic() + self.timeout_s
+            sent = self._send(worker, (i, *batch.items[i]))
+            if sent is None:  # died while idle: the item never ran, so it goes back to the queue
+                worker.task = None
+                pending.appendleft(i)
+                self._replace(worker)
+            elif not sent:  # the worker does not read its input: the call's time is up (_expire fails it)
+                worker.deadline = time.monotonic()
+
+    def _send(self, worker: _Worker, message) -> bool | None:
+        """Write one frame to `worker` before its call's deadline: True when written, False when the deadline came
+        first, None when the worker is gone."""
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_HEADER.pack(len(body)) + body)
+        while view:
+            try:
+                view = view[os.write(worker.stdin, view):]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                return None
+            left = worker.deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([], [worker.stdin], [], left)
+        return True
 
     def _wait(self, batch: _Batch) -> None:
         now = time.monotonic()
@@ -285,7 +421,7 @@ class RewardPool:
                 if worker.stderr is not None:
                     self._pass_output(worker)
             else:
-                self._on_message(batch, worker, read_frame(worker.stdout))
+                self._read(batch, worker)
 
     def _expire(self, batch: _Batch) -> None:
         now = time.monotonic()

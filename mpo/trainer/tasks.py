@@ -153,7 +153,8 @@ class TextRun:
 
             self.reward_name = None
             self.pool = EnvPool(config.rollout.env, timeout_s=config.reward.timeout_s, workers=config.reward.workers,
-                                max_memory_mb=config.reward.max_memory_mb)
+                                max_memory_mb=config.reward.max_memory_mb,
+                                max_state_bytes=config.rollout.max_env_state_bytes)
             self.env = (self.pool, TurnRenderer(self.encoder, self.stop_token_ids))
             return
         self.reward_name = config.reward.fn or default_reward(self.spec.kind)
