@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from mpo.config import RECIPES
 from mpo.lifecycle import NoSpaceLeft, RunDirInUse, child_env, lock_run_dir, writing
 from mpo.parallel.ports import free_port
 from mpo.trainer.metrics_log import read_metrics
+
+INTERRUPTED_EXIT = 130  # a shell's status for a process stopped by Ctrl-C
 
 
 def resolve_config(config_path: str | None, overrides: list[str]):
@@ -50,6 +53,9 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
             from mpo.config import to_dict
 
             config, text = converted, yaml.safe_dump(to_dict(converted), sort_keys=False)
+        from mpo.prestart import before_start
+
+        before_start(config, engines_up=True)  # files and engines a rank would trip on, in one line each
         resolved = out_dir / "config.yaml"
         with writing(resolved):
             resolved.write_text(text)
@@ -58,9 +64,34 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
                    f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"), **child_env()}
-        return subprocess.call(command, env=env)
+        return _wait_or_interrupted(subprocess.Popen(command, env=env), out_dir)
     finally:
         lock.close()
+
+
+def _wait_or_interrupted(proc: subprocess.Popen, out_dir: Path) -> int:
+    """torchrun's exit status; on Ctrl-C (which reached torchrun and the ranks too: one process group) wait for them
+    to stop, then say in one line where the run stands instead of every process's traceback."""
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # a second Ctrl-C: still let the ranks finish stopping
+                continue
+        code = INTERRUPTED_EXIT
+    if code not in (INTERRUPTED_EXIT, -signal.SIGINT):  # mpo.torchrun exits 130 when it was interrupted itself
+        return code
+    try:
+        latest = (out_dir / "checkpoints" / "latest").read_text().strip()
+    except OSError:
+        latest = ""
+    where = (f"its last checkpoint is {out_dir / 'checkpoints' / latest}" if latest
+             else "no checkpoint had been written yet")
+    print(f"mpo: interrupted; {where}: rerun the same command to resume", file=sys.stderr)
+    return INTERRUPTED_EXIT
 
 
 def memory_plan(config, *, gpu_mem_gb: float, seq_len: int | None = None,
@@ -177,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "check-config":
             config, text = resolve_config(args.config, args.overrides)
+            from mpo.prestart import before_start
+
+            before_start(config, engines_up=False)
             if config.rollout.engine != "sglang":  # a CPU run: the GPU plan does not apply, this host's memory does
                 from mpo.memory_plan import check_fits_here
 

@@ -729,6 +729,13 @@ def _check_data(config: TrainConfig) -> None:
     if spec.kind != "toy" and not (m.tokenizer_dir or m.hf_dir):
         raise ConfigError(f"data.task={_show(d.task)} is a text task: set model.hf_dir or model.tokenizer_dir (its "
                           f"tokenizer encodes the prompts and decodes the responses)")
+    if spec.kind == "files":  # a file whose rows all miss a key fails here, not after every rank has started
+        from mpo.data.sources import DataError, check_first_rows
+
+        try:
+            check_first_rows(d.task, prompt_key=d.prompt_key, answer_key=d.answer_key, max_row_bytes=d.max_row_bytes)
+        except (DataError, OSError) as exc:
+            raise ConfigError(f"data.task: {exc}") from None
     if config.reward.fn is not None:
         from mpo.rewards import get_reward
 

@@ -108,3 +108,84 @@ def _free_port() -> int:
     from mpo.parallel.ports import free_port
 
     return free_port()
+
+
+# ---- item 3: what can be checked before start-up is, in one line ----------------------------------------------------
+
+def _check_config(*overrides: str, env: dict | None = None, command: str = "check-config") -> subprocess.CompletedProcess:
+    """The installed `mpo` command as a user types it."""
+    mpo = Path(sys.executable).with_name("mpo")
+    return subprocess.run([str(mpo), command, "--config", str(RECIPE), *overrides], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, timeout=300, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    from helpers.tiny_tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tok")  # ~370 tokens, over the tiny preset's 256
+
+
+def test_user_tokenizer_larger_than_the_vocabulary_is_one_line(big_tokenizer, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": 2}\n')
+    out = _check_config(f"model.tokenizer_dir={big_tokenizer}", f"data.task={data}")
+    line = _one_line(out.stderr)
+    assert out.returncode == 2 and "the model's vocabulary is 256" in line and "model.tokenizer_dir" in line, line
+
+
+def test_user_mcore_dir_of_another_architecture_is_one_line(tiny_hf, tmp_path):
+    from mpo.model_import import ensure_converted
+
+    mc = ensure_converted(load_config(RECIPE, [f"model.hf_dir={tiny_hf}", f"logging.out_dir={tmp_path}"]))
+    out = _check_config(f"model.mcore_dir={mc.model.mcore_dir}")  # the tiny preset has 4 layers, this model 2
+    line = _one_line(out.stderr)
+    assert out.returncode == 2 and "holds another architecture (2 layers)" in line, line
+
+
+def test_user_sglang_without_urls_and_without_sglang_is_one_line(tmp_path):
+    out = _check_config("rollout.engine=sglang", env={"MPO_ENGINE_PYTHON": "/usr/bin/python3"})
+    line = _one_line(out.stderr.split("\n# ", 1)[0])  # the GPU memory plan that follows is not an error
+    assert out.returncode == 2 and "cannot import sglang" in line and "MPO_ENGINE_PYTHON" in line, line
+
+
+def test_user_unreachable_engine_url_is_one_line_before_any_rank(tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"
+    out = _check_config(f"rollout.urls=[{url}]", f"logging.out_dir={tmp_path / 'run'}", command="train")
+    line = _one_line(out.stderr)
+    assert out.returncode == 2 and line.startswith(f"mpo: config error: rollout.urls[0]={url}: no engine answers"), line
+
+
+def test_user_dataset_without_its_answer_key_fails_check_config(big_tokenizer, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1?", "solution": i + 1}) + "\n" for i in range(20)))
+    out = _check_config(f"data.task={data}", "model.tokenizer_dir=" + str(big_tokenizer))
+    line = _one_line(out.stderr)
+    assert out.returncode == 2 and "missing key 'answer'" in line and "qa.jsonl:1" in line, line
+    data.write_text("not json\n" + "".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
+                                           for i in range(3)))
+    assert "missing key" not in _check_config(f"data.task={data}", "model.tokenizer_dir=" + str(big_tokenizer)).stderr
+
+
+def test_user_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the foreground process group (mpo, torchrun; torchrun forwards it to ranks)."""
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    mpo = Path(sys.executable).with_name("mpo")
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen([str(mpo), "demo", "--steps", "200", "--out", str(out_dir), "logging.progress=false",
+                                 "logging.checkpoint_every=2", "eval.every=0", "schedule.sft_steps=0"], env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, cwd=tmp_path,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 240
+        while not (out_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+    stderr = (tmp_path / "err.txt").read_text()
+    assert code == 130, stderr
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("mpo: interrupted; its last checkpoint is ") and "rerun the same command" in last, stderr

@@ -475,6 +475,41 @@ def open_source(task: str, *, prompt_key: str = "prompt", answer_key: str = "ans
     return sources[0] if len(sources) == 1 else ConcatSource(sources)
 
 
+PEEK_ROWS = 16  # rows check_first_rows reads: enough that one bad row does not refuse a good file
+
+
+def check_first_rows(task: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                     messages_key: str = "messages", max_row_bytes: int = MAX_ROW_BYTES) -> None:
+    """Before any process starts: DataError (the first row's) when none of the first PEEK_ROWS rows of `task`'s first
+    file is usable, e.g. the answer is under another key in every row. A few bad rows among good ones pass (the run
+    skips and counts those). Reads only the start of the first file: no index of a large dataset is built here."""
+    if task.startswith(REASONING_GYM_PREFIX):
+        return
+    keys = Keys(prompt=prompt_key, answer=answer_key, messages=messages_key)
+    first = _expand_files(task)[0]
+    if first.endswith(".parquet"):
+        ParquetSource(first, keys)  # its columns are checked from the footer
+        return
+    errors: list[str] = []
+    with open(first, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if len(errors) >= PEEK_ROWS:
+                break
+            if not raw.strip() or len(raw) > max_row_bytes:
+                continue
+            where = f"{first}:{number}"
+            try:
+                _make_row(json.loads(raw), keys, where)
+                return
+            except json.JSONDecodeError as e:
+                errors.append(f"{where}: invalid JSON: {e.msg}")
+            except (DataError, RecursionError, UnicodeDecodeError) as e:
+                errors.append(str(e) if isinstance(e, DataError) else f"{where}: {type(e).__name__}")
+    if errors:
+        more = f"; none of the first {len(errors)} rows is usable" if len(errors) > 1 else ""
+        raise DataError(f"{errors[0]}{more}")
+
+
 def skipped_rows(source: RowSource) -> tuple[int, str | None]:
     """(jsonl lines skipped for their length, where the first was) over `source` and its parts."""
     parts = getattr(source, "sources", [source])

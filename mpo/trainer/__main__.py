@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_rank_with_one_line(f"checkpoint error: {exc}")
     except ProducerDied as exc:  # the off-policy rollout process is gone: the run stops, resumable
         stop_rank_with_one_line(str(exc))
+    except KeyboardInterrupt:  # Ctrl-C, forwarded by torchrun: checkpoints are atomic; `mpo train` says how to resume
+        return 130
     except Exception:
         # Our error may be a consequence of a peer's failure (its exit broke a collective, or a checkpoint write failed
         # on its disk): give that rank a moment to write its one line, which is then the run's.
