@@ -142,41 +142,47 @@ def test_hardening_generated_key_is_logged_only_masked(tmp_path, caplog):
 @pytest.mark.parametrize("change, reason", [
     ("mode", "writable by group or others"),
     ("owner", f"owned by uid {NOBODY}"),
-    (None, None),
-], ids=["hardening-world-writable", "hardening-other-owner", "hardening-own-slot-accepted"])
+], ids=["hardening-world-writable", "hardening-other-owner"])
 def test_hardening_shm_slot_of_another_owner_or_writable_by_others_is_refused(run_engines, change, reason):
     """A slot file another uid owns, or one group/others may write, is refused with a 400 naming the path and why,
-    and nothing is applied; the engine's own 0600 slot is read as before."""
+    and nothing is applied; the same slot made the engine's own again (0600, its uid) is read as before."""
     from mpo.weight_sync import shared_memory as shm
     from mpo.weight_sync.wire import SHM_FORMAT
 
     numel = _norm_numel()
     buffer = shm.SharedBuffer(shm.file_name(shm.new_token(), "owner"), numel, torch.float32, create=True)
-    value = 5.0 + len(change or "")
-    buffer.tensor.fill_(value)
-    if change == "mode":
-        os.chmod(buffer.path, 0o666)
-    elif change == "owner":
-        os.chown(buffer.path, NOBODY, NOBODY)
+    buffer.tensor.fill_(5.0 + len(change))
     client = run_engines.clients[0]
+    body = {"serialized_named_tensors": [json.dumps([shm.locate(NORM, buffer.tensor).to_json()])],
+            "load_format": SHM_FORMAT}
+
+    def push() -> httpx.Response:
+        client.begin_weight_update()
+        try:
+            return httpx.post(f"{client.url}/update_weights_from_tensor", headers=client.headers, json=body,
+                              timeout=30)
+        finally:
+            client.end_weight_update()
+
     before = _checksum(run_engines)
-    client.begin_weight_update()
     try:
-        response = httpx.post(f"{client.url}/update_weights_from_tensor", headers=client.headers, timeout=30,
-                              json={"serialized_named_tensors": [json.dumps([shm.locate(NORM, buffer.tensor)
-                                                                             .to_json()])],
-                                    "load_format": SHM_FORMAT})
+        if change == "mode":
+            os.chmod(buffer.path, 0o666)
+        else:
+            os.chown(buffer.path, NOBODY, NOBODY)
+        refused = push()
+        after_refusal = _checksum(run_engines)
+        os.chown(buffer.path, os.geteuid(), os.getegid())
+        os.chmod(buffer.path, 0o600)
+        accepted = push()
     finally:
-        client.end_weight_update()
         buffer.close()
-    if reason is None:
-        assert response.status_code == 200, response.text[:300]
-        assert _checksum(run_engines) != before
-        return
-    message = response.json()["message"]
-    assert response.status_code == 400 and reason in message and buffer.path in message, response.text[:300]
+    message = refused.json()["message"]
+    assert refused.status_code == 400 and reason in message and buffer.path in message, refused.text[:300]
     assert "\n" not in message
-    assert _checksum(run_engines) == before
+    assert after_refusal == before
+    assert accepted.status_code == 200, accepted.text[:300]
+    assert _checksum(run_engines) != before
 
 
 # -- item 7: malformed weight payloads are one-line 400s ------------------------------------------------------------
@@ -311,3 +317,32 @@ def test_hardening_trickled_bodies_cannot_hold_the_slots_of_a_keyless_engine(key
     bound = (HEADER_TIMEOUT_S if declared <= 100 else BODY_TIMEOUT_S) + 1.5
     assert lifetimes and max(lifetimes) < bound, (len(lifetimes), max(lifetimes, default=None))
     assert httpx.get(f"{keyless.url}/health", timeout=5).status_code == 200
+
+
+def test_hardening_an_engine_bug_is_a_one_line_500_with_the_traceback_in_the_log(caplog):
+    """A route that fails on its own (not the request's fault) answers 500 with one line naming the route and the
+    exception, the traceback going to the engine's log, and the server keeps serving. The route is a stand-in for a
+    bug (a real engine route has none to trigger on purpose); the server and HTTP are real, in this process."""
+    import logging
+
+    from mpo.engine.server import EngineApp, serve
+    from mpo.parallel.ports import free_port
+
+    def broken(body):
+        raise RuntimeError("first line of a bug\n  a second line with internals\n  a third")
+
+    app = EngineApp(None, info={})
+    app.add("POST", "/broken", broken)
+    port = free_port()
+    server = serve(app, "127.0.0.1", port)
+    try:
+        with caplog.at_level(logging.ERROR, logger="mpo.engine.server"):
+            response = httpx.post(f"http://127.0.0.1:{port}/broken", json={}, timeout=10)
+        message = response.json()["message"]
+        assert response.status_code == 500 and "\n" not in message, message
+        assert "/broken" in message and "RuntimeError: first line of a bug" in message, message
+        assert "Traceback" in caplog.text and "a second line with internals" in caplog.text
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
