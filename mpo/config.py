@@ -74,7 +74,7 @@ class RolloutSection:
             no streaming). Calls are consecutive groups in draw order, and mpo's engine decodes each call as its
             own batch: rollouts stay a pure function of (weights, seeds), whatever the timing.
         max_inflight_per_engine: calls in flight per engine at most (the next ones wait in the client's queue).
-        api_key: sent as a bearer token to every engine.
+        api_key: sent as a bearer token to every engine. Unset: engines the run starts itself get a random key.
         request_timeout_s: a request slower than this counts as a hung engine.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is

@@ -64,6 +64,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--header-timeout-s", type=_positive(float), default=ServerLimits.header_timeout_s,
                         help="a request's line and headers must arrive whole within this long (408 and closed "
                              "otherwise); until then a new connection holds no slot")
+    parser.add_argument("--body-timeout-s", type=_positive(float), default=ServerLimits.body_timeout_s,
+                        help="a request body must arrive within this long plus 1 s per --min-body-mb-per-s MiB, and "
+                             "never fall further behind; the connection is closed otherwise")
+    parser.add_argument("--min-body-mb-per-s", type=_positive(float),
+                        default=ServerLimits.min_body_bytes_per_s / (1 << 20),
+                        help="slowest body upload (MiB/s) allowed past --body-timeout-s")
     parser.add_argument("--max-connections", type=_positive(int), default=ServerLimits.max_connections,
                         help="connections served at once (one thread each); 503 beyond; also the listen backlog")
     parser.add_argument("--max-rows-per-request", type=_positive(int), default=DEFAULT_MAX_ROWS,
@@ -120,11 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     }, max_rows=args.max_rows_per_request)
     runner.add_weight_routes(app, group_init_timeout_s=args.group_init_timeout_s)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), idle_timeout_s=args.idle_timeout_s,
-                          header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
+                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                          min_body_bytes_per_s=args.min_body_mb_per_s * (1 << 20), max_connections=args.max_connections,
                           listen_backlog=max(args.max_connections, 128))
     freeze_startup_heap()  # the model and its weights: out of every collection while serving
     server = serve(app, args.host, args.port, key, limits)
     logging.info("mpo engine serving on http://%s:%d", args.host, args.port)
+    if not key:  # mpo's own runs always give their engines a key (mpo.rollout.engines)
+        logging.warning("no API key (%s or --api-key-file): every user of this host can call this engine, "
+                        "including its weight-update and memory routes", API_KEY_ENV)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

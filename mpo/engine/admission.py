@@ -1,5 +1,5 @@
 """Admission of new connections to mpo's engine: a connection gets one of the server's few slots (a thread) only
-once its request headers have arrived whole, within a total deadline.
+once its request headers, and a small body with them, have arrived whole, within a total deadline.
 
 Without this, a slot was taken at accept and the idle timeout applied per read: connections trickling one header
 byte every few seconds held every slot indefinitely, keeping authorized clients at 503, before a key was ever
@@ -8,6 +8,12 @@ connection costs a socket and a buffer, no thread), closes any that has not sent
 `header_timeout_s` of connecting, and, when more than `max_pending` are waiting, closes the oldest (a client with
 the key sends its headers in one go and is never the oldest for long). A connection whose headers are complete is
 handed on with the bytes read so far; the key is the first thing checked there.
+
+A request whose body the handler will read (the server's `body_bytes` judges it from the headers: it has the key, or
+the engine has none, and the body is small) is held here until that body has arrived too, under the same deadline:
+clients trickling a body (headers complete, body one byte a second) took every slot of a keyless engine for as long
+as they liked, /health answering 503. Larger bodies (weight buckets) are read by the handler, under a total deadline
+that grows with their size (RequestReader.begin_body).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Handed a connection whose request headers are complete, with every byte read from it so far.
 Ready = Callable[[socket.socket, Any, bytes], None]
+# Given a request's line and headers: how many body bytes to await before handing the connection on (0: none).
+BodyBytes = Callable[[bytes], int]
 
 _TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
               b"Content-Length: %d\r\n\r\n%s")
@@ -43,19 +51,35 @@ def headers_complete(data: bytes) -> bool:
     return b"\r\n\r\n" in data or b"\n\n" in data
 
 
+def header_end(data: bytes) -> int | None:
+    """The index just past the empty line that ends the request line and headers (CRLF or bare LF lines, as
+    http.server reads them), or None while it has not arrived."""
+    at = data.find(b"\n") + 1  # past the request line
+    while at:
+        nl = data.find(b"\n", at)
+        if nl < 0:
+            return None
+        if data[at:nl] in (b"", b"\r"):
+            return nl + 1
+        at = nl + 1
+    return None
+
+
 @dataclass
 class _Pending:
     sock: socket.socket
     address: Any
     deadline: float
     data: bytearray = field(default_factory=bytearray)
+    need: int | None = None  # bytes to hold before the hand-over (headers and awaited body), once headers are in
 
 
 class HeaderGate:
     """Collects request headers of new connections on one thread; see the module docstring."""
 
-    def __init__(self, ready: Ready, *, header_timeout_s: float, max_pending: int, max_header_bytes: int) -> None:
-        self.ready, self.header_timeout_s = ready, header_timeout_s
+    def __init__(self, ready: Ready, *, header_timeout_s: float, max_pending: int, max_header_bytes: int,
+                 body_bytes: BodyBytes = lambda head: 0) -> None:
+        self.ready, self.header_timeout_s, self.body_bytes = ready, header_timeout_s, body_bytes
         self.max_pending, self.max_header_bytes = max_pending, max_header_bytes
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -130,7 +154,16 @@ class HeaderGate:
             self._drop(pending)
             return
         pending.data += chunk
-        if headers_complete(pending.data):
+        if pending.need is None and headers_complete(pending.data):
+            end = header_end(bytes(pending.data))
+            if end is None:  # an empty line before the request line: http.server answers it, not this gate
+                end = len(pending.data)
+            try:
+                pending.need = end + max(0, self.body_bytes(bytes(pending.data[:end])))
+            except Exception:  # noqa: BLE001 - the handler parses these headers again and answers them
+                log.exception("mpo engine: judging a request's body from its headers failed")
+                pending.need = end
+        if pending.need is not None and len(pending.data) >= pending.need:
             self._forget(pending)
             try:
                 pending.sock.setblocking(True)
@@ -138,14 +171,15 @@ class HeaderGate:
             except Exception:  # noqa: BLE001 - one connection's hand-over must never stop the gate
                 log.exception("mpo engine: handing over a connection failed")
                 self._close(pending.sock)
-        elif len(pending.data) > self.max_header_bytes:
+        elif pending.need is None and len(pending.data) > self.max_header_bytes:
             self._drop(pending, _answer(_TOO_LARGE, f"request headers exceed {self.max_header_bytes} bytes"))
 
     def _expire(self) -> None:
         now = time.monotonic()
         for pending in [p for p in self._pending.values() if p.deadline <= now]:
-            self._drop(pending, _answer(_TIMED_OUT, f"request headers not received within "
-                                                    f"{self.header_timeout_s:g} s (--header-timeout-s)"))
+            what = "request headers" if pending.need is None else "request body"
+            self._drop(pending, _answer(_TIMED_OUT, f"{what} not received within {self.header_timeout_s:g} s "
+                                                    f"(--header-timeout-s)"))
 
     def _forget(self, pending: _Pending) -> None:
         self._pending.pop(pending.sock, None)
@@ -178,27 +212,41 @@ class RequestReader(io.RawIOBase):
     Between begin_headers() and end_headers() (a kept-alive connection's next request line and headers), the wait
     for the request's first byte is bounded by `idle_timeout_s` and everything after it by one total deadline,
     `header_timeout_s` from that byte, however the bytes trickle in; other reads (bodies) by `idle_timeout_s` each.
-    A missed deadline raises TimeoutError, which the handler answers by closing the connection."""
+    A missed deadline raises TimeoutError, which the handler answers by closing the connection.
 
-    def __init__(self, sock: socket.socket, prefix: bytes, *, idle_timeout_s: float, header_timeout_s: float) -> None:
+    Between begin_body() and the next begin_headers(), the body is read under a deadline that moves with what has
+    arrived: `body_timeout_s` plus one second per `min_body_bytes_per_s` bytes received, counted from
+    begin_body(). A body at least that fast is never cut (its total bound is body_timeout_s + size / rate); one
+    trickled slower loses its slot after about body_timeout_s, whatever size it declared."""
+
+    def __init__(self, sock: socket.socket, prefix: bytes, *, idle_timeout_s: float, header_timeout_s: float,
+                 body_timeout_s: float = 10.0, min_body_bytes_per_s: float = float(1 << 20)) -> None:
         super().__init__()
         self._sock, self._prefix, self._at = sock, prefix, 0
         self.idle_timeout_s, self.header_timeout_s = idle_timeout_s, header_timeout_s
+        self.body_timeout_s, self.min_body_bytes_per_s = body_timeout_s, min_body_bytes_per_s
         self._deadline: float | None = None
         self._armed = False  # the next byte received starts the header deadline
+        self._body_start: float | None = None  # set while a body is read: its deadline moves with its bytes
+        self._body_received = 0
 
     def readable(self) -> bool:
         return True
 
     def begin_headers(self) -> None:
-        self._armed, self._deadline = True, None
+        self._armed, self._deadline, self._body_start = True, None, None
 
     def end_headers(self) -> None:
         self._armed, self._deadline = False, None
 
+    def begin_body(self) -> None:
+        """The handler reads a request body from now on (see the class docstring for its deadline)."""
+        self._armed, self._deadline = False, None
+        self._body_start, self._body_received = time.monotonic(), 0
+
     def limit(self, seconds: float) -> None:
         """Bound every read from now on by one total deadline (draining a refused request's body)."""
-        self._armed, self._deadline = False, time.monotonic() + seconds
+        self._armed, self._deadline, self._body_start = False, time.monotonic() + seconds, None
 
     def readinto(self, buffer: Any) -> int:
         if self._at < len(self._prefix):
@@ -212,8 +260,17 @@ class RequestReader(io.RawIOBase):
             if left <= 0:
                 raise TimeoutError(f"request not received within {self.header_timeout_s:g} s")
             timeout = min(timeout, left)
+        if self._body_start is not None:
+            left = (self._body_start + self.body_timeout_s + self._body_received / self.min_body_bytes_per_s
+                    - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"request body arrived slower than {self.min_body_bytes_per_s:g} bytes/s after "
+                                   f"{self.body_timeout_s:g} s")
+            timeout = min(timeout, left)
         self._sock.settimeout(timeout)
         n = self._sock.recv_into(buffer)
         if n and self._armed:
             self._armed, self._deadline = False, time.monotonic() + self.header_timeout_s
+        if self._body_start is not None:
+            self._body_received += n
         return n

@@ -4,8 +4,9 @@ Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
 
 One request harms no one else (ServerLimits): a connection gets a slot (a thread; 503 beyond) only once its request
-headers arrived whole within a total deadline (mpo.engine.admission: trickling clients hold no slot), the API key and
-the declared body size are checked from the headers before the body is read (401, 413), idle connections time out,
+headers, and a small body, arrived whole within a total deadline (mpo.engine.admission: trickling clients hold no
+slot), the API key and the declared body size are checked from the headers before the body is read (401, 413), a
+larger body is read under a deadline that grows with its size (a trickled one is cut), idle connections time out,
 every /generate field and its row count are validated before anything is queued (400 naming the field), a request
 whose client went away is aborted, and the generator isolates a failure to the request it belongs to.
 """
@@ -13,6 +14,7 @@ whose client went away is aborted, and the generator isolates a failure to the r
 from __future__ import annotations
 
 import hmac
+import http.client
 import io
 import json
 import logging
@@ -203,7 +205,14 @@ class ServerLimits:
             bounds a stalled body upload between two reads).
         header_timeout_s: a request's line and headers must arrive whole within this long of the connection (of the
             request's first byte, on a kept-alive connection), however they trickle in; the connection is closed
-            otherwise (408). Until then a new connection holds no slot (mpo.engine.admission).
+            otherwise (408). Until then a new connection holds no slot (mpo.engine.admission); nor until a body of
+            at most GATE_BODY_BYTES has arrived too, under the same deadline.
+        body_timeout_s, min_body_bytes_per_s: a body the handler reads (a larger one, or on a kept-alive
+            connection) must arrive within body_timeout_s plus one second per min_body_bytes_per_s bytes, and at
+            every moment be no further behind (mpo.engine.admission.RequestReader); the connection is closed
+            otherwise and its slot freed. A 64 MiB weight bucket sent at loopback speed takes well under a second.
+            Bodies larger than GATE_BODY_BYTES are read by at most half the slots at once (503 beyond, before the
+            body is read), so slow large uploads cannot take the slots every other request needs.
         max_connections: connections served at once, one thread each, taken once a request's headers are complete.
             One more is answered 503 and closed, so clients cannot make the engine grow threads without bound.
         max_pending_connections: new connections waiting for their headers (no thread each); beyond it the oldest
@@ -217,13 +226,16 @@ class ServerLimits:
     max_body_bytes: int = 256 << 20
     idle_timeout_s: float = 60.0
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    min_body_bytes_per_s: float = float(1 << 20)
     max_connections: int = 128
     max_pending_connections: int = 256
     max_header_bytes: int = 64 << 10
     listen_backlog: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "idle_timeout_s", "header_timeout_s", "max_connections",
+        for name in ("max_body_bytes", "idle_timeout_s", "header_timeout_s", "body_timeout_s", "min_body_bytes_per_s",
+                     "max_connections",
                      "max_pending_connections", "max_header_bytes", "listen_backlog"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server limits: {name}={getattr(self, name)} must be > 0")
@@ -250,6 +262,30 @@ def authorized(headers: Message, api_key: str | None) -> bool:
 # drain has a total deadline: a refused client must not hold its slot by trickling the body.
 _DRAIN_LIMIT = 64 << 10
 _DRAIN_S = 1.0
+# Bodies up to this size are awaited by the admission gate before the request takes a slot (mpo.engine.admission):
+# every control call and most /generate batches; weight buckets are larger and are read by the handler.
+GATE_BODY_BYTES = 256 << 10
+
+
+def gate_body_bytes(head: bytes, api_key: str | None, limits: ServerLimits) -> int:
+    """How much body the admission gate awaits for the request whose line and headers are `head`: its declared
+    Content-Length when the handler will read that body (the key matches, or the engine has none; no chunked body,
+    no Expect: 100-continue, within the size limits), else 0: such a request is answered from its headers (401,
+    413, ...) or has its body read by the handler."""
+    _, _, rest = head.partition(b"\n")
+    try:
+        headers = http.client.parse_headers(io.BytesIO(rest))
+    except http.client.HTTPException:  # too many or too long header lines: the handler answers them
+        return 0
+    if headers.get("Transfer-Encoding") or (headers.get("Expect") or "").strip().lower() == "100-continue":
+        return 0
+    if not authorized(headers, api_key):
+        return 0
+    text = (headers.get("Content-Length") or "0").strip()
+    if not (text.isascii() and text.isdigit()):
+        return 0
+    length = int(text)
+    return length if length <= min(GATE_BODY_BYTES, limits.max_body_bytes) else 0
 
 
 def _logprob_start_len(body: dict[str, Any]) -> int:
@@ -292,7 +328,9 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
             # through a reader that puts a total deadline on every request's headers.
             self.rfile.close()
             self.reader = RequestReader(self.connection, self.server.take_prefix(self.connection),
-                                        idle_timeout_s=limits.idle_timeout_s, header_timeout_s=limits.header_timeout_s)
+                                        idle_timeout_s=limits.idle_timeout_s, header_timeout_s=limits.header_timeout_s,
+                                        body_timeout_s=limits.body_timeout_s,
+                                        min_body_bytes_per_s=limits.min_body_bytes_per_s)
             self.rfile = io.BufferedReader(self.reader, 1 << 16)
 
         def handle_one_request(self) -> None:
@@ -379,10 +417,19 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
                 route, length = self._admit(method)
             except RefusedRequest as exc:
                 return self._refuse(exc)
+            uploads = self.server.uploads if length > GATE_BODY_BYTES else None
+            if uploads is not None and not uploads.acquire(blocking=False):
+                return self._refuse(RefusedRequest(HTTPStatus.SERVICE_UNAVAILABLE, (
+                    f"engine busy: {self.server.max_uploads} large request bodies are being received; retry later")),
+                    drain=False)
+            self.reader.begin_body()  # a total deadline: a trickled body loses its slot
             try:
                 raw = self.rfile.read(length) if length else b""
-            except OSError:  # idle past the timeout mid-body, or reset: nothing to answer
+            except OSError:  # past the body's deadline, or reset: nothing to answer
                 raw = b""
+            finally:
+                if uploads is not None:
+                    uploads.release()
             if len(raw) < length:  # the client stalled or went away mid-body
                 self.close_connection = True
                 return
@@ -400,10 +447,12 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
                 status, payload = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
             except EngineUnhealthy as exc:
                 status, payload = HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)}
-            except Exception as exc:  # noqa: BLE001 - report, keep serving
+            except Exception as exc:  # noqa: BLE001 - an engine bug: one line to the client, the traceback to the log
                 log.exception("mpo engine: %s %s failed", method, path)
-                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False,
-                                                                     "message": f"{type(exc).__name__}: {exc}"}
+                first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {
+                    "success": False, "message": f"internal error in {path}: {type(exc).__name__}"
+                                                 f"{': ' + first if first else ''} (traceback in the engine log)"}
             finally:
                 _CALLER.gone = None
             try:
@@ -428,14 +477,19 @@ class EngineHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: ServerLimits) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: ServerLimits, *,
+                 api_key: str | None = None) -> None:
         self.request_queue_size = limits.listen_backlog  # read by server_activate (listen) inside __init__
         self.limits = limits
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        # connections reading a body larger than GATE_BODY_BYTES (weight buckets): half the slots at most
+        self.max_uploads = max(1, limits.max_connections // 2)
+        self.uploads = threading.BoundedSemaphore(self.max_uploads)
         self._prefixes: dict[socket.socket, bytes] = {}  # what the gate read from a connection handed over
         super().__init__(address, handler)
         self._gate = HeaderGate(self._admit, header_timeout_s=limits.header_timeout_s,
-                                max_pending=limits.max_pending_connections, max_header_bytes=limits.max_header_bytes)
+                                max_pending=limits.max_pending_connections, max_header_bytes=limits.max_header_bytes,
+                                body_bytes=lambda head: gate_body_bytes(head, api_key, limits))
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
         self._gate.add(request, client_address)  # its headers are awaited without a thread
@@ -487,7 +541,8 @@ class EngineHTTPServer(ThreadingHTTPServer):
 def serve(app: EngineApp, host: str, port: int, api_key: str | None = None,
           limits: ServerLimits = ServerLimits()) -> ThreadingHTTPServer:
     """Start serving in a background thread; returns the server (call .shutdown() to stop)."""
-    server = EngineHTTPServer((host, port), make_handler(app, api_key, limits, loopback=is_loopback(host)), limits)
+    server = EngineHTTPServer((host, port), make_handler(app, api_key, limits, loopback=is_loopback(host)), limits,
+                              api_key=api_key)
     # polled every 50 ms: shutdown() waits for the loop to notice (the default 0.5 s, paid by every engine stop)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="mpo-engine-http",
                      daemon=True).start()

@@ -11,10 +11,16 @@ The transports of mpo.weight_sync are served with SGLang's semantics:
   /update_weights_from_distributed receives one broadcast from rank 0 per tensor, in list order, into tensors of the
   announced dtype and shape, and /destroy_weights_update_group leaves the group. Received tensors are checked (name,
   shape) only after every broadcast of the request was received, so a bad request never leaves the group out of step.
+
+Every field of a weight request is checked before it is used (payload count and type, base64, safetensors framing,
+dtype, name, shape, weight_version): a malformed request is a 400 naming what is wrong, never a 500 carrying the
+decoder's exception.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -22,11 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 
 from mpo.engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
 from mpo.weight_sync.shared_memory import WEIGHT_DTYPES
-from mpo.weight_sync.wire import MPO_FORMAT, SHM_FORMAT, decode_mpo_bucket, dtype_from_name, join_weight_update_group
+from mpo.weight_sync.wire import MPO_FORMAT, SHM_FORMAT, dtype_from_name, join_weight_update_group
 
 _WEIGHT_DTYPES = {getattr(torch, name) for name in WEIGHT_DTYPES}
 
@@ -37,6 +45,51 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype not in _WEIGHT_DTYPES:
         raise RequestError(f"weight update: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, not a "
                            f"weight dtype ({', '.join(WEIGHT_DTYPES)})")
+
+
+def _weight_version(body: dict[str, Any], endpoint: str) -> str | int | None:
+    """The request's weight_version (SGLang's is a string; mpo's trainer sends str(step)), None when absent."""
+    value = body.get("weight_version")
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RequestError(f"{endpoint}: weight_version={value!r} must be a string")
+    return value
+
+
+def _group_name(body: dict[str, Any], endpoint: str) -> str:
+    name = body.get("group_name") or "weight_update_group"
+    if not isinstance(name, str):
+        raise RequestError(f"{endpoint}: group_name={name!r} must be a string")
+    return name
+
+
+def _single_payload(body: dict[str, Any]) -> str:
+    """The one serialized payload of an /update_weights_from_tensor request to a TP1 engine."""
+    payloads = body.get("serialized_named_tensors")
+    if not isinstance(payloads, list):
+        raise RequestError(f"update_weights_from_tensor: serialized_named_tensors must be a list of strings, got "
+                           f"{type(payloads).__name__}")
+    if len(payloads) != 1:
+        raise RequestError(f"mpo engine runs at TP1: expected 1 serialized payload, got {len(payloads)}")
+    if not isinstance(payloads[0], str):
+        raise RequestError(f"update_weights_from_tensor: serialized_named_tensors[0] must be a string, got "
+                           f"{type(payloads[0]).__name__}")
+    return payloads[0]
+
+
+def _decode_inline(payload: str) -> dict[str, torch.Tensor]:
+    """An {MPO_FORMAT} payload: base64 of safetensors bytes (data only). The two decoders' errors are the client's
+    mistake (RequestError naming the layer that failed); anything else they raise is the engine's."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:  # ValueError: non-ASCII characters
+        raise RequestError(f"{MPO_FORMAT}: the payload is not base64 ({exc})") from None
+    try:
+        tensors = safetensors_load(raw)
+    except SafetensorError as exc:
+        raise RequestError(f"{MPO_FORMAT}: the payload is not a safetensors file ({exc})") from None
+    return tensors
 
 
 class WeightRoutes:
@@ -87,11 +140,10 @@ class WeightRoutes:
             raise RequestError(f"mpo engine: update_weights_from_tensor takes load_format {MPO_FORMAT!r} "
                                f"(safetensors payloads) or {SHM_FORMAT!r} (shared-memory locators), got "
                                f"{load_format!r}")
-        payloads = body.get("serialized_named_tensors") or []
-        if len(payloads) != 1:
-            raise RequestError(f"mpo engine runs at TP1: expected 1 serialized payload, got {len(payloads)}")
-        self._stage(decode_mpo_bucket(payloads[0]) if load_format == MPO_FORMAT else self._from_shared(payloads[0]))
-        self.pending_version = body.get("weight_version") or self.pending_version
+        payload = _single_payload(body)
+        version = _weight_version(body, "update_weights_from_tensor")
+        self._stage(_decode_inline(payload) if load_format == MPO_FORMAT else self._from_shared(payload))
+        self.pending_version = version or self.pending_version
         return {"success": True, "message": "Success"}
 
     def _from_shared(self, payload: Any) -> dict[str, torch.Tensor]:
@@ -157,13 +209,15 @@ class WeightRoutes:
 
     def from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         self.app.require_weight_update_session("update_weights_from_distributed")
-        group = self.groups.get(body.get("group_name") or "weight_update_group")
+        name = _group_name(body, "update_weights_from_distributed")
+        group = self.groups.get(name)
         if group is None:
-            raise RequestError(f"update_weights_from_distributed: no weight-update group "
-                               f"{body.get('group_name')!r} (call /init_weights_update_group first)")
+            raise RequestError(f"update_weights_from_distributed: no weight-update group {name!r} (call "
+                               f"/init_weights_update_group first)")
         if body.get("load_format") not in (None, "direct"):
             raise RequestError(f"update_weights_from_distributed: load_format {body['load_format']!r} is not "
                                f"supported by mpo's engine (one broadcast per tensor)")
+        version = _weight_version(body, "update_weights_from_distributed")  # checked before any broadcast
         names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
         if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
             raise RequestError("update_weights_from_distributed: names, dtypes and shapes must be lists")
@@ -189,7 +243,7 @@ class WeightRoutes:
                 dist.broadcast(tensor, src=0, group=group)
                 received[name] = tensor
         self._stage(received)
-        self.pending_version = body.get("weight_version") or self.pending_version
+        self.pending_version = version or self.pending_version
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def _receive_buffer(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -203,7 +257,7 @@ class WeightRoutes:
         return buffer
 
     def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        name = body.get("group_name") or "weight_update_group"
+        name = _group_name(body, "destroy_weights_update_group")
         with self._names_lock:
             group = self.groups.pop(name, None)
         if group is None:
@@ -215,7 +269,11 @@ class WeightRoutes:
     def from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         from mpo.models.hf_source import ConversionError, HFCheckpoint
 
-        path = Path(body.get("model_path") or "")
+        raw = body.get("model_path")
+        if not isinstance(raw, str) or not raw:
+            raise RequestError(f"update_weights_from_disk: model_path={raw!r} must be a checkpoint directory")
+        version = _weight_version(body, "update_weights_from_disk")
+        path = Path(raw)
         try:
             with HFCheckpoint.open(path) as ckpt:
                 tensors = {name: ckpt.get(name, shape) for name, shape in self._expected.items()}
@@ -223,7 +281,7 @@ class WeightRoutes:
             raise RequestError(f"update_weights_from_disk: {exc}") from exc
         with self.runner_lock():
             self.runner.load_hf(tensors)
-        self.app.generator.weight_version = body.get("weight_version") or self.app.generator.weight_version
+        self.app.generator.weight_version = version or self.app.generator.weight_version
         return {"success": True, "message": f"Succeeded to update model weights from {path}.",
                 "num_paused_requests": 0}
 

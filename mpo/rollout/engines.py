@@ -1,13 +1,20 @@
 """Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
 die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Its WeightSync comes from
 mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of mpo.weight_sync, which imports it);
-restarts and updates share one lock."""
+restarts and updates share one lock.
+
+Engines the set starts always have a key: rollout.api_key, else a random one made here (EngineSet.api_key). A
+keyless engine on loopback serves its weight and memory routes to every user of the host (the port shows in `ps`);
+with the key, only this run's own clients (the set's, which the producer child and the evaluator share, and the
+other senders', told by the publisher) are served. The key reaches the engines in their environment, never argv,
+and is logged only masked (masked_key)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import secrets
 import subprocess
 import threading
 from pathlib import Path
@@ -20,6 +27,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # The CPU priority (nice) of local engines in the off-policy modes (see EngineSet.local_processes).
 LOCAL_ENGINE_NICE = 10
+
+
+def masked_key(key: str | None) -> str:
+    """How a key may appear in a log: its first 4 characters, enough to tell two keys apart, never to use one."""
+    return "none" if not key else f"{key[:4]}\u2026"
 
 
 class EngineSet:
@@ -44,6 +56,8 @@ class EngineSet:
         # Restarts (the rollout pool's, on its thread) and weight updates (the trainer's) one at a time: in async mode
         # the producer restarts a killed engine while the trainer syncs, whose pause then hit a dead engine.
         self._engine_lock = threading.RLock()
+        # Engines given by URL were started by the user: their key is the user's setting (rollout.api_key)
+        self.api_key: str | None = r.api_key
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
                                           num_layers=model.num_layers, topk=model.router_topk,
@@ -53,8 +67,12 @@ class EngineSet:
         if r.engine != "mpo":
             raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
                              "are started by the launcher (launch/) and passed as rollout.urls")
+        if not self.api_key:
+            self.api_key = secrets.token_urlsafe(32)
+            log.info("local engines: rollout.api_key is unset; they get a random key (%s) that only this run's "
+                     "clients send", masked_key(self.api_key))
         try:  # all launched, then all awaited; one that fails to launch stops those already started
-            for process in self.local_processes(config, out_dir, model):
+            for process in self.local_processes(config, out_dir, model, api_key=self.api_key):
                 self.processes.append(process.launch())
         except BaseException:
             self.stop()
@@ -75,9 +93,11 @@ class EngineSet:
             raise
 
     @staticmethod
-    def local_processes(config: TrainConfig, out_dir: Path, model: MoEModelConfig) -> list:
+    def local_processes(config: TrainConfig, out_dir: Path, model: MoEModelConfig, *,
+                        api_key: str | None = None) -> list:
         """The `rollout.num_engines` local mpo engines of `config`, not started yet. Their command comes from the
-        same builder as the launcher's (mpo.rollout.engine_command), so both start the same engine."""
+        same builder as the launcher's (mpo.rollout.engine_command), so both start the same engine. `api_key`
+        (EngineSet's generated key) replaces rollout.api_key when given."""
         from mpo.rollout.engine_command import EngineSettings
         from mpo.rollout.local_engine import LocalEngineProcess
 
@@ -86,7 +106,8 @@ class EngineSet:
         # the cycles the ranks leave idle instead of slowing them (EP/TP ranks wait for their slowest peer).
         nice = LOCAL_ENGINE_NICE if config.schedule.mode != "sync" else 0
         return [LocalEngineProcess.mpo_engine(log_path=out_dir / "logs" / f"engine{i}.log", settings=settings,
-                                              num_layers=model.num_layers, topk=model.router_topk, nice=nice)
+                                              api_key=api_key, num_layers=model.num_layers, topk=model.router_topk,
+                                              nice=nice)
                 for i in range(config.rollout.num_engines)]
 
     def _restart(self, process) -> None:

@@ -73,7 +73,9 @@ class Publisher:
         key = (*info["urls"], info["transport"])
         if self._sync is None or self._urls != key:
             self.close()
-            clients = [EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s) for url in info["urls"]]
+            # rank 0's key: engines the run started have one made there (EngineSet.api_key), not in this config
+            clients = [EngineClient(url, api_key=info["api_key"], timeout_s=r.request_timeout_s)
+                       for url in info["urls"]]
             host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
                                     bucket_bytes=self.config.sync.bucket_mb << 20, tp_sizes=info["tp_sizes"],
@@ -95,7 +97,7 @@ class Publisher:
         if engines is not None:
             tp_sizes = list(self._sender_sync({}).tp_sizes)  # first: making rank 0's WeightSync resolves "auto"
             info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
-                     "tp_sizes": tp_sizes}]
+                     "tp_sizes": tp_sizes, "api_key": engines.api_key}]
         if not one_rank():
             dist.broadcast_object_list(info, src=0)
         info = info[0]

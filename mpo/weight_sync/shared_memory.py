@@ -14,8 +14,10 @@ a shared flock on its file for the file's life; files of processes that died (SI
 created on the host, judged by that lock, never by the pid in the name: a trainer in another PID namespace sharing
 the directory (a container with --ipc=host) has pids that mean nothing here. The engine opens only regular files of
 that prefix in that directory (non-blocking, so a FIFO of that name cannot hang it; the type is checked on the
-descriptor), maps them read-only (copy-on-write, so it can never write the trainer's memory) and checks every
-locator against the file's size and every dtype against the ones weights travel in.
+descriptor), owned by its own effective uid and writable by no one else (a slot another user made, or could rewrite,
+would put their bytes into the served weights; the trainer's slots are made 0600), maps them read-only
+(copy-on-write, so it can never write the trainer's memory) and checks every locator against the file's size and
+every dtype against the ones weights travel in.
 """
 
 from __future__ import annotations
@@ -90,6 +92,22 @@ def _open_regular(path: str | Path, flags: int) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ValueError(f"{path} is not a regular file")
+    return fd
+
+
+def _open_slot(path: str | Path) -> int:
+    """A read-only descriptor of a peer's slot: a regular file (_open_regular), owned by this process's effective uid
+    and not writable by group or others, all checked on the descriptor; ValueError naming the path and why."""
+    fd = _open_regular(path, os.O_RDONLY)
+    info = os.fstat(fd)
+    problem = None
+    if info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by this process's uid {os.geteuid()}"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(f"{path} {problem}: refused as a weight slot")
     return fd
 
 
@@ -185,7 +203,7 @@ class SharedBuffer:
         self.path = str(shm_dir() / name)
         itemsize = torch.empty((), dtype=dtype).element_size()
         if numel is None:  # a peer's slot: sized from the file, which must be a regular one
-            fd = _open_regular(self.path, os.O_RDONLY)
+            fd = _open_slot(self.path)
             numel = os.fstat(fd).st_size // itemsize
             os.close(fd)
         self.numel, self.dtype, self.owner = numel, dtype, create
@@ -294,7 +312,7 @@ def _mapped(path: str, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
     key = (path, dtype)
     if cache is not None and key in cache:
         return cache[key]
-    fd = _open_regular(path, os.O_RDONLY)  # the file checked is the file mapped (no second open by name)
+    fd = _open_slot(path)  # the file checked is the file mapped (no second open by name)
     try:
         info = os.fstat(fd)
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -73,7 +73,8 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
     trainer = None
     for item in transports:  # "TRANSPORT" or "TRANSPORT/gloo" (pieces over gloo, not shared memory)
         transport, _, gather = item.partition("/")
-        urls = [f"rollout.urls=[{owner.clients[0].url}]"] if owner is not None else []
+        urls = [f"rollout.urls=[{owner.clients[0].url}]", f"rollout.api_key={owner.api_key}"] if owner is not None \
+            else []  # the run's engine has the key its EngineSet made
         config = load_config(RECIPES / "demo_cpu.yaml", [
             f"logging.out_dir={out_dir}/{transport}", "world_size=4", "parallel.expert_parallel=1", *layout,
             f"sync.transport={transport}", "sync.bucket_mb=1", "schedule.sft_steps=0", *urls,
