@@ -1,6 +1,6 @@
 """The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`.
 
-`mpo plan --config FILE [--gpu-mem-gb 80]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
+`mpo plan --config FILE [--gpu-mem-gib 79.6]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
 does not fit; `mpo check-config` prints it too (on stderr) for configs with SGLang engines.
 
 `mpo train --config FILE [section.field=value ...]` validates the whole config first (a bad field fails here, before
@@ -55,7 +55,7 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
             config, text = converted, yaml.safe_dump(to_dict(converted), sort_keys=False)
         from mpo.prestart import before_start
 
-        before_start(config, engines_up=True)  # files and engines a rank would trip on, in one line each
+        before_start(config, local_run=True)  # files and engines a rank would trip on, in one line each
         resolved = out_dir / "config.yaml"
         with writing(resolved):
             resolved.write_text(text)
@@ -94,26 +94,52 @@ def _wait_or_interrupted(proc: subprocess.Popen, out_dir: Path) -> int:
     return INTERRUPTED_EXIT
 
 
-def memory_plan(config, *, gpu_mem_gb: float, seq_len: int | None = None,
-                engine_mem_fraction: float | None = None, out=None) -> int:
-    """Print the memory plan (mpo.memory_plan); 0 when every role fits, 2 when one does not."""
+def memory_plan(config, *, gpu_mem_gib: float, seq_len: int | None = None,
+                engine_mem_fraction: float | None = None, gpus_per_node: int = 8, out=None) -> int:
+    """Print the memory plan (mpo.memory_plan) and the GPUs it takes; 0 when every role fits (a tight one is said on
+    stderr), 2 when one does not."""
     from mpo.config import ConfigError
-    from mpo.memory_plan import PlanInputs, format_plan, plan_memory
+    from mpo.memory_plan import PlanInputs, format_plan, gpu_totals, plan_memory
 
-    for name, value, ok in (("--gpu-mem-gb", gpu_mem_gb, gpu_mem_gb > 0), ("--seq-len", seq_len,
-                            seq_len is None or seq_len > 0),
+    for name, value, ok in (("--gpu-mem-gib", gpu_mem_gib, gpu_mem_gib > 0), ("--seq-len", seq_len,
+                            seq_len is None or seq_len > 0), ("--gpus-per-node", gpus_per_node, gpus_per_node > 0),
                             ("--engine-mem-fraction", engine_mem_fraction,
                              engine_mem_fraction is None or 0 < engine_mem_fraction <= 1)):
         if not ok:
             raise ConfigError(f"{name}={value}; valid values: > 0{' and <= 1' if 'fraction' in name else ''}")
-    roles = plan_memory(config, PlanInputs(gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
+    roles = plan_memory(config, PlanInputs(gpu_mem_gib=gpu_mem_gib, seq_len=seq_len,
                                            engine_mem_fraction=engine_mem_fraction))
     print(format_plan(roles), file=out or sys.stdout)
+    print(gpu_totals(config, gpus_per_node), file=out or sys.stdout)
     misfits = [role.role for role in roles if not role.fits]
     if misfits:
-        print(f"mpo: memory plan: {', '.join(misfits)} does not fit in {gpu_mem_gb:g} GB", file=sys.stderr)
+        print(f"mpo: memory plan: {', '.join(misfits)} does not fit in {gpu_mem_gib:g} GiB", file=sys.stderr)
         return 2
+    tight = [role.role for role in roles if role.tight]
+    if tight:
+        print(f"mpo: memory plan: {', '.join(tight)} is tight in {gpu_mem_gib:g} GiB (under 5% free): expect "
+              "out-of-memory errors from fragmentation; lower schedule.micro_batch_size or raise a parallel size",
+              file=sys.stderr)
     return 0
+
+
+def _gpu_memory_args(parser: argparse.ArgumentParser) -> None:
+    from mpo.memory_plan import H100_GIB
+
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--gpu-mem-gib", type=float, default=None,
+                       help=f"memory of one GPU in GiB, nvidia-smi's total / 1024 (default {H100_GIB}: an 80 GB "
+                            "H100; an H200 is 139.8)")
+    group.add_argument("--gpu-mem-gb", type=float, default=None,
+                       help="the same in GB (10^9 bytes), converted to GiB")
+
+
+def _gpu_mem_gib(args: argparse.Namespace) -> float:
+    from mpo.memory_plan import GIB, H100_GIB
+
+    if args.gpu_mem_gb is not None:
+        return args.gpu_mem_gb * 1e9 / GIB
+    return H100_GIB if args.gpu_mem_gib is None else args.gpu_mem_gib
 
 
 def summarize_demo(out_dir: Path) -> str:
@@ -177,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-config", help="validate a config and print it resolved (GPU configs: and its "
                            "memory plan, on stderr; exit 2 when a GPU role does not fit)")
     check.add_argument("--config", required=True)
-    check.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    _gpu_memory_args(check)
     check.add_argument("overrides", nargs="*")
     plan = sub.add_parser("plan", help="per GPU role: bytes of parameters, gradients, optimizer state, activations, "
                           "engine weights and KV cache; exit 2 when a role does not fit")
     plan.add_argument("--config", required=True)
-    plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GB (default 80: H100)")
+    _gpu_memory_args(plan)
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="for the GPU and node totals (default 8)")
     plan.add_argument("--seq-len", type=int, default=None,
                       help="tokens per training row (default: rollout.max_new_tokens + 1024 prompt tokens)")
     plan.add_argument("--engine-mem-fraction", type=float, default=None,
@@ -210,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             config, text = resolve_config(args.config, args.overrides)
             from mpo.prestart import before_start
 
-            before_start(config, engines_up=False)
+            before_start(config, local_run=False)
             if config.rollout.engine != "sglang":  # a CPU run: the GPU plan does not apply, this host's memory does
                 from mpo.memory_plan import check_fits_here
 
@@ -218,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             print(text, end="")
             if config.rollout.engine != "sglang":
                 return 0
-            return memory_plan(config, gpu_mem_gb=args.gpu_mem_gb, out=sys.stderr)
+            return memory_plan(config, gpu_mem_gib=_gpu_mem_gib(args), out=sys.stderr)
         if args.command == "plan":
             config, _ = resolve_config(args.config, args.overrides)
-            return memory_plan(config, gpu_mem_gb=args.gpu_mem_gb, seq_len=args.seq_len,
-                               engine_mem_fraction=args.engine_mem_fraction)
+            return memory_plan(config, gpu_mem_gib=_gpu_mem_gib(args), seq_len=args.seq_len,
+                               engine_mem_fraction=args.engine_mem_fraction, gpus_per_node=args.gpus_per_node)
         if args.command == "train":
             return run_local(args.config, args.overrides)
         # The demo evaluates held-out reversals every 20 steps (eval.every=0 turns it off).

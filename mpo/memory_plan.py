@@ -1,7 +1,7 @@
 """GPU memory plan of a run: per GPU role, the bytes of parameters, gradients, optimizer state and activations
 (trainer ranks: the policy and, for PPO/VAPO, the critic) and of weights and KV cache (rollout engines).
 
-`mpo plan --config FILE [--gpu-mem-gb 80]` prints it and exits non-zero when a role does not fit; `mpo check-config`
+`mpo plan --config FILE [--gpu-mem-gib 79.6]` prints it and exits non-zero when a role does not fit; `mpo check-config`
 runs it for configs whose engines are SGLang (GPU runs). For the others, check-config, `mpo train` and `mpo demo`
 compare lower bounds of the model state with this machine's memory (check_fits_here) before any rank builds a model.
 
@@ -59,6 +59,8 @@ from mpo.models.config import MoEModelConfig
 from mpo.parallel.config import ParallelConfig
 
 GIB = 2**30
+H100_GIB = 79.6  # an "80 GB" H100 as nvidia-smi counts it: 81,559 MiB
+TIGHT_FRACTION = 0.05  # a role with less free than this share of its GPU is flagged
 RESERVE_BYTES = 4 * GIB  # CUDA context, NCCL communicators and buffers, allocator fragmentation
 
 
@@ -236,6 +238,7 @@ class RoleMemory:
     items: dict[str, int] = field(default_factory=dict)
     capacity: int = 0
     note: str = ""
+    fills_capacity: bool = False  # an engine: its KV cache takes what its share leaves, by design (never "tight")
 
     @property
     def total(self) -> int:
@@ -245,34 +248,49 @@ class RoleMemory:
     def fits(self) -> bool:
         return self.total <= self.capacity
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but with less than TIGHT_FRACTION of the GPU free: estimates are not exact, fragmentation grows."""
+        return self.fits and not self.fills_capacity and self.capacity - self.total < TIGHT_FRACTION * self.capacity
+
+    @property
+    def verdict(self) -> str:
+        free = (self.capacity - self.total) / GIB
+        if not self.fits:
+            return f"DOES NOT FIT ({-free:.1f} GiB over)"
+        if self.tight:
+            return f"TIGHT: fits with {free:.1f} GiB free, under {TIGHT_FRACTION:.0%}"
+        return "fits" if self.fills_capacity else f"fits, {free:.1f} GiB free"
+
 
 @dataclass(frozen=True)
 class PlanInputs:
     """What the plan needs beyond the config.
 
     Attributes:
-        gpu_mem_gb: memory of one GPU (GB, 10^9 bytes: H100 80 GB).
+        gpu_mem_gib: memory of one GPU in GiB (2^30 bytes), as nvidia-smi's total / 1024: an "80 GB" H100 has
+            79.6 (81,559 MiB), an H200 139.8.
         seq_len: tokens per training row; None: rollout.max_new_tokens + prompt_tokens.
         prompt_tokens: prompt budget when seq_len is None.
         engine_mem_fraction: SGLang --mem-fraction-static; None: 0.85 (disaggregated engines, SGLang's own choice
             on 80 GB GPUs is close to it).
     """
 
-    gpu_mem_gb: float = 80.0
+    gpu_mem_gib: float = H100_GIB
     seq_len: int | None = None
     prompt_tokens: int = 1024
     engine_mem_fraction: float | None = None
 
 
 def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
-    """Per GPU role (the heaviest trainer stage, each SGLang engine) the bytes it needs on `inputs.gpu_mem_gb`."""
+    """Per GPU role (the heaviest trainer stage, each SGLang engine) the bytes it needs on `inputs.gpu_mem_gib`."""
     from mpo.algorithms.registry import get_loss
     from mpo.algorithms.step_advantages import AdvantageConfig
     from mpo.config import model_config
 
     m = model_config(config)
     par, s, r = config.parallel, config.schedule, config.rollout
-    capacity = int(inputs.gpu_mem_gb * 1e9)
+    capacity = int(inputs.gpu_mem_gib * GIB)
     seq = inputs.seq_len or r.max_new_tokens + inputs.prompt_tokens
     world = config.world_size
     dp = par.data_parallel(world)
@@ -352,18 +370,32 @@ def engine_memory(m: MoEModelConfig, tp: int, capacity: int, seq_len: int, mem_f
     tokens = kv // per_token
     role = RoleMemory(f"rollout engine (SGLang TP{tp}, mem_fraction {mem_fraction})",
                       {"weights (bf16)": weights, "KV cache": kv}, share,
-                      f"KV cache holds {tokens:,} tokens ({per_token:,} bytes each); one sequence is {seq_len:,}")
+                      f"KV cache holds {tokens:,} tokens ({per_token:,} bytes each); one sequence is {seq_len:,}",
+                      fills_capacity=True)
     if tokens < seq_len:  # the KV cache must hold at least one full sequence
         role = RoleMemory(role.role, {**role.items, "KV cache for one sequence": seq_len * per_token - kv},
-                          share, role.note + " (too small)")
+                          share, role.note + " (too small)", fills_capacity=True)
     return role
+
+
+def gpu_totals(config, gpus_per_node: int = 8) -> str:
+    """One line: the GPUs and nodes the config takes (trainer ranks, disaggregated engines' GPUs)."""
+    r = config.rollout
+    trainer = config.world_size
+    engines = 0 if r.colocate or r.urls or r.engine != "sglang" else r.num_engines * r.tensor_parallel
+    total = trainer + engines
+    nodes = -(-trainer // gpus_per_node) + -(-engines // gpus_per_node)  # engines run on nodes of their own
+    where = (f"{engines} for {r.num_engines} SGLang engines of TP{r.tensor_parallel} on nodes of their own"
+             if engines else "engines colocated with the trainer" if r.colocate else
+             "engines given by rollout.urls, not counted" if r.urls else "no GPU engines")
+    return (f"total: {total} GPUs = {trainer} for the trainer ({config.world_size} ranks) + {where}; "
+            f"{nodes} nodes of {gpus_per_node} GPUs")
 
 
 def format_plan(roles: list[RoleMemory]) -> str:
     lines = []
     for role in roles:
-        lines.append(f"{role.role}: {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB "
-                     f"{'fits' if role.fits else 'DOES NOT FIT'}")
+        lines.append(f"{role.role}: {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB: {role.verdict}")
         if role.note:
             lines.append(f"  ({role.note})")
         for name, value in role.items.items():

@@ -5,8 +5,9 @@ a little more, once, so that a mistake costs one line before start-up instead of
 
   * the tokenizer fits the model's vocabulary (a larger one makes ids past the embedding);
   * model.mcore_dir holds the configured architecture (its tensors' shapes, from the checkpoint's metadata);
-  * engines the run starts itself can start: SGLang importable by the engine Python;
-  * engines given by URL answer (`mpo train` only: check-config may run before the engines are up).
+  * `mpo train` only (check-config may check a multi-node config, whose engines start elsewhere, before they are
+    up): engines the run starts itself can start (SGLang importable by the engine Python), engines given by URL
+    answer.
 
 Each raises ConfigError with the field to change.
 """
@@ -114,10 +115,10 @@ def check_engine_urls_answer(config: TrainConfig) -> None:
                               "address") from None
 
 
-def before_start(config: TrainConfig, *, engines_up: bool) -> None:
-    """Every check above; `engines_up`: the engines given by URL must answer now (`mpo train`)."""
+def before_start(config: TrainConfig, *, local_run: bool) -> None:
+    """Every check above; `local_run`: `mpo train` is about to start this node's ranks and engines."""
     check_tokenizer_fits(config)
     check_checkpoint_architecture(config)
-    check_local_engines_can_start(config)
-    if engines_up:
+    if local_run:
+        check_local_engines_can_start(config)
         check_engine_urls_answer(config)

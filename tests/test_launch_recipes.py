@@ -54,7 +54,7 @@ def test_gpu_recipe_fits_an_80gb_h100(recipe, capsys):
     from mpo.config import load_config
     from mpo.memory_plan import plan_memory
 
-    code = main(["plan", "--config", str(recipe.relative_to(REPO)), "--gpu-mem-gb", "80"])
+    code = main(["plan", "--config", str(recipe.relative_to(REPO)), "--gpu-mem-gb", "80"])  # 80e9 bytes: 74.5 GiB
     out = capsys.readouterr().out
     assert code == 0, out
     roles = plan_memory(load_config(recipe.relative_to(REPO)))
@@ -72,7 +72,7 @@ def test_plan_refuses_a_recipe_that_does_not_fit(capsys):
     captured = capsys.readouterr()
     assert code == 2 and "DOES NOT FIT" in captured.out
     assert captured.err.strip().splitlines() == ["mpo: memory plan: trainer (pipeline stage 0 of 1) does not fit in "
-                                                 "80 GB"]
+                                                 "79.6 GiB"]
     code = main(["check-config", "--config", "mpo/recipes/qwen3_30b_a3b_ppo.yaml", "parallel.tensor_parallel=1",
                  "parallel.pipeline_parallel=1", "parallel.expert_tensor_parallel=null"])
     assert code == 2 and "DOES NOT FIT" in capsys.readouterr().err

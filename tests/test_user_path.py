@@ -144,8 +144,9 @@ def test_user_mcore_dir_of_another_architecture_is_one_line(tiny_hf, tmp_path):
 
 
 def test_user_sglang_without_urls_and_without_sglang_is_one_line(tmp_path):
-    out = _check_config("rollout.engine=sglang", env={"MPO_ENGINE_PYTHON": "/usr/bin/python3"})
-    line = _one_line(out.stderr.split("\n# ", 1)[0])  # the GPU memory plan that follows is not an error
+    out = _check_config("rollout.engine=sglang", f"logging.out_dir={tmp_path / 'run'}",
+                        env={"MPO_ENGINE_PYTHON": "/usr/bin/python3"}, command="train")
+    line = _one_line(out.stderr)
     assert out.returncode == 2 and "cannot import sglang" in line and "MPO_ENGINE_PYTHON" in line, line
 
 
@@ -189,3 +190,23 @@ def test_user_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path):
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("mpo: interrupted; its last checkpoint is ") and "rerun the same command" in last, stderr
+
+
+# ---- item 9: mpo plan totals the GPUs and says "tight" honestly -------------------------------------------------------
+
+def test_user_plan_totals_gpus_and_flags_a_tight_role(capsys):
+    from mpo.cli import main
+
+    code = main(["plan", "--config", "mpo/recipes/qwen3_30b_a3b_gspo.yaml"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "of 79.6 GiB: fits, " in out.out and " GB" not in out.out.replace("GiB", "")  # one unit, in and out
+    assert out.out.strip().splitlines()[-1] == ("total: 32 GPUs = 16 for the trainer (16 ranks) + 16 for 4 SGLang "
+                                                "engines of TP4 on nodes of their own; 4 nodes of 8 GPUs")
+    # PPO (policy + critic) at PP2 needs 74.0 GiB: on 76 GiB GPUs that is under 5% free, which is not "fits"
+    code = main(["plan", "--config", "mpo/recipes/qwen3_30b_a3b_ppo.yaml", "--gpu-mem-gib", "76"])
+    out = capsys.readouterr()
+    assert code == 0 and ": TIGHT: fits with 2.0 GiB free, under 5%" in out.out, out.out
+    assert out.err.strip().splitlines() == [
+        "mpo: memory plan: trainer (pipeline stage 1 of 2) is tight in 76 GiB (under 5% free): expect out-of-memory "
+        "errors from fragmentation; lower schedule.micro_batch_size or raise a parallel size"]
