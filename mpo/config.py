@@ -647,15 +647,21 @@ def to_dict(config: TrainConfig) -> dict:
 
 def validate(config: TrainConfig) -> None:
     """Cross-field checks, all before any process starts."""
-    from mpo.algorithms import CorrectionConfig, loss_names, make_loss_config
+    from mpo.algorithms import CorrectionConfig, get_loss, loss_names, make_loss_config
     from mpo.algorithms.kl import resolve_kl_estimator
     from mpo.algorithms.step_advantages import AdvantageConfig
     from mpo.models.config import PRESETS
 
     a, r, m, d = config.algorithm, config.rollout, config.model, config.data
     _check_ranges(config)
-    if a.loss not in loss_names():
-        raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}")
+    if ":" in a.loss:  # a plug-in: loaded here, so a typo fails before any rank starts
+        try:
+            get_loss(a.loss)
+        except ValueError as exc:
+            raise ConfigError(f"algorithm.loss: {exc}") from None
+    elif a.loss not in loss_names():
+        raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}, or a plug-in "
+                          "'module:function' / 'path/to/file.py:function'")
     loss_args = _typed_loss_args(a.loss, a.loss_args)
     try:
         make_loss_config(a.loss, **loss_args)

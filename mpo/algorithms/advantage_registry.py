@@ -48,8 +48,32 @@ def register_advantage(name: str, *, level: Level, args: tuple[str, ...] = (), n
     return decorator
 
 
+def load_plugin_advantage(name: str) -> None:
+    """Register the plug-in estimator `name` ("module:attr" / "path/to/file.py:attr", mpo.plugins) once: the attr is
+    an AdvantageSpec, or a function carrying `level` (default "response"), `args`, `needs_groups` and `needs_critic`
+    attributes, computed like the built-ins of its level (see the module doc)."""
+    if name in ADVANTAGE_REGISTRY or ":" not in name:
+        return
+    from mpo.plugins import resolve_plugin
+
+    obj = resolve_plugin("advantage estimator", name, name)
+    if isinstance(obj, AdvantageSpec):
+        ADVANTAGE_REGISTRY[name] = AdvantageSpec(name, obj.level, obj.fn, obj.args, obj.needs_groups, obj.needs_critic)
+        return
+    if not callable(obj):
+        raise ValueError(f"advantage estimator {name!r}: {name.rpartition(':')[2]!r} is a {type(obj).__name__}, not "
+                         "a function")
+    level = getattr(obj, "level", "response")
+    if level not in ("response", "token", "running"):
+        raise ValueError(f"advantage estimator {name!r}: level={level!r}; valid: response, token, running")
+    ADVANTAGE_REGISTRY[name] = AdvantageSpec(name, level, obj, tuple(getattr(obj, "args", ())),
+                                             bool(getattr(obj, "needs_groups", False)),
+                                             bool(getattr(obj, "needs_critic", False)))
+
+
 def get_advantage(name: str, level: Level | None = None) -> AdvantageSpec:
     """The estimator ``name`` (of ``level``, when given); a ValueError lists the valid names."""
+    load_plugin_advantage(name)
     spec = ADVANTAGE_REGISTRY.get(name)
     if spec is None or (level is not None and spec.level != level):
         valid = [n for n, s in ADVANTAGE_REGISTRY.items() if level is None or s.level == level]

@@ -62,11 +62,32 @@ def register_loss(name: str, config_cls: type[LossConfig], *, router_shift: bool
 
 
 def get_loss(name: str) -> LossSpec:
+    """The loss `name`: a registered one, or a plug-in "module:attr" / "path/to/file.py:attr" (mpo.plugins) naming a
+    LossSpec or a loss function ``fn(ctx: LossContext, cfg) -> (loss, metrics)``; a function may carry
+    ``config_cls`` (default LossConfig), ``defaults`` and ``router_shift`` attributes. A plug-in is loaded once and
+    then kept in the registry under `name`."""
     _ensure_losses_loaded()
+    if name not in LOSS_REGISTRY and ":" in name:
+        LOSS_REGISTRY[name] = _plugin_loss(name)
     try:
         return LOSS_REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(LOSS_REGISTRY))}") from None
+        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(LOSS_REGISTRY))}, or "
+                         "'module:function' / 'path/to/file.py:function'") from None
+
+
+def _plugin_loss(name: str) -> LossSpec:
+    from mpo.plugins import resolve_plugin
+
+    obj = resolve_plugin("loss", name, name)
+    if isinstance(obj, LossSpec):
+        return replace(obj, name=name)
+    if not callable(obj):
+        raise ValueError(f"loss {name!r}: {name.rpartition(':')[2]!r} is a {type(obj).__name__}, not a loss function")
+    config_cls = getattr(obj, "config_cls", LossConfig)
+    if not (isinstance(config_cls, type) and issubclass(config_cls, LossConfig)):
+        raise ValueError(f"loss {name!r}: config_cls must be a LossConfig subclass, got {config_cls!r}")
+    return LossSpec(name, obj, config_cls, dict(getattr(obj, "defaults", {})), bool(getattr(obj, "router_shift", False)))
 
 
 def make_loss_config(name: str, **overrides: Any) -> LossConfig:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec
+from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec, load_plugin_advantage
 from .advantages import compute_advantages, group_stats
 from .token_advantages import EMABaseline, compute_token_advantages
 
@@ -23,6 +23,7 @@ class AdvantageConfig:
     args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        load_plugin_advantage(self.name)
         if self.name not in ADVANTAGE_REGISTRY:
             raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(ADVANTAGE_REGISTRY)}")
         unknown = sorted(set(self.args) - set(self.spec.args))
