@@ -640,6 +640,7 @@ def validate(config: TrainConfig) -> None:
 
     a, r, m, d = config.algorithm, config.rollout, config.model, config.data
     _check_ranges(config)
+    _check_urls(r.urls)
     if a.loss not in loss_names():
         raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}")
     loss_args = _typed_loss_args(a.loss, a.loss_args)
@@ -777,6 +778,22 @@ def _module_missing(name: str) -> bool:
     if name in sys.modules:
         return sys.modules[name] is None
     return importlib.util.find_spec(name) is None
+
+
+def _check_urls(urls: tuple[str, ...]) -> None:
+    """rollout.urls: each an http(s) URL with a host (and a valid port, if given): anything else (a bare host:port
+    reads as the scheme "host") reaches no engine, and failed only at the first request, deep in the run."""
+    from urllib.parse import urlsplit
+
+    for i, url in enumerate(urls):
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port that is not a number, or out of range
+            ok = False
+        if not ok:
+            raise ConfigError(f"rollout.urls[{i}]={_show(url)}; valid values: 'http://host:port' or "
+                              "'https://host:port'")
 
 
 def _check_logging(config: TrainConfig) -> None:
