@@ -46,6 +46,7 @@ def _engine_error(url: str, endpoint: str, message: str, status: int | None, ret
 
 # A value of an engine's answer in an error message: cut short (a malformed answer may be huge or nested deep).
 _short = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=60, maxother=60).repr
+_error_repr = reprlib.Repr(maxlevel=6, maxlist=20, maxdict=20, maxstring=500, maxother=500).repr  # an error body
 
 
 @functools.cache
@@ -61,8 +62,8 @@ def _error_message(response: httpx.Response) -> str:
     except (ValueError, RecursionError):  # not JSON, or nested deeper than json.loads can go
         return response.text[:500]
     if isinstance(body, dict):
-        return str(body.get("message") or body.get("error") or body.get("detail") or body)[:500]
-    return str(body)[:500]
+        body = body.get("message") or body.get("error") or body.get("detail") or body
+    return (body if isinstance(body, str) else _error_repr(body))[:500]  # repr() of deep JSON would overflow
 
 
 class EngineClient:

@@ -43,15 +43,16 @@ class StaleEngines(RolloutFailed):
 
 def rollout_failure(exc: BaseException) -> BaseException | None:
     """The engine or rollout failure (EngineError, RolloutFailed) behind `exc`: itself or an exception it was raised
-    from (a rollout producer's error reaches rank 0 as a RuntimeError raised from it, mpo.trainer.producer); None if
-    there is none. Its message is the one line a run ends with."""
+    from (`raise ... from`: a rollout producer's error reaches rank 0 as a RuntimeError raised from it,
+    mpo.trainer.producer); None if there is none. Its message is the one line a run ends with. An error merely met
+    while one propagated (__context__, e.g. in a clean-up) is not it: that error keeps its traceback."""
     current: BaseException | None = exc
     for _ in range(16):  # a chain is a few links long; a cycle must not loop forever
         if current is None:
             return None
         if isinstance(current, (EngineError, RolloutFailed)):
             return current
-        current = current.__cause__ or current.__context__
+        current = current.__cause__
     return None
 
 
