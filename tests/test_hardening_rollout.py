@@ -115,6 +115,8 @@ DEEP = 100_000  # nesting levels: past any recursion limit
 MALFORMED = {  # name: ((status,) body, content type) of a /generate answer to a batch of 2
     "deep-json": (b"[" * DEEP + b"]" * DEEP, "application/json"),
     "deep-json-error-body": (500, b'{"message": ' + b"[" * DEEP + b"]" * DEEP + b"}", "application/json"),
+    "traceback-error-body": (500, b'Traceback (most recent call last):\n  File "x.py", line 1\nKeyError: 7\n',
+                             "text/plain"),
     "meta-info-a-list": (json.dumps([{"output_ids": [7], "meta_info": [1]}] * 2).encode(), "application/json"),
     "output-ids-a-number": (json.dumps([{"output_ids": 7, "meta_info": {}}] * 2).encode(), "application/json"),
     "empty-logprob-triple": (json.dumps([{"output_ids": [7], "meta_info": {"output_token_logprobs": [[]]}}] * 2)
@@ -131,8 +133,9 @@ MALFORMED = {  # name: ((status,) body, content type) of a /generate answer to a
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_hardening_rollout_malformed_answer_is_a_retried_engine_failure_not_a_hang(case):
     """Each malformed answer (before the fix: RecursionError, AttributeError, TypeError or IndexError in a pool
-    worker, which died with its call while the other workers waited forever) is an EngineError naming the engine:
-    retried like a 5xx up to max_attempts, then the rollout fails in one line, well within the bound."""
+    worker, which died with its call while the other workers waited forever; an error page of many lines kept them)
+    is an EngineError naming the engine: retried like a 5xx up to max_attempts, then the rollout fails in one line,
+    well within the bound."""
     engine = _Engine(MALFORMED[case])
     pool = RolloutPool([EngineHandle(EngineClient(engine.url, timeout_s=5))],
                        PoolConfig(max_attempts=2, backoff_s=0, max_concurrency_per_engine=2))

@@ -31,6 +31,7 @@ class EngineError(RuntimeError):
 
     def __init__(self, url: str, endpoint: str, message: str, *, status: int | None = None,
                  retryable: bool = True) -> None:
+        message = " ".join(message.split())  # an engine's body may be a page or a traceback: one line
         where = f"engine {url}: {endpoint}"
         super().__init__(f"{where} returned HTTP {status}: {message}" if status else f"{where} failed: {message}")
         self.url, self.endpoint, self.status, self.retryable = url, endpoint, status, retryable

@@ -165,7 +165,8 @@ class RolloutPool:
             except Exception as exc:  # noqa: BLE001 - anything else ends the rollout (the module's docstring)
                 frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
                 where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
-                error = RolloutFailed(f"rollout: {type(exc).__name__}{where} with engine {engine.client.url}: {exc}")
+                error = RolloutFailed(f"rollout: {type(exc).__name__}{where} with engine {engine.client.url}: "
+                                      + " ".join(str(exc).split()))  # one line
                 error.__cause__ = exc
                 failure.append(error)
 
