@@ -10,8 +10,8 @@ Both engines behind the API (real SGLang and mpo's own) produce and consume exac
 from __future__ import annotations
 
 import base64
-import reprlib
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,7 +345,7 @@ def _answer_ids(ids: Any) -> list[int]:
     if ids and (set(map(type, ids)) != {int} or min(ids) < 0):
         i, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or t < 0)
         raise ValueError(f"output_ids[{i}]={_short(bad)} must be a token id (an integer >= 0)")
-    return ids
+    return list(ids)
 
 
 def _answer_logprobs(triples: Any) -> list[float]:
