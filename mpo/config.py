@@ -75,7 +75,8 @@ class RolloutSection:
             own batch: rollouts stay a pure function of (weights, seeds), whatever the timing.
         max_inflight_per_engine: calls in flight per engine at most (the next ones wait in the client's queue).
         api_key: sent as a bearer token to every engine. Unset: engines the run starts itself get a random key.
-        request_timeout_s: a request slower than this counts as a hung engine.
+        request_timeout_s: a request slower than this counts as a hung engine; an off-policy run's rollout process
+            silent for this long counts as hung too (warned about before, then stopped in one line).
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.
@@ -654,6 +655,7 @@ def validate(config: TrainConfig) -> None:
 
     a, r, m, d = config.algorithm, config.rollout, config.model, config.data
     _check_ranges(config)
+    _check_urls(r.urls)
     if ":" in a.loss:  # a plug-in: loaded here, so a typo fails before any rank starts
         try:
             get_loss(a.loss)
@@ -806,6 +808,22 @@ def _module_missing(name: str) -> bool:
     if name in sys.modules:
         return sys.modules[name] is None
     return importlib.util.find_spec(name) is None
+
+
+def _check_urls(urls: tuple[str, ...]) -> None:
+    """rollout.urls: each an http(s) URL with a host (and a valid port, if given): anything else (a bare host:port
+    reads as the scheme "host") reaches no engine, and failed only at the first request, deep in the run."""
+    from urllib.parse import urlsplit
+
+    for i, url in enumerate(urls):
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port that is not a number, or out of range
+            ok = False
+        if not ok:
+            raise ConfigError(f"rollout.urls[{i}]={_show(url)}; valid values: 'http://host:port' or "
+                              "'https://host:port'")
 
 
 def _check_logging(config: TrainConfig) -> None:

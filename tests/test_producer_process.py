@@ -19,7 +19,8 @@ from mpo.trainer.producer import ProducerDied, ProducerProcess
 @pytest.fixture
 def producer():
     config = load_config(None, ["schedule.mode=async", "data.retire_pass_rate=0.9"])
-    made = ProducerProcess(config, [(EngineClient("http://127.0.0.1:9"), None, None)], context_length=64)
+    client = EngineClient("http://127.0.0.1:9", num_layers=2, topk=2)  # routes are asked for: their shape is known
+    made = ProducerProcess(config, [(client, None, None)], context_length=64)
     yield made
     made.close()
 
@@ -32,7 +33,7 @@ def test_the_child_owns_the_rollout_state_and_hears_set_algorithm(producer):
     config = load_config(None, ["schedule.mode=async", "data.retire_pass_rate=0.9", "algorithm.advantage=rloo"])
     producer.set_algorithm(config)
     assert producer.state_dict() == state  # the retirement and the data position are kept, as in the parent
-    with pytest.raises(RuntimeError, match="^RuntimeError: rollout: no healthy engine left; 64 of 64"):
+    with pytest.raises(RuntimeError, match="^RolloutFailed: rollout: no healthy engine left; 64 of 64"):
         producer.collect(0, 0)  # no engine answers: the child's error comes back, one line
     producer.close()
     assert not producer.process.is_alive() and producer.process.exitcode == 0

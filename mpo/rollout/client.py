@@ -1,13 +1,17 @@
 """An HTTP client for one engine speaking SGLang's API (real SGLang or mpo's own engine).
 
 Every failure becomes an EngineError that names the engine URL, the endpoint and, for HTTP errors, the engine's own
-message, so a user sees which of many engines failed and why.
+message, so a user sees which of many engines failed and why. That includes a malformed /generate answer (not JSON,
+JSON nested past the interpreter's stack, a field of the wrong type, a bad frames body): it is checked where it is
+decoded (mpo.rollout.protocol, mpo.rollout.frames) and is an engine failure like a 5xx, retried by the rollout pool on
+a healthy engine up to its attempts, never an AttributeError or RecursionError that kills a pool worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import reprlib
 import ssl
 from typing import Any
 
@@ -21,13 +25,29 @@ _ACCEPT_FRAMES = {"Accept": f"{FRAMES_CONTENT_TYPE}, application/json"}
 
 
 class EngineError(RuntimeError):
-    """A call to one engine failed. `retryable` is True for transport failures and 5xx, False for 4xx."""
+    """A call to one engine failed. `retryable` is True for transport failures, 5xx and malformed answers, False for
+    4xx and for requests refused before sending. Its message is one line: a run it ends stops with it
+    (mpo.rollout.pool.rollout_failure, mpo.trainer.__main__)."""
 
     def __init__(self, url: str, endpoint: str, message: str, *, status: int | None = None,
                  retryable: bool = True) -> None:
+        message = " ".join(message.split())  # an engine's body may be a page or a traceback: one line
         where = f"engine {url}: {endpoint}"
         super().__init__(f"{where} returned HTTP {status}: {message}" if status else f"{where} failed: {message}")
         self.url, self.endpoint, self.status, self.retryable = url, endpoint, status, retryable
+        self._message = message
+
+    def __reduce__(self):  # pickles (the producer process hands it to rank 0): args are not the message alone
+        return (_engine_error, (self.url, self.endpoint, self._message, self.status, self.retryable))
+
+
+def _engine_error(url: str, endpoint: str, message: str, status: int | None, retryable: bool) -> EngineError:
+    return EngineError(url, endpoint, message, status=status, retryable=retryable)
+
+
+# A value of an engine's answer in an error message: cut short (a malformed answer may be huge or nested deep).
+_short = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=60, maxother=60).repr
+_error_repr = reprlib.Repr(maxlevel=6, maxlist=20, maxdict=20, maxstring=500, maxother=500).repr  # an error body
 
 
 @functools.cache
@@ -40,11 +60,11 @@ def _tls_context() -> ssl.SSLContext:
 def _error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json.loads can go
         return response.text[:500]
     if isinstance(body, dict):
-        return str(body.get("message") or body.get("error") or body.get("detail") or body)[:500]
-    return str(body)[:500]
+        body = body.get("message") or body.get("error") or body.get("detail") or body
+    return (body if isinstance(body, str) else _error_repr(body))[:500]  # repr() of deep JSON would overflow
 
 
 class EngineClient:
@@ -82,10 +102,13 @@ class EngineClient:
         if response.headers.get("content-type", "").startswith(FRAMES_CONTENT_TYPE):
             try:
                 return restore_prompt_routes(decode_frames(response.content))
-            except ValueError as exc:
-                raise EngineError(self.url, endpoint, f"bad frames body: {exc}", retryable=False) from exc
+            except ValueError as exc:  # a malformed answer: an engine failure, retried like a 5xx
+                raise EngineError(self.url, endpoint, f"bad frames body: {exc}") from exc
         try:
             return response.json()
+        except RecursionError:  # json.loads' answer to JSON nested past the stack: malformed, retried like a 5xx
+            raise EngineError(self.url, endpoint, "bad response: JSON nested deeper than Python's recursion "
+                              "limit") from None
         except ValueError:
             return response.text
 
@@ -95,6 +118,8 @@ class EngineClient:
             response = self._sync_client().request(method, f"{self.url}{endpoint}",
                                                    json=body if method == "POST" else None,
                                                    timeout=timeout_s or self.timeout_s)
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:  # no retry can help a URL httpx cannot use
+            raise EngineError(self.url, endpoint, f"bad URL: {exc}", retryable=False) from exc
         except httpx.HTTPError as exc:
             raise EngineError(self.url, endpoint, f"{type(exc).__name__}: {exc or 'unreachable'}") from exc
         result = self._check(endpoint, response)
@@ -113,6 +138,8 @@ class EngineClient:
         try:
             response = await client.post(f"{self.url}{endpoint}", json=body, timeout=timeout_s or self.timeout_s,
                                          headers=headers)
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:  # no retry can help a URL httpx cannot use
+            raise EngineError(self.url, endpoint, f"bad URL: {exc}", retryable=False) from exc
         except httpx.HTTPError as exc:
             raise EngineError(self.url, endpoint, f"{type(exc).__name__}: {exc or 'unreachable'}") from exc
         return self._check(endpoint, response)
@@ -130,17 +157,29 @@ class EngineClient:
         try:
             parse_generate_request(body)
         except ValueError as exc:
-            raise EngineError(self.url, "/generate", f"invalid request, not sent: {exc}", retryable=False) from exc
+            raise self._not_sent(str(exc)) from exc
+        if body.get("return_routed_experts") and (self.num_layers is None or self.topk is None):
+            raise self._not_sent("routed experts requested but the client does not know the model's num_layers and "
+                                 "top_k (EngineClient(num_layers=..., topk=...))")
         return body
+
+    def _not_sent(self, why: str) -> EngineError:
+        return EngineError(self.url, "/generate", f"invalid request, not sent: {why}", retryable=False)
+
+    def _results(self, requests: list[GenerateRequest], answers: list[Any]) -> list[GenerateResult]:
+        """The parsed answers; a malformed one is an engine failure, retried like a 5xx (the module's docstring)."""
+        try:
+            return [GenerateResult.from_json(r, a, num_layers=self.num_layers, topk=self.topk,
+                                             num_experts=self.num_experts) for r, a in zip(requests, answers)]
+        except ValueError as exc:
+            raise EngineError(self.url, "/generate", f"bad response: {exc}") from exc
 
     async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResult:
         body = await self.acall("/generate", self._checked(request.to_json()), timeout_s=timeout_s,
                                 headers=_ACCEPT_FRAMES)
-        try:
-            return GenerateResult.from_json(request, body, num_layers=self.num_layers, topk=self.topk,
-                                            num_experts=self.num_experts)
-        except ValueError as exc:
-            raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
+        if isinstance(body, str):
+            raise EngineError(self.url, "/generate", f"bad response: not JSON: {_short(body)}")
+        return self._results([request], [body])[0]
 
     async def generate_batch(self, requests: list[GenerateRequest], *,
                              timeout_s: float | None = None) -> list[GenerateResult]:
@@ -151,20 +190,16 @@ class EngineClient:
         first = requests[0]
         if any(r.return_logprob != first.return_logprob or r.return_routed_experts != first.return_routed_experts
                for r in requests):
-            raise ValueError("a batched /generate needs the same return_logprob / return_routed_experts everywhere")
+            raise self._not_sent("a batched /generate needs the same return_logprob / return_routed_experts "
+                                 "everywhere")
         body = {**first.to_json(), "input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [r.sampling.to_json() for r in requests]}
         body.pop("rid", None)
         answers = await self.acall("/generate", self._checked(body), timeout_s=timeout_s, headers=_ACCEPT_FRAMES)
         if not isinstance(answers, list) or len(answers) != len(requests):
-            raise EngineError(self.url, "/generate", f"batch of {len(requests)} answered with "
-                              f"{len(answers) if isinstance(answers, list) else type(answers).__name__}",
-                              retryable=False)
-        try:
-            return [GenerateResult.from_json(r, a, num_layers=self.num_layers, topk=self.topk,
-                                             num_experts=self.num_experts) for r, a in zip(requests, answers)]
-        except ValueError as exc:
-            raise EngineError(self.url, "/generate", f"bad response: {exc}", retryable=False) from exc
+            raise EngineError(self.url, "/generate", f"bad response: a batch of {len(requests)} answered with "
+                              f"{f'{len(answers)} answers' if isinstance(answers, list) else _short(answers)}")
+        return self._results(requests, answers)
 
     # -- health and control ------------------------------------------------------------------------------------
     def healthy(self, timeout_s: float = 30.0) -> bool:

@@ -20,10 +20,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+import reprlib
 import struct
 from typing import Any
 
 import numpy as np
+
+# A value of a malformed header in an error message: cut short (it may be huge, or nested too deep for repr).
+_short = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=40, maxother=40).repr
 
 CONTENT_TYPE = "application/x-mpo-frames"
 MAGIC = b"MPOF1\n"
@@ -94,7 +98,15 @@ def _little_endian(name: str) -> np.dtype:
 
 
 def decode_frames(body: bytes) -> Any:
-    """A frames body -> the payload with its numpy arrays (views of `body`, read-only). ValueError when malformed."""
+    """A frames body -> the payload with its numpy arrays (views of `body`, read-only). ValueError when malformed,
+    also when its header nests deeper than the interpreter's stack (json.loads, restore and repr recurse)."""
+    try:
+        return _decode_frames(body)
+    except RecursionError:
+        raise ValueError("frames header nests deeper than Python's recursion limit") from None
+
+
+def _decode_frames(body: bytes) -> Any:
     if not body.startswith(MAGIC) or len(body) < len(MAGIC) + _LENGTH.size:
         raise ValueError("not an mpo frames body (bad magic)")
     start = len(MAGIC) + _LENGTH.size
@@ -113,9 +125,9 @@ def decode_frames(body: bytes) -> Any:
             raise ValueError(malformed)
         dtype, shape, offset, nbytes = row
         if dtype not in _DTYPES:
-            raise ValueError(f"frames array dtype {dtype!r}; valid: {sorted(_DTYPES)}")
+            raise ValueError(f"frames array dtype {_short(dtype)}; valid: {sorted(_DTYPES)}")
         if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-            raise ValueError(f"frames array shape {shape!r} is not a list of sizes")
+            raise ValueError(f"frames array shape {_short(shape)} is not a list of sizes")
         dt = _little_endian(dtype)
         if offset < 0 or offset + nbytes > len(data) or nbytes != math.prod(shape) * dt.itemsize:
             raise ValueError(f"frames array {dtype}{shape} at {offset}+{nbytes} does not fit the body")
@@ -131,7 +143,7 @@ def decode_frames(body: bytes) -> Any:
                         and 0 <= where[0] < len(arrays) and arrays[where[0]].ndim
                         and 0 <= where[1] <= where[2] <= len(arrays[where[0]])):
                     return arrays[where[0]][where[1]:where[2]]
-                raise ValueError(f"frames payload names array {where!r}; the body has {len(arrays)}")
+                raise ValueError(f"frames payload names array {_short(where)}; the body has {len(arrays)}")
             return {k: restore(v) if type(v) in _NESTED else v for k, v in value.items()}
         return [restore(v) if type(v) in _NESTED else v for v in value]
 
@@ -187,11 +199,15 @@ def restore_prompt_routes(payload: Any) -> Any:
         if not isinstance(meta, dict) or "routed_experts_prompt_from" not in meta:
             continue
         j, rows = meta.pop("routed_experts_prompt_from"), meta.get("prompt_tokens")
-        source = payload[j].get("meta_info", {}) if isinstance(j, int) and 0 <= j < i else {}
+        earlier = payload[j] if type(j) is int and 0 <= j < i else None
+        source = earlier.get("meta_info") if isinstance(earlier, dict) else None
+        source = source if isinstance(source, dict) else {}  # any other shape names no routes: the error below
         prompt = source.get("routed_experts")
-        if ("routed_experts_prompt_from" in source or not isinstance(prompt, np.ndarray) or not isinstance(rows, int)
-                or not 0 < rows <= len(prompt) or not isinstance(meta.get("routed_experts"), np.ndarray)):
-            raise ValueError(f"answer {i}: routed_experts_prompt_from={j!r} names no earlier answer's prompt routes")
+        if ("routed_experts_prompt_from" in source or not isinstance(prompt, np.ndarray) or not prompt.ndim
+                or type(rows) is not int or not 0 < rows <= len(prompt)
+                or not isinstance(meta.get("routed_experts"), np.ndarray)):
+            raise ValueError(f"answer {i}: routed_experts_prompt_from={_short(j)} names no earlier answer's prompt "
+                             "routes")
         meta["routed_experts"] = np.concatenate([prompt[:rows], meta["routed_experts"]])
     return payload
 

@@ -8,14 +8,22 @@ touched), and `on_call` hears of each call as its answers land, while the others
 Exactly-once: every request has a slot; a slot is filled by the first successful response and never again. A request
 whose engine failed (connection error, 5xx, timeout) goes back to the queue and is retried on a healthy engine; an
 engine that failed is health-checked and, if it is down, restarted through its EngineHandle before it takes work
-again. 4xx answers are the request's fault and are raised at once, naming the engine.
+again. 4xx answers are the request's fault and are raised at once, naming the engine. A malformed answer is an engine
+failure (mpo.rollout.client) and is retried like a 5xx.
+
+No dead workers: anything else a worker meets (a bug, an engine restart that raises) ends the whole rollout at once
+with a RolloutFailed naming the engine and the error, instead of leaving that worker's call unanswered and every
+other worker waiting for it forever. The errors a rollout ends with (EngineError, RolloutFailed) are one line each,
+and rollout_failure finds them behind a run's error, where the trainer stops with that line (mpo.trainer.__main__).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 from mpo.rollout.client import EngineClient, EngineError
@@ -24,8 +32,28 @@ from mpo.rollout.protocol import GenerateRequest, GenerateResult
 log = logging.getLogger(__name__)
 
 
-class StaleEngines(RuntimeError):
+class RolloutFailed(RuntimeError):
+    """The rollout cannot finish: no healthy engine is left, or a worker met an error that is no engine's answer.
+    One line (a run it ends stops with it: rollout_failure)."""
+
+
+class StaleEngines(RolloutFailed):
     """Requests left undone: the engines that could take them were restarted, waiting for the current weights."""
+
+
+def rollout_failure(exc: BaseException) -> BaseException | None:
+    """The engine or rollout failure (EngineError, RolloutFailed) behind `exc`: itself or an exception it was raised
+    from (`raise ... from`: a rollout producer's error reaches rank 0 as a RuntimeError raised from it,
+    mpo.trainer.producer); None if there is none. Its message is the one line a run ends with. An error merely met
+    while one propagated (__context__, e.g. in a clean-up) is not it: that error keeps its traceback."""
+    current: BaseException | None = exc
+    for _ in range(16):  # a chain is a few links long; a cycle must not loop forever
+        if current is None:
+            return None
+        if isinstance(current, (EngineError, RolloutFailed)):
+            return current
+        current = current.__cause__
+    return None
 
 
 @dataclass
@@ -132,6 +160,17 @@ class RolloutPool:
             answered()
 
         async def worker(engine: EngineHandle) -> None:
+            try:
+                await serve(engine)
+            except Exception as exc:  # noqa: BLE001 - anything else ends the rollout (the module's docstring)
+                frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+                where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+                error = RolloutFailed(f"rollout: {type(exc).__name__}{where} with engine {engine.client.url}: "
+                                      + " ".join(str(exc).split()))  # one line
+                error.__cause__ = exc
+                failure.append(error)
+
+        async def serve(engine: EngineHandle) -> None:
             assert engine._ready is not None
             while not failure:
                 # After a failure an engine takes no work until it is recovered: its other idle workers would
@@ -201,7 +240,7 @@ class RolloutPool:
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             stale = ", ".join(e.client.url for e in self.engines if not self._current(e))
-            raise (StaleEngines if stale else RuntimeError)(
+            raise (StaleEngines if stale else RolloutFailed)(
                 f"rollout: no healthy engine left; {len(missing)} of {len(requests)} samples missing (engines: "
                 f"{', '.join(e.client.url for e in self.engines)})"
                 + (f"; restarted, waiting for the next weight sync: {stale}" if stale else ""))
@@ -216,6 +255,8 @@ class RolloutPool:
         assert engine._lock is not None
         async with engine._lock:
             engine.failures += 1
+            if engine._gone:  # another worker's recovery gave it up meanwhile
+                return False
             if await asyncio.to_thread(engine.client.healthy, 10.0):
                 return True
             if engine.restart is None or engine.restarts >= self.config.max_restarts_per_engine:
@@ -223,5 +264,10 @@ class RolloutPool:
                 return False
             log.warning("engine %s is down; restarting it", engine.client.url)
             engine.restarts += 1
-            await asyncio.to_thread(engine.restart)
+            try:
+                await asyncio.to_thread(engine.restart)
+            except Exception as exc:  # noqa: BLE001 - a failed restart leaves it down: the others take its work
+                log.error("engine %s could not be restarted: %s: %s", engine.client.url, type(exc).__name__, exc)
+                engine._gone = True  # not restarted again by its other workers' recoveries
+                return False
             return await asyncio.to_thread(engine.client.healthy, 60.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,17 +255,26 @@ class GenerateResult:
         return self.finish_reason.get("type") == "abort"
 
     @classmethod
-    def from_json(cls, request: GenerateRequest, obj: dict[str, Any], *, num_layers: int | None = None,
+    def from_json(cls, request: GenerateRequest, obj: Any, *, num_layers: int | None = None,
                   topk: int | None = None, num_experts: int | None = None) -> "GenerateResult":
         """Parse one answer (SGLang's JSON, or mpo's frames whose arrays are numpy already). Routes are decoded once
-        into the compact array of :func:`compact_routes` (uint8 up to 256 experts)."""
-        meta = obj.get("meta_info", {})
-        output_ids = obj.get("output_ids", [])
-        output_ids = output_ids.tolist() if isinstance(output_ids, np.ndarray) else list(output_ids)
+        into the compact array of :func:`compact_routes` (uint8 up to 256 experts).
+
+        Every field mpo reads is type-checked here, where it is read: an answer of another shape (a list for an
+        object, a string for a token id, a short triple) is a ValueError naming the field, which EngineClient turns
+        into an engine failure, never an AttributeError or TypeError in the rollout pool or the trainer."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"the answer must be a JSON object, got {_json_type(obj)}")
+        meta = obj.get("meta_info")
+        if meta is None:
+            meta = {}
+        elif not isinstance(meta, dict):
+            raise ValueError(f"meta_info must be an object, got {_json_type(meta)}")
+        output_ids = _answer_ids(obj.get("output_ids"))
         triples = meta.get("output_token_logprobs")
         if triples is None:
             triples = []
-        if request.return_logprob and len(triples) != len(output_ids):
+        if request.return_logprob and _length(triples, "meta_info.output_token_logprobs") != len(output_ids):
             raise ValueError(f"output_token_logprobs has {len(triples)} entries for {len(output_ids)} output ids")
         routed = None
         if request.return_routed_experts:
@@ -277,27 +287,90 @@ class GenerateResult:
             rows = len(request.input_ids) + len(output_ids) - 1
             wire = meta["routed_experts"]
             if isinstance(wire, np.ndarray):  # mpo's frames: already compact, only checked
-                if wire.shape != (rows, num_layers, topk):
-                    raise ValueError(f"routed_experts has shape {wire.shape}; expected rows={rows} x "
-                                     f"layers={num_layers} x top_k={topk}")
+                if wire.shape != (rows, num_layers, topk) or wire.dtype.kind not in "iu":
+                    raise ValueError(f"routed_experts has shape {wire.shape} ({wire.dtype}); expected integers of "
+                                     f"rows={rows} x layers={num_layers} x top_k={topk}")
                 # a writable copy of its own: the frames body it views is freed, torch can take it as is
                 routed = np.array(compact_routes(wire, num_experts), copy=True)
-            else:  # SGLang's base64 int32 JSON, decoded once into the compact array
+            elif isinstance(wire, str):  # SGLang's base64 int32 JSON, decoded once into the compact array
                 routed = compact_routes(decode_routed_experts(wire, rows=rows, num_layers=num_layers, topk=topk),
                                         num_experts)
+            else:
+                raise ValueError(f"meta_info.routed_experts must be a base64 string, got {_json_type(wire)}")
             meta = {k: v for k, v in meta.items() if k != "routed_experts"}  # one copy of the routes, not two
-        if meta.get("output_token_weight_versions") is not None:
-            meta = {**meta, "output_token_weight_versions": token_versions(meta["output_token_weight_versions"])}
+        finish = meta.get("finish_reason") or {}
+        if not isinstance(finish, dict):
+            raise ValueError(f"meta_info.finish_reason must be an object or null, got {_json_type(finish)}")
+        latency = meta.get("e2e_latency")
+        if latency is not None and not _is_number(latency):
+            raise ValueError(f"meta_info.e2e_latency must be a number, got {_json_type(latency)}")
+        if "loss_mask" in meta:  # mpo's own key (mpo.envs.rollout builds it), never an engine's to set
+            meta = {k: v for k, v in meta.items() if k != "loss_mask"}
+        stamps = meta.get("output_token_weight_versions")
+        if stamps is not None:
+            if _length(stamps, "meta_info.output_token_weight_versions") != len(output_ids):
+                raise ValueError(f"output_token_weight_versions has {len(stamps)} entries for {len(output_ids)} "
+                                 "output ids")
+            meta = {**meta, "output_token_weight_versions": token_versions(stamps)}
         return cls(
             prompt_ids=list(request.input_ids),
             output_ids=output_ids,
-            output_logprobs=(triples.astype(np.float64).tolist() if isinstance(triples, np.ndarray)  # frames: [n]
-                             else [float(t[0]) for t in triples]),
-            finish_reason=meta.get("finish_reason") or {},
+            output_logprobs=_answer_logprobs(triples),
+            finish_reason=finish,
             weight_version=weight_version(meta.get("weight_version")),
             routed_experts=routed,
             meta=meta,
         )
+
+
+def _length(value: Any, where: str) -> int:
+    """len() of a per-token field of an answer: a JSON list, or a 1-d frames array."""
+    if isinstance(value, list) or (isinstance(value, np.ndarray) and value.ndim == 1):
+        return len(value)
+    raise ValueError(f"{where} must be a list, got {_json_type(value)}"
+                     f"{f' of shape {value.shape}' if isinstance(value, np.ndarray) else ''}")
+
+
+def _answer_ids(ids: Any) -> list[int]:
+    """An answer's output_ids (absent: none): a list of token ids >= 0, or the frames' 1-d integer array."""
+    if ids is None:
+        return []
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.size and int(ids.min()) < 0):
+            raise ValueError(f"output_ids must be token ids >= 0, got an array {ids.dtype}{list(ids.shape)}")
+        return ids.tolist()
+    if not isinstance(ids, list):
+        raise ValueError(f"output_ids must be a list of token ids, got {_json_type(ids)}")
+    # type(), not isinstance: true is not a token; checked with C loops (map, min): a 128-row answer has ~30k ids
+    if ids and (set(map(type, ids)) != {int} or min(ids) < 0):
+        i, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or t < 0)
+        raise ValueError(f"output_ids[{i}]={_short(bad)} must be a token id (an integer >= 0)")
+    return list(ids)
+
+
+def _answer_logprobs(triples: Any) -> list[float]:
+    """meta_info.output_token_logprobs as floats: SGLang's [[logprob, token_id, text], ...] or the frames' 1-d float
+    array of the log-probs."""
+    if isinstance(triples, np.ndarray):
+        if triples.ndim != 1 or triples.dtype.kind != "f":
+            raise ValueError(f"meta_info.output_token_logprobs must be floats, got an array "
+                             f"{triples.dtype}{list(triples.shape)}")
+        return triples.astype(np.float64).tolist()
+    if not isinstance(triples, list):
+        raise ValueError(f"meta_info.output_token_logprobs must be a list, got {_json_type(triples)}")
+    logprobs = [float(t[0]) for t in triples if type(t) is list and t and type(t[0]) in _LOGPROB_TYPES]
+    if len(logprobs) != len(triples):
+        i, bad = next((i, t) for i, t in enumerate(triples)
+                      if type(t) is not list or not t or type(t[0]) not in _LOGPROB_TYPES)
+        raise ValueError(f"meta_info.output_token_logprobs[{i}]={_short(bad)} must be [logprob, token_id, text]")
+    return logprobs
+
+
+_LOGPROB_TYPES = (float, int)  # type(), not isinstance: true is no log-prob
+
+
+# A value of an engine's answer in an error message: cut short (a malformed answer may be huge or deeply nested).
+_short = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=40, maxother=40).repr
 
 
 def weight_version(stamp: Any) -> int | None:

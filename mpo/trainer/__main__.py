@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_no_space_in_threads()
     from mpo.config import ConfigError, load_config
     from mpo.data.sources import DataError
+    from mpo.rollout.pool import rollout_failure
     from mpo.trainer.dist_checkpoint import CheckpointError
     from mpo.trainer.loop import run
     from mpo.trainer.producer import ProducerDied
@@ -55,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         stop_rank_with_one_line(str(exc))
     except KeyboardInterrupt:  # Ctrl-C, forwarded by torchrun: checkpoints are atomic; `mpo train` says how to resume
         return 130
-    except Exception:
+    except Exception as exc:
+        failed = rollout_failure(exc)  # an engine failed past its retries (or refused a call): its one line
+        if failed is not None:
+            stop_rank_with_one_line(str(failed))
         # Our error may be a consequence of a peer's failure (its exit broke a collective, or a checkpoint write failed
         # on its disk): give that rank a moment to write its one line, which is then the run's.
         deadline = time.monotonic() + PEER_REPORT_GRACE_S

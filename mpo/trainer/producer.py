@@ -12,6 +12,13 @@ weights, are asked of the parent. Checkpoints take the child's state (state_dict
 data position); it starts from the parent's after resume and the warm start (load_state_dict). If the child dies,
 the call in flight and every later one raise ProducerDied, one line naming it; close() ends it, and it dies with
 rank 0 (PR_SET_PDEATHSIG, mpo.lifecycle). Sync mode does not use it: the Collector runs in rank 0's own thread.
+
+A child that is alive but silent (stopped with SIGSTOP, or hung holding its GIL) would leave rank 0 waiting forever:
+the child says it is alive every second from a thread of its own (a "beat", also during a long collect), and while
+rank 0 waits for an answer it warns every 30 s of silence (a quarter of rollout.request_timeout_s, if less) and,
+after all of rollout.request_timeout_s, kills the child: the call raises ProducerDied saying so (a producer that long
+silent is hung, as an engine that long slow is). An engine failure the child's collect ends with (EngineError,
+RolloutFailed) travels with its error, so rank 0 stops the run with its one line (mpo.rollout.pool.rollout_failure).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -32,18 +40,41 @@ class ProducerDied(RuntimeError):
     """The rollout producer's process is gone (a one-line failure of the run: mpo.trainer.__main__)."""
 
 
+STARTUP_GRACE_S = 120.0  # silence allowed before the child's first beat (a spawned interpreter unpickling its args)
+
+
+def _quiet_limits(config) -> tuple[float, float, float]:
+    """(beat, warn, limit) seconds for a producer of `config`: the child beats every `beat` s; rank 0, waiting for an
+    answer, warns every `warn` s of silence and gives up after `limit` s (rollout.request_timeout_s)."""
+    limit = float(config.rollout.request_timeout_s)
+    return min(1.0, limit / 20), min(30.0, limit / 4), limit
+
+
+def _beat(conn, lock: threading.Lock, every_s: float) -> None:
+    """The child's thread that says it is alive: stops when the pipe does (rank 0 is gone or the child ends)."""
+    message = pickle.dumps(("beat", None), protocol=pickle.HIGHEST_PROTOCOL)
+    while True:
+        try:
+            with lock:
+                conn.send_bytes(message)
+        except (OSError, ValueError):
+            return
+        time.sleep(every_s)
+
+
 class _Link:
     """Calls both ways over one duplex pipe: call(method, *args) waits for the other side's answer; the other side's
     calls run handlers[method] each on a thread of its own (those named in `inline`, quick ones, on the reader's).
     `on_close()` -> the exception for callers once the pipe is closed."""
 
     def __init__(self, conn, handlers: dict[str, Callable], on_close: Callable[[], BaseException],
-                 inline: tuple[str, ...] = ()) -> None:
+                 inline: tuple[str, ...] = (), send_lock: threading.Lock | None = None) -> None:
         self.conn, self.handlers, self._on_close, self._inline = conn, handlers, on_close, inline
-        self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._send_lock, self._lock = send_lock or threading.Lock(), threading.Lock()
         self._pending: dict[int, list] = {}
         self._ids = itertools.count()
         self.closed: BaseException | None = None
+        self.heard, self.heard_any = time.monotonic(), False  # when the other side last sent anything (a beat too)
         threading.Thread(target=self._read, name="mpo-producer-link", daemon=True).start()
 
     def _send(self, message: tuple) -> None:
@@ -71,15 +102,25 @@ class _Link:
             return box[2]
         raise box[2]
 
+    def waiting(self) -> bool:
+        """Is a call of this side waiting for its answer?"""
+        return bool(self._pending)
+
     def _read(self) -> None:
         try:
             while True:
                 kind, key, *rest = pickle.loads(self.conn.recv_bytes())
+                self.heard, self.heard_any = time.monotonic(), True
+                if kind == "beat":
+                    continue
                 if kind == "reply":
                     with self._lock:
                         box = self._pending.pop(key)
-                    ok, value = rest
-                    box[1], box[2] = ok, value if ok else RuntimeError(value)
+                    ok, value, *cause = rest
+                    if not ok:
+                        value = RuntimeError(value)
+                        value.__cause__ = cause[0] if cause else None  # the engine failure behind it, if any
+                    box[1], box[2] = ok, value
                     box[0].set()
                 elif rest[0] in self._inline:
                     self._serve(key, *rest)
@@ -97,7 +138,10 @@ class _Link:
         try:
             reply = (True, self.handlers[method](*args))
         except BaseException as exc:  # noqa: BLE001 - the caller raises it, one line
-            reply = (False, f"{type(exc).__name__}: {exc}")
+            from mpo.rollout.pool import rollout_failure  # (not at import: rank 0 imports this module early)
+
+            # an engine failure goes along (it pickles): the caller's run stops with its one line
+            reply = (False, f"{type(exc).__name__}: {exc}", rollout_failure(exc))
         if key is None:
             if not reply[0]:
                 log.error("%s failed: %s", method, reply[1])
@@ -129,10 +173,34 @@ class ProducerProcess:
         child_end.close()  # ours closed: the child's exit is an EOF here
         self.pid, self._closing = self.process.pid, False
         self._reaping = threading.Lock()  # one thread at a time waits for the child (waitpid reaps it once)
+        self._silent_s: float | None = None  # set when the watchdog killed a silent child
+        self._limits = _quiet_limits(config)
         self._link = _Link(parent_end, {"restart": lambda i: self.engines[i][1](),
                                         "current": lambda i: self.engines[i][2]()}, on_close=self._gone,
                            inline=("current",))  # asked before each call the child's pool sends: kept quick
+        threading.Thread(target=self._watch, name="mpo-producer-watchdog", daemon=True).start()
         log.info("rollout producer: process %d (rollouts off rank 0's GIL)", self.pid)
+
+    def _watch(self) -> None:
+        """While a call waits for the child: a warning every `warn` s of its silence, and after `limit` s it is
+        killed, which fails the calls with ProducerDied (_gone says why)."""
+        beat, warn, limit = self._limits
+        warned = 0  # warnings of this silence so far
+        while not self._closing and self._link.closed is None:
+            time.sleep(beat)
+            silent = time.monotonic() - self._link.heard
+            if not self._link.waiting() or silent < warn:
+                warned = 0
+                continue
+            if silent >= (limit if self._link.heard_any else max(limit, STARTUP_GRACE_S)):
+                self._silent_s = silent
+                self.process.kill()  # SIGKILL ends a stopped process too; its pipe's EOF fails the calls
+                return
+            if silent >= warn * (warned + 1):
+                warned += 1
+                log.warning("the rollout producer process (pid %d) has sent nothing for %.0f s (stopped or hung?); "
+                            "the run stops after %.0f s of silence (rollout.request_timeout_s)", self.pid, silent,
+                            limit)
 
     def _exitcode(self, wait_s: float = 0.0) -> int | None:
         """The child's exit code once it has exited (waiting up to `wait_s`), else None."""
@@ -144,6 +212,10 @@ class ProducerProcess:
         code = self._exitcode(5.0)
         if self._closing:
             return ProducerDied(f"the rollout producer process (pid {self.pid}) was stopped")
+        if self._silent_s is not None:
+            return ProducerDied(f"the rollout producer process (pid {self.pid}) sent nothing for "
+                                f"{self._silent_s:.0f} s (stopped or hung; rollout.request_timeout_s="
+                                f"{self._limits[2]:g}) and was killed")
         how = ("is gone" if code is None else f"exited with code {code}" if code >= 0 else
                f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else
                f"was killed by signal {-code}")
@@ -190,6 +262,9 @@ def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_
     die_with_parent()  # before anything else: never outlive rank 0
     if os.getppid() != parent:  # rank 0 died while this process started (spawn imports its main module first)
         os._exit(1)
+    send_lock = threading.Lock()  # the beats' and the link's messages, one at a time
+    threading.Thread(target=_beat, args=(conn, send_lock, _quiet_limits(config)[0]), name="mpo-producer-beat",
+                     daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s producer%(process)d %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
@@ -226,7 +301,8 @@ def _child(conn, config, clients: list, kinds: list[tuple[bool, bool]], context_
 
     link = _Link(conn, {"collect": collect, "state_dict": collector.state_dict,
                         "load_state_dict": collector.load_state_dict, "set_algorithm": set_algorithm,
-                        "stop": stop.set}, on_close=lambda: stop.set() or ConnectionError("rank 0 is gone"))
+                        "stop": stop.set}, on_close=lambda: stop.set() or ConnectionError("rank 0 is gone"),
+                 send_lock=send_lock)
     stop.wait()
     try:
         task.close()  # reward workers
