@@ -255,3 +255,105 @@ def test_every_sglang_recipe_runs_a_step(user_checkpoint, sglang_server, tmp_pat
         assert result["task"].endswith(".jsonl"), name
         _check_recipe_step(name, result)
         assert result["step"]["sync_probe_logprob_maxdiff"] <= 1e-3, name
+
+
+# ---- issue #49: the README's real-task commands, as printed, with a Ctrl-C and a resume in between ---------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_commands() -> list[str]:
+    """The command lines of the README's real-task block (the indented lines after its marker comment)."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- real-task commands"))
+    block = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        block.append(line.strip())
+    assert len(block) == 2 and block[0].startswith(".venv/bin/mpo train ") and " export " in block[1], block
+    return block
+
+
+def test_e2e_readme_commands_train_from_hf_dir_alone_survive_ctrl_c_and_export(user_checkpoint, sglang_server,
+                                                                             tmp_path):
+    """`mpo train` with only model.hf_dir (converted once), the text recipe, held-out evaluation and W&B offline ->
+    Ctrl-C after the first checkpoint -> the same command again resumes -> `mpo export` -> transformers loads the
+    export and its log-probs equal the trainer's (<= 1e-5) -> SGLang loads the same folder (/update_weights_from_disk
+    into the module's server) and gives the same log-probs (<= 1e-3). The README's lines run through bash with its
+    variables set; the train line gets the test's sizes appended (a few short steps instead of 50 of 256 tokens)."""
+    import signal
+    import time
+
+    train, export = _readme_commands()
+    repo = README.parent
+    run = tmp_path / "run"
+    env = {**os.environ, "HF": str(user_checkpoint["hf"]), "DATA": str(user_checkpoint["data"]),
+           "HELD_OUT": str(user_checkpoint["held_out"]), "RUN": str(run), "WANDB_MODE": "offline",
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    sizes = ("schedule.steps=4 rollout.max_new_tokens=12 eval.every=2 eval.prompts=3 logging.checkpoint_every=1 "
+             "logging.wandb=true logging.progress=false")
+    command = f"{train} {sizes}"
+
+    with open(tmp_path / "first.log", "w") as log:  # Ctrl-C in a terminal: SIGINT to the whole foreground group
+        proc = subprocess.Popen(["bash", "-c", command], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 600
+        while not (run / "checkpoints" / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=180) == 130, (tmp_path / "first.log").read_text()[-3000:]
+    first = (tmp_path / "first.log").read_text()
+    assert "Traceback" not in first and first.strip().splitlines()[-1].startswith("mpo: interrupted; its last "
+                                                                                   "checkpoint is "), first[-3000:]
+    assert (run / "hf_converted" / ".metadata").is_file()  # model.hf_dir alone: converted once, not random weights
+
+    second = subprocess.run(["bash", "-c", command], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "converting" not in second.stderr  # the conversion is reused
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "reward_mean" in r]
+    assert steps == list(range(4)), steps  # resumed: no step lost or repeated
+    assert any("eval/mean@2" in r for r in rows)
+    assert list((run / "wandb").glob("offline-run-*")), "W&B offline wrote nothing"
+
+    done = subprocess.run(["bash", "-c", export], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = run / "export"
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rng = random.Random(2)
+    sequences = [[rng.randrange(3, 360) for _ in range(n)] for n in (9, 14)]
+    spawn_ranks(1, e2e_worker.score, str(run), sequences, str(tmp_path / "trainer.json"), str(tmp_path / "mc"))
+    trainer = json.loads((tmp_path / "trainer.json").read_text())
+    assert trainer["step"] == 4
+    model = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(str(exported)).chat_template  # the tokenizer and its template came along
+    reference = []
+    for seq, trained in zip(sequences, trainer["logprobs"]):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        assert (logp - torch.tensor(trained, dtype=torch.float64)).abs().max() <= 1e-5
+        reference.append(logp)
+
+    import httpx
+
+    url = sglang_server.url
+    headers = sglang_server.headers
+    loaded = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(exported)}, timeout=600,
+                        headers=headers)
+    assert loaded.status_code == 200 and loaded.json().get("success", True), loaded.text
+    try:
+        for seq, logp in zip(sequences, reference):
+            answer = httpx.post(f"{url}/generate", json={"input_ids": seq, "return_logprob": True,
+                                                          "logprob_start_len": 0,
+                                                          "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                                timeout=600, headers=headers).json()
+            served = torch.tensor([entry[0] for entry in answer["meta_info"]["input_token_logprobs"][1:]],
+                                  dtype=torch.float64)
+            assert (served - logp).abs().max() <= 1e-3
+    finally:  # the module's server back on the user's original weights
+        httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(user_checkpoint["hf"])}, timeout=600,
+                   headers=headers)
