@@ -281,7 +281,8 @@ class ScheduleSection:
     """Optimisation schedule.
 
     Attributes:
-        steps: RL steps.
+        steps: RL steps. Raising it for a resumed (or finished) run re-shapes a decaying lr schedule, which spans
+            `steps`: the resume says so in one warning line (the lr at the resumed step before and after).
         updates_per_step: optimizer steps (mini-batches) per RL step.
         micro_batch_size: rows per forward/backward (with packing: at most this many sequences per micro-batch).
         max_tokens_per_microbatch: sequence packing (mpo.trainer.packing): every pass packs its samples end to end
