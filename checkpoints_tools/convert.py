@@ -21,11 +21,10 @@ from checkpoints_tools.files import atomic_directory
 from checkpoints_tools.hf_writer import StreamingSafetensorsWriter
 from checkpoints_tools.progress import progress
 from checkpoints_tools.torch_dist_io import ChunkSpec, TorchDistReader, write_torch_dist
+from mpo.model_files import HF_ASSETS_DIR, HF_CONFIG_NAME, NotACheckpoint, is_asset, resolve_mcore_dir
 from mpo.models.hf_mapping import ModelMapping, Spec, Unit, mapping_for, model_config_from_hf
 from mpo.models.hf_source import INDEX_NAME, ConversionError, HFCheckpoint, read_json
 
-HF_CONFIG_NAME = "hf_config.json"
-HF_ASSETS_DIR = "hf_assets"
 CONVERSION_INFO = "conversion.json"
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                        "F8_E4M3": torch.bfloat16, "F8_E5M2": torch.bfloat16}  # FP8 is dequantised to bf16
@@ -55,8 +54,7 @@ class ConversionReport:
 def _copy_assets(src: Path, dst: Path) -> None:
     """Tokenizer / generation config files: everything small that is not weights or the weight index."""
     for path in sorted(src.iterdir()):
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (INDEX_NAME, "config.json") \
-                and not path.name.startswith(".") and path.stat().st_size < (64 << 20):
+        if is_asset(path) and path.name != INDEX_NAME:
             dst.mkdir(exist_ok=True)
             shutil.copy2(path, dst / path.name)
 
@@ -151,10 +149,17 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
                 max_shard_bytes: int = 2 << 30, show_progress: bool = True) -> ConversionReport:
     """Convert a megatron-core torch_dist checkpoint (written by hf_to_mcore or by megatron at any layout) to HF."""
     start = time.perf_counter()
-    mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
+    try:  # a torch_dist directory, a trainer checkpoint's step directory, or a run directory (its newest checkpoint)
+        mcore_dir = resolve_mcore_dir(mcore_dir)
+    except NotACheckpoint as exc:
+        raise ConversionError(f"--mcore-dir: {str(exc).removeprefix(str(mcore_dir) + ': ')}",
+                              file=str(mcore_dir)) from None
+    out_dir = Path(out_dir)
     config_path = Path(hf_config) if hf_config else mcore_dir / HF_CONFIG_NAME
     if not config_path.is_file():
-        raise ConversionError("no HF config (pass --hf-config)", file=str(config_path))
+        raise ConversionError("no HF config (a run from model.preset, or a checkpoint saved before they carried "
+                              "one): pass --hf-config" if not hf_config else "--hf-config: no such file",
+                              file=str(config_path))
     config = read_json(config_path)
     model_config = model_config_from_hf(config, file=str(config_path))
     reader = TorchDistReader(mcore_dir)
@@ -178,6 +183,9 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
         if assets.is_dir():
             for path in assets.iterdir():
                 shutil.copy2(path, tmp / path.name)
+        if not (tmp / "generation_config.json").exists():  # the special tokens as transformers derives them
+            generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return ConversionReport("mcore-to-hf", model_config.architecture, count, writer.total_bytes,
                             time.perf_counter() - start)
 

@@ -18,8 +18,10 @@ def load_checkpoint(model: torch.nn.Module, mcore_dir: str | Path) -> None:
     load_state_dict."""
     from mpo.safe_load import load_sharded
 
-    state = load_sharded(model.sharded_state_dict(), mcore_dir)
-    model.load_state_dict(state)
+    wanted = model.sharded_state_dict()
+    state = load_sharded(wanted, mcore_dir)
+    # only the model's keys: a trainer checkpoint's common state also holds its optimizer's and RNG's entries
+    model.load_state_dict({k: state[k] for k in wanted})
 
 
 def _resave(model: torch.nn.Module, out: Path) -> None:

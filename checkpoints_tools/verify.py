@@ -196,6 +196,7 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, ep: int = 
     Inputs are checked before any rank starts (ConversionError, one line): both directories, both config files,
     the torch_dist metadata and stored objects (read safely, mpo.safe_load), and the layout against the model."""
     stages = dict(pp_first=pp_first, pp_last=pp_last, vpp=vpp)
+    mcore_dir = _torch_dist_dir(mcore_dir)
     model_cfg = check_inputs(hf_dir, mcore_dir, tp=tp, ep=ep, pp=pp, etp=etp, **stages)
     prompts = prompts or default_prompts(model_cfg.vocab_size, batch=max(2, pp if vpp else 2))
     mcore = run_mcore(mcore_dir, prompts, tp=tp, ep=ep, pp=pp, etp=etp, **stages)
@@ -215,6 +216,19 @@ def _as_flags(message: str) -> str:
 
     pattern = re.compile("|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)))
     return pattern.sub(lambda m: _FLAGS[m.group(0)], message)
+
+
+def _torch_dist_dir(mcore_dir: str | Path) -> Path:
+    """--mcore-dir as a torch_dist directory: itself, or a run directory's newest trainer checkpoint (a trainer
+    checkpoint's step directory is one: its policy keys are unprefixed and it carries hf_config.json)."""
+    from mpo.model_files import NotACheckpoint, resolve_mcore_dir
+
+    if not Path(mcore_dir).is_dir():
+        raise ConversionError("--mcore-dir: directory does not exist", file=str(mcore_dir))
+    try:
+        return resolve_mcore_dir(mcore_dir)
+    except NotACheckpoint:
+        return Path(mcore_dir)  # check_inputs says what is missing
 
 
 def check_inputs(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int, ep: int, pp: int, etp: int | None,

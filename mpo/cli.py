@@ -1,4 +1,4 @@
-"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`.
+"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`, `mpo export`.
 
 `mpo plan --config FILE [--gpu-mem-gib 79.6]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
 does not fit; `mpo check-config` prints it too (on stderr) for configs with SGLang engines.
@@ -222,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--replay", default=None, choices=("none", "r2", "r3"), help="routing replay mode")
     demo.add_argument("overrides", nargs="*", help="section.field=value")
     sub.add_parser("bench", help="mpo bench NAME [args] (same as python -m mpo.bench)", add_help=False)
+    from mpo import export  # `mpo export RUN [--step N] --out DIR` (mpo.export)
+
+    export.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "export" and not rest:
+        return export.main(args)
 
     from mpo.config import ConfigError
 

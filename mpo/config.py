@@ -282,7 +282,8 @@ class ScheduleSection:
     """Optimisation schedule.
 
     Attributes:
-        steps: RL steps.
+        steps: RL steps. Raising it for a resumed (or finished) run re-shapes a decaying lr schedule, which spans
+            `steps`: the resume says so in one warning line (the lr at the resumed step before and after).
         updates_per_step: optimizer steps (mini-batches) per RL step.
         micro_batch_size: rows per forward/backward (with packing: at most this many sequences per micro-batch).
         max_tokens_per_microbatch: sequence packing (mpo.trainer.packing): every pass packs its samples end to end
@@ -369,6 +370,9 @@ class LoggingSection:
         out_dir: run directory: metrics.jsonl, TensorBoard events, checkpoints, logs.
         tensorboard: also write TensorBoard events (if the tensorboard package is installed).
         checkpoint_every: steps between checkpoints (0: only at the end).
+        keep_checkpoints: complete checkpoints kept in out_dir/checkpoints (>= 1): once a newer one is committed the
+            oldest beyond this many are deleted. Each is a trainer checkpoint (weights, optimizer state, the HF config
+            and tokenizer files); `mpo export RUN --step N` turns one into an HF folder.
         checkpoint_async: write checkpoints in a background process (megatron's async torch_dist save) while
             training goes on; null means on with CUDA, off on CPU. The run's last checkpoint is always waited for.
         checkpoint_format: how the distributed optimizer's state (Adam moments, fp32 master weights) is stored.
@@ -392,6 +396,7 @@ class LoggingSection:
     out_dir: str = "runs/mpo"
     tensorboard: bool = True
     checkpoint_every: int = 5
+    keep_checkpoints: int = 2
     checkpoint_async: bool | None = None
     checkpoint_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     progress: bool = True
@@ -891,6 +896,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "eval.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
     "eval.max_new_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "logging.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
     # numpy's and the engines' seeds are 32-bit; a 30-digit seed passed the old ">= 0" and overflowed inside a rank
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 4294967295]"),
     "world_size": (lambda v: v >= 1, ">= 1"),
@@ -916,12 +922,16 @@ def _typed_loss_args(loss: str, loss_args: dict) -> dict:
 
 
 def _check_mcore_dir(mcore_dir: str) -> None:
-    """model.mcore_dir is a torch_dist checkpoint whose metadata loads safely (mpo.safe_load) before any rank starts."""
+    """model.mcore_dir is a torch_dist checkpoint (a conversion, a trainer checkpoint's step directory, or a run
+    directory: its newest, mpo.model_files) whose metadata loads safely (mpo.safe_load) before any rank starts."""
+    from mpo.model_files import NotACheckpoint, resolve_mcore_dir
     from mpo.safe_load import CheckpointFileError, read_dcp_metadata
 
-    metadata = Path(mcore_dir) / ".metadata"
-    if not metadata.is_file():
-        raise ConfigError(f"model.mcore_dir={_show(mcore_dir)}: not a torch_dist checkpoint (no .metadata)")
+    try:
+        metadata = resolve_mcore_dir(mcore_dir) / ".metadata"
+    except NotACheckpoint as exc:
+        raise ConfigError(f"model.mcore_dir={_show(mcore_dir)}: {str(exc).removeprefix(str(mcore_dir) + ': ')}") \
+            from None
     try:
         read_dcp_metadata(metadata)
     except CheckpointFileError as exc:

@@ -2,7 +2,12 @@
 state, every rank's RNG, and the loop's own JSON state.
 
 Layout: <out_dir>/checkpoints/step_<k>/{torch_dist files, trainer_state.json}, and <out_dir>/checkpoints/latest naming
-the newest complete one. Every tensor is stored as a shard of its global (model-space) tensor, so a checkpoint saved
+the newest complete one; the newest `logging.keep_checkpoints` (default 2) are kept, older ones deleted once a newer
+one is committed. Every checkpoint also carries the files that make it a model of its own (mpo.model_files): the HF
+config (`hf_config.json`) and the tokenizer, chat template and generation config (`hf_assets/`), written with it
+before it is committed, so that `mpo export`, `checkpoints_tools mcore-to-hf` / `verify` and a new run's
+`model.mcore_dir` take the step directory as it is (the policy's model keys are unprefixed, as in a converted
+checkpoint). Every tensor is stored as a shard of its global (model-space) tensor, so a checkpoint saved
 at one parallel layout loads at another (TP, PP, EP, DP): the models through their `sharded_state_dict`, the
 optimizers' Adam moments mapped onto the parameters' global tensors (see OPTIMIZER_SHARDING). Saves and loads are fully parallel:
 each replicated shard is written by one data-parallel rank and read once, then exchanged.
@@ -34,12 +39,13 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from mpo.lifecycle import NoSpaceLeft, _no_space_error, die_with_parent, writing
+from mpo.model_files import TRAINER_STATE, CheckpointError, complete_checkpoints, latest_checkpoint
 from mpo.models.ddp import inner_optimizers
 
 log = logging.getLogger(__name__)
@@ -58,7 +64,6 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
 # it by chain position here (megatron adds the prefix for non-reshardable formats), which is fine at the same layout.
 DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 FORMATS = ("dp_reshardable", "fully_reshardable")
-TRAINER_STATE = "trainer_state.json"
 # Test hook (tests/test_trainer_state.py): "<rank>:<step>" makes that rank stop inside the save of that step, after its
 # shards are written and before the checkpoint is committed, and write its pid to <tmp dir>/stalled; the test then
 # kills it with SIGKILL. Unset in real runs.
@@ -197,21 +202,22 @@ def _maybe_stall(step: int, tmp: Path) -> None:
             time.sleep(1)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from (one line, reported by the trainer's entry point)."""
-
-
 class DistCheckpointer:
     """Collective save/load of trainer checkpoints; see the module docstring."""
 
     def __init__(self, out_dir: str | Path, *, keep: int = 2, async_save: bool = False,
-                 format: str = "dp_reshardable") -> None:
+                 format: str = "dp_reshardable", model_files: Callable[[Path], None] | None = None) -> None:
+        """`keep`: complete checkpoints kept (>= 1); `model_files(directory)`: writes the HF config and tokenizer files
+        into a checkpoint before it is committed (rank 0; mpo.model_files.copy_model_files)."""
+        if keep < 1:
+            raise ValueError(f"logging.keep_checkpoints={keep}; valid values: >= 1")
         if format not in FORMATS:
             raise ValueError(f"logging.checkpoint_format={format!r}; valid values: {', '.join(FORMATS)}")
         self.format = format  # routine saves' format; export saves are fully_reshardable
         self._need_bytes = 0  # the last save's estimated shard size (full-disk diagnosis)
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
+        self.model_files = model_files
         self.async_save = async_save
         self._queue = None  # megatron AsyncCallsQueue, made on the first async save
         self._pending = self.root  # the file an async save in flight names if the disk fills
@@ -219,33 +225,13 @@ class DistCheckpointer:
     # -- pointer ---------------------------------------------------------------------------------------------------
     def complete(self) -> list[Path]:
         """The complete checkpoints (step_<N> with their trainer state written last), oldest first."""
-        found = [(int(p.name[5:]), p) for p in self.root.glob("step_*")
-                 if p.name[5:].isdigit() and (p / TRAINER_STATE).is_file()]
-        return [p for _, p in sorted(found)]
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
-        """The checkpoint to resume from: the one `latest` names; None for a run that never completed one. A pointer
-        that names nothing loadable (empty, garbage, a path outside the checkpoint directory, a deleted step) falls
-        back to the newest complete checkpoint, saying so, and is an error when there is none: a silent restart
-        from step 0 would train over the run's metrics."""
-        pointer = self.root / "latest"
-        if not pointer.exists() and not pointer.is_symlink():
-            return None
-        name = ""
-        if pointer.is_file():  # not a FIFO or a directory: reading one would block or fail
-            with pointer.open("rb") as f:
-                name = f.read(256).decode("utf-8", errors="replace").strip()
-        path = self.root / name
-        if name.startswith("step_") and name[5:].isdigit() and (path / TRAINER_STATE).is_file():
-            return path
-        why = (f"{pointer} is not a regular file" if not pointer.is_file() else f"{pointer} is empty" if not name
-               else f"{pointer} names {name[:80]!r}, not a complete checkpoint in {self.root}")
-        complete = self.complete()
-        if complete:
-            log.warning("%s; resuming from the newest complete checkpoint, %s", why, complete[-1].name)
-            return complete[-1]
-        raise CheckpointError(f"{why}, and there is no complete checkpoint to resume from: refusing to restart the "
-                              f"run from step 0 over its metrics (delete {pointer} to start it over)")
+        """The checkpoint to resume from (mpo.model_files.latest_checkpoint): the one `latest` names; None for a run
+        that never completed one; a pointer that names nothing loadable falls back to the newest complete one, saying
+        so, and is a CheckpointError when there is none."""
+        return latest_checkpoint(self.root)
 
     def resume_point(self, parts: list[Part], group: Any = None) -> Path | None:
         """Collective: the checkpoint to resume from (None for a run that never completed one). `latest()`, checked
@@ -287,6 +273,7 @@ class DistCheckpointer:
         from megatron.core import dist_checkpointing
 
         self.wait()  # one save in flight at a time: the previous one commits first
+        _writer_results_queue(self.async_save)  # before step_<k>.tmp exists: a failure to start it leaves nothing
         rank = dist.get_rank()
         final, tmp = self.root / f"step_{step}", self.root / f"step_{step}.tmp"
         if rank == 0:
@@ -297,7 +284,6 @@ class DistCheckpointer:
         dist.barrier()
         formats = {p.prefix: part_format(p, "fully_reshardable" if export else self.format) for p in parts}
         state = sharded_state(parts, is_loading=False, rng=True, formats=formats)
-        _writer_results_queue(self.async_save)
         self._need_bytes = _shard_bytes(parts)
         with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(None),
@@ -336,14 +322,16 @@ class DistCheckpointer:
             _fsync(file)
         _maybe_stall(step, tmp)
         if rank == 0:
+            if self.model_files is not None:  # before the trainer state: a committed checkpoint always has them
+                self.model_files(tmp)
             state_file = tmp / TRAINER_STATE
             with writing(state_file):
                 with open(state_file, "w") as f:
                     f.write(trainer_state)
                     f.flush()
                     os.fsync(f.fileno())
-            for file in tmp.iterdir():  # metadata files (rank 0 writes them)
-                if not file.name.startswith("__"):
+            for file in tmp.rglob("*"):  # metadata and model files (rank 0 writes them)
+                if file.is_file() and not file.name.startswith("__"):
                     _fsync(file)
             _fsync(tmp)
         dist.barrier()
@@ -479,8 +467,9 @@ def _writer_results_queue(async_save: bool) -> None:
     save writes from this process (its threads), so a plain queue serves. An async save writes from megatron's worker
     process, through a multiprocessing Manager (a server process) that megatron starts on first use and that nothing
     stops if the rank dies by SIGKILL or os._exit (a one-line stop): it would outlive the run. So start that Manager
-    ourselves, once, with mpo.lifecycle's parent-death hook in it, and only for async saves: a spawned Manager
-    re-imports the rank's main module and torch, which made every run's first synchronous save ~2.5 s slower."""
+    ourselves, once, with mpo.lifecycle's parent-death hook in it, and only for async saves (a spawned Manager imports
+    torch, which made every run's first synchronous save ~2.5 s slower), without re-importing the rank's `__main__`
+    (_main_module_hidden: a script without a main guard would run again in it)."""
     import multiprocessing as mp
     import queue
     from multiprocessing.managers import SyncManager
@@ -494,9 +483,34 @@ def _writer_results_queue(async_save: bool) -> None:
         filesystem_async._results_queue = queue.Queue()
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
+    with _main_module_hidden():
+        manager.start(initializer=die_with_parent)
     filesystem_async._manager = manager  # kept referenced: the Manager stops when garbage-collected
     filesystem_async._results_queue = manager.Queue()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """A spawned child re-imports the parent's `__main__` (as `__mp_main__`) before it runs anything: a user's script
+    that calls Trainer.save without an `if __name__ == "__main__":` guard ran again inside the writer's Manager, whose
+    start then failed (multiprocessing's "bootstrapping phase" error in the child, an 84-line EOFError in the rank,
+    and a step_<k>.tmp left behind). The Manager's server needs nothing from `__main__` (its initializer is
+    mpo.lifecycle's, imported by name), so it is started with `__main__` looking like an interactive session's: no
+    `__spec__`, no `__file__`, which multiprocessing.spawn takes as nothing to import. Restored right after."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _shard_bytes(parts: list[Part]) -> int:

@@ -6,7 +6,9 @@ num_steps = s: linear warmup from 0 over `schedule.lr_warmup_steps` (lr(s) = lr 
 `constant`, `linear` / `cosine` decay to `schedule.min_lr` over the rest of `schedule.steps`, or `wsd` (held, then
 linear to min_lr over the last `schedule.lr_wsd_decay_frac` of the steps after warmup, at least one step). The
 schedule is a pure function of the step, set at the start of every step, so a resumed run continues it exactly (the
-step is trainer state already). The critic follows the same shape from its own `algorithm.critic_lr`, its floor
+step is trainer state already). Extending `schedule.steps` of a resumed (or finished) run re-shapes a decaying
+schedule, as it is a function of the step and the steps: the resume says so in one warning line (steps_change_line:
+the old and new length, and the lr at the resumed step before and after), then trains on the new schedule. The critic follows the same shape from its own `algorithm.critic_lr`, its floor
 scaled alike (min_lr * critic_lr / lr). Weight decay (`schedule.weight_decay`, constant) applies to matrices only:
 megatron's parameter groups exempt biases and norms.
 """
@@ -20,6 +22,37 @@ def optimizer_settings(schedule: Any, *, lr: float) -> dict[str, float]:
     """mpo.models.ddp.make_optimizer's Adam settings from a ScheduleSection, for a model whose peak lr is `lr`."""
     return {"lr": lr, "min_lr": schedule.min_lr * lr / schedule.lr, "weight_decay": schedule.weight_decay,
             "adam_beta1": schedule.adam_beta1, "adam_beta2": schedule.adam_beta2, "adam_eps": schedule.adam_eps}
+
+
+class _Groups:
+    """An optimizer stand-in for lr_at: megatron's scheduler only sets and reads its param groups."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{}]
+
+
+def lr_at(schedule: Any, step: int) -> float:
+    """The policy's lr at RL step `step` under ScheduleSection `schedule`."""
+    return LrSchedule(_Groups(), schedule, lr=schedule.lr).set_step(step)
+
+
+def steps_change_line(saved: dict, schedule: Any, step: int) -> str | None:
+    """One line when a run resumed at `step` now runs to another `schedule.steps` than its checkpoint's config
+    (`saved`, its schedule section) and its lr schedule depends on the steps (decay after warmup); None otherwise."""
+    import dataclasses
+
+    old_steps = saved.get("steps")
+    if not isinstance(old_steps, int) or old_steps == schedule.steps or schedule.lr_decay == "constant":
+        return None
+    try:
+        before = lr_at(dataclasses.replace(schedule, steps=old_steps), step)
+    except Exception:  # noqa: BLE001 - an old schedule that no longer validates: still say the length changed
+        before = None
+    now = lr_at(schedule, step)
+    was = f"{before:.3g}" if before is not None else "?"
+    return (f"schedule.steps changed from {old_steps} (the checkpoint's) to {schedule.steps}: the {schedule.lr_decay} "
+            f"lr schedule now spans {schedule.steps} steps, so the lr at the resumed step {step} is {now:.3g} (it was "
+            f"{was} under {old_steps} steps) and decays to min_lr={schedule.min_lr:g} by step {schedule.steps}")
 
 
 class LrSchedule:

@@ -75,10 +75,15 @@ class Trainer:
         model = build_model(self.model_cfg, config.parallel, self.ctx.device, precision, seed=config.seed,
                             recompute=config.model.recompute)
         if config.model.mcore_dir:
+            from mpo.model_files import resolve_mcore_dir
             from mpo.safe_load import load_sharded  # dist_checkpointing.load that runs no code from the files
 
+            # a converted checkpoint, or a trainer checkpoint (a step directory, or a run directory: its newest):
+            # its policy weights only, a new run's start (its optimizer state and counters are not read)
             gpt = unwrap(model)
-            gpt.load_state_dict(load_sharded(gpt.sharded_state_dict(), config.model.mcore_dir))
+            wanted = gpt.sharded_state_dict()
+            loaded = load_sharded(wanted, resolve_mcore_dir(config.model.mcore_dir))
+            gpt.load_state_dict({k: loaded[k] for k in wanted})
         options = ddp_options(config.parallel, self.ctx.device)
         self.model = wrap_ddp(model, **options)
         if self.rank == 0:  # the one start-up line on what runs (megatron's own notices are quieted: mpo.quiet)
@@ -107,9 +112,14 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
         async_save = config.logging.checkpoint_async
-        self.checkpoints = DistCheckpointer(config.logging.out_dir,
+        from functools import partial
+
+        from mpo.model_files import copy_model_files
+
+        self.checkpoints = DistCheckpointer(config.logging.out_dir, keep=config.logging.keep_checkpoints,
                                             async_save=self.ctx.device.is_gpu if async_save is None else async_save,
-                                            format=config.logging.checkpoint_format)
+                                            format=config.logging.checkpoint_format,
+                                            model_files=partial(copy_model_files, config.model))
 
     # -- set-up helpers ------------------------------------------------------------------------------------------
     def set_algorithm(self, algorithm) -> None:
@@ -327,6 +337,12 @@ class Trainer:
         if path is None:
             return 0
         trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
+        from mpo.trainer.lr_schedule import steps_change_line
+
+        changed = steps_change_line((trainer_state.get("config") or {}).get("schedule") or {}, self.config.schedule,
+                                    int(trainer_state["step"]))
+        if changed and self.rank == 0:  # extending a run re-shapes its decay: never silently
+            log.warning(changed)
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         self.collector.load_state_dict(trainer_state)  # advantages, retirement, the data position (rank 0's)
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
