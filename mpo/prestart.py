@@ -54,12 +54,13 @@ def check_checkpoint_architecture(config: TrainConfig) -> None:
         return
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from mpo.model_files import NotACheckpoint, resolve_mcore_dir
     from mpo.safe_load import CheckpointFileError, read_dcp_metadata
 
     directory = Path(config.model.mcore_dir)
-    try:
-        metadata = read_dcp_metadata(directory / ".metadata")
-    except CheckpointFileError as exc:
+    try:  # a conversion, a trainer checkpoint's step directory, or a run directory (its newest)
+        metadata = read_dcp_metadata(resolve_mcore_dir(directory) / ".metadata")
+    except (CheckpointFileError, NotACheckpoint) as exc:
         raise ConfigError(f"model.mcore_dir: {exc}") from None
     shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     cfg = model_config(config)
