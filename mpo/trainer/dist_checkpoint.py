@@ -394,16 +394,25 @@ class DistCheckpointer:
                 f"optimizer, {_show_layout(trainer_state.get('layout'))}), not at {here}: resume at that layout, or "
                 "from a checkpoint saved with logging.checkpoint_format=fully_reshardable (the run's last checkpoint "
                 "always is)")
+        steps = trainer_state.get("optimizer_steps", {})
         state = sharded_state(parts, is_loading=True, rng=same_layout, formats=formats)
+        # An optimizer that had not stepped when saved (e.g. every group of the first steps had zero reward variance)
+        # saved no state (Adam creates it at its first step): the fresh optimizer here is exactly it.
+        unstepped = {p.prefix for p in parts if steps.get(p.prefix) == 0}
+        for prefix in unstepped:
+            del state[f"{prefix}optimizer"]
         skeleton = _skeleton(state)
         loaded = _fill(skeleton, load_sharded(state, path, strategy=_strategies(path)))
-        steps = trainer_state.get("optimizer_steps", {})
         for part in parts:
             model = loaded[f"{part.prefix}model"]
             part.gpt.load_state_dict({k[len(part.prefix):]: v for k, v in model.items()})
             if part.prefix not in steps:
                 raise CheckpointFileError(f"no optimizer_steps[{part.prefix!r}] (not an mpo trainer checkpoint, or "
                                           "one without this model)", path / TRAINER_STATE)
+            if part.prefix in unstepped:  # building the state to load gave it zero moments without a step count
+                for inner in inner_optimizers(part.optimizer):
+                    inner.state.clear()
+                continue
             # no_grad: megatron's dp_reshardable load copies into the main parameters outside of it (its fully
             # reshardable load is decorated), and an fp32 model's main parameters are views of leaves requiring grad
             with torch.no_grad():
