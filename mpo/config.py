@@ -367,7 +367,8 @@ class LoggingSection:
     Attributes:
         out_dir: run directory: metrics.jsonl, TensorBoard events, checkpoints, logs.
         tensorboard: also write TensorBoard events (if the tensorboard package is installed).
-        checkpoint_every: steps between checkpoints (0: only at the end).
+        checkpoint_every: steps between checkpoints (0: only at the end). Non-zero also checkpoints the end of the
+            supervised warm start (step_0), so a crash early in RL does not repeat it.
         checkpoint_async: write checkpoints in a background process (megatron's async torch_dist save) while
             training goes on; null means on with CUDA, off on CPU. The run's last checkpoint is always waited for.
         checkpoint_format: how the distributed optimizer's state (Adam moments, fp32 master weights) is stored.
@@ -377,6 +378,10 @@ class LoggingSection:
             host memory on save), loadable at any TP/PP/EP/DP layout. The run's last checkpoint (the export) is
             always fully_reshardable. The plain optimizer's state is per model shard and reshardable either way.
         progress: show a progress bar on rank 0.
+        print_every: rank 0 logs a one-line summary of every N-th RL step (step, reward, exact answers, loss, lr, step
+            time, tokens/s, held-out metrics when evaluated), the run's first and last step too, and a line every N
+            warm-start steps; 0: none. null (default): 1 without the progress bar (a long run on a cluster shows
+            each step in its log), 0 with it (warm-start lines every 10 steps).
         wandb: also log every metrics row to Weights & Biases (rank 0; needs `pip install 'mpo[wandb]'`). The run's
             files go under out_dir/wandb; WANDB_MODE=offline (or WANDB_MODE=disabled) works without a network.
         wandb_project / wandb_run_name: the W&B project and run name (None: W&B's generated name).
@@ -394,6 +399,7 @@ class LoggingSection:
     checkpoint_async: bool | None = None
     checkpoint_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     progress: bool = True
+    print_every: int | None = None
     wandb: bool = False
     wandb_project: str = "mpo"
     wandb_run_name: str | None = None
@@ -860,6 +866,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "eval.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
     "eval.max_new_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "logging.print_every": (lambda v: v is None or v >= 0, ">= 0 (0: no step lines; null: 1 without the progress bar)"),
     # numpy's and the engines' seeds are 32-bit; a 30-digit seed passed the old ">= 0" and overflowed inside a rank
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 4294967295]"),
     "world_size": (lambda v: v >= 1, ">= 1"),
