@@ -75,8 +75,9 @@ def launched(tmp_path_factory):
 
 def test_user_sees_a_line_per_step_without_the_bar(resumed):
     _, _, text, _, _ = resumed
-    steps = [line for line in text.splitlines() if re.search(r"INFO step \d+/3: ", line)]
-    assert [re.search(r"step (\d+)/3", line).group(1) for line in steps] == ["1", "2", "3"], text[-3000:]
+    steps = [line for line in text.splitlines() if re.search(r"INFO step \d+ \(\d of 3\): ", line)]
+    assert [re.search(r"step (\d+) \((\d) of", line).groups() for line in steps] == [("0", "1"), ("1", "2"),
+                                                                                      ("2", "3")], text[-3000:]
     for part in ("reward ", "exact ", "loss ", "lr ", " s/step", "tok/s"):
         assert all(part in line for line in steps), (part, steps)
     # evaluated before steps 0 and 2: those steps' lines carry the held-out metrics
@@ -142,3 +143,25 @@ def test_user_launcher_trainer_log_starts_without_warnings(launched):
     head = log.splitlines()[:15]
     assert head and not any("Warning" in line or "warnings.warn" in line for line in head), head
     assert "INFO building the model" in head[0], head
+
+
+def test_user_print_every_n_steps_and_its_range(tmp_path, caplog):
+    """logging.print_every=N: the run's first step, every N-th, and the last; a negative N is refused in one line."""
+    import logging
+
+    from mpo.config import ConfigError, load_config
+    from mpo.trainer.metrics_log import MetricsLog, print_interval
+
+    config = load_config(str(RECIPE), ["logging.progress=false"])
+    assert print_interval(config.logging) == 1  # the default without the bar: every step
+    assert print_interval(load_config(str(RECIPE), []).logging) == 0  # with the bar: the bar
+    assert print_interval(load_config(str(RECIPE), ["logging.print_every=4"]).logging) == 4
+    with pytest.raises(ConfigError, match=r"^logging.print_every=-1; valid values: >= 0"):
+        load_config(str(RECIPE), ["logging.print_every=-1"])
+    metrics = MetricsLog(tmp_path, tensorboard=False, total_steps=12, progress=False, start_step=5, print_every=3)
+    with caplog.at_level(logging.INFO, logger="mpo.trainer.metrics_log"):
+        for step in range(5, 12):
+            metrics.log(step, {"reward_mean": step / 10, "loss": 0.5, "lr": 1e-3})
+    metrics.close()
+    shown = [int(m.group(1)) for r in caplog.records if (m := re.match(r"step (\d+) \(", r.getMessage()))]
+    assert shown == [5, 8, 11], caplog.text

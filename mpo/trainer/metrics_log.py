@@ -99,7 +99,8 @@ def _number(value: float) -> str:
 
 
 def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
-    """One RL step in one line: reward, exact answers, loss, lr, wall time, throughput, held-out metrics if any."""
+    """One RL step in one line: reward, exact answers, loss, lr, wall time, throughput, held-out metrics if any (the
+    evaluation before the step, as in its metrics row)."""
     parts = []
     for key, label in (("reward_mean", "reward"), ("reward_exact_frac", "exact")):
         if isinstance(metrics.get(key), (int, float)):
@@ -117,7 +118,7 @@ def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
             parts.append(f"{label} {metrics[key]:.0f} tok/s")
     held_out = [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items()
                 if k.startswith(("eval/mean@", "eval/pass@")) and isinstance(v, (int, float))]
-    line = f"step {step + 1}/{total}: " + ", ".join(parts)
+    line = f"step {step} ({step + 1} of {total}): " + ", ".join(parts)  # `step` as in metrics.jsonl
     return line + (f"; held-out {', '.join(held_out)}" if held_out else "")
 
 
@@ -147,7 +148,7 @@ def run_summary(out_dir: str | Path, *, first_step: int, steps: int, seconds: fl
         lines.append(f"  held-out {key.removeprefix('eval/')}: {evals[0].get(key, float('nan')):.3f} (step "
                      f"{evals[0]['step']}) -> {evals[-1].get(key, float('nan')):.3f} (step {evals[-1]['step']})")
     lines.append(f"  metrics: {out_dir / 'metrics.jsonl'}; checkpoints: {out_dir / 'checkpoints'}; plot: "
-                 f"`mpo plot {out_dir}` (mpo train writes {out_dir / 'metrics.png'})")
+                 f"`mpo plot {out_dir}` writes {out_dir / 'metrics.png'}")
     return "\n".join(lines)
 
 
