@@ -172,12 +172,12 @@ def run(config: TrainConfig) -> None:
             if trainer.rank == 0:
                 log.info("supervised warm start: %d steps%s", config.schedule.sft_steps,
                          f", from step {trainer.sft_steps_done}" if trainer.sft_steps_done else "")
-            sft_loss = supervised_warm_start(trainer, every or 10)
-            if trainer.rank == 0:
-                log.info("supervised warm start: %d steps, final loss %.4f", config.schedule.sft_steps, sft_loss)
-            if config.logging.checkpoint_every:  # a crash in RL's first steps does not repeat the warm start
-                with trainer.clock("checkpoint"):
-                    trainer.save(0)
+            supervised_warm_start(trainer, every or 10)  # its last step's loss is logged
+            # A crash in RL's first steps does not repeat the warm start: its checkpoint, committed before RL begins
+            if config.logging.checkpoint_every:
+                trainer.save(0, wait=True)
+                if trainer.rank == 0:
+                    log.info("warm start: checkpoint %s", trainer.checkpoints.root / "step_0")
         weights.publish(version=start)
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
