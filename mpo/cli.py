@@ -61,12 +61,16 @@ def run_local(config_path: str | None, overrides: list[str], *, plot: bool = Tru
                    f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"), **child_env()}
-        # The ranks import torch and megatron before their first line (~10 s): say what is starting meanwhile.
-        print(f"mpo: starting {config.world_size} trainer rank{'s' * (config.world_size > 1)} (torchrun); run "
-              f"directory {out_dir}", file=sys.stderr, flush=True)
+        # The ranks import torch and megatron before their first line (~10 s): say what is starting meanwhile. No "mpo:"
+        # prefix: that one marks the one line a failure ends with.
+        print(f"starting {config.world_size} trainer rank{'s' * (config.world_size > 1)} (torchrun); run directory "
+              f"{out_dir}", file=sys.stderr, flush=True)
         code = subprocess.call(command, env=env)
         if code == 0 and plot:
-            write_run_plot(out_dir)
+            try:
+                write_run_plot(out_dir)
+            except (OSError, ImportError) as exc:  # the run succeeded and is intact: a missing plot is no failure
+                print(f"mpo: plot not written ({exc}); `mpo plot {out_dir}` retries", file=sys.stderr)
         return code
     finally:
         lock.close()
@@ -81,7 +85,7 @@ def write_run_plot(out_dir: Path) -> int:
     if path is None:
         print(f"mpo: {out_dir / 'metrics.jsonl'} holds no RL step yet: no plot written", file=sys.stderr)
         return 1
-    print(f"mpo: plot: {path}", file=sys.stderr)
+    print(f"plot: {path}", file=sys.stderr)
     return 0
 
 

@@ -87,8 +87,8 @@ def test_user_sees_a_line_per_step_without_the_bar(resumed):
 def test_user_start_up_says_what_it_does(resumed):
     _, _, text, _, _ = resumed
     lines = text.splitlines()
-    for expected in ("mpo: starting 1 trainer rank (torchrun)", "INFO starting 1 local engine", "INFO building the model",
-                     "INFO 1 engine ready"):
+    for expected in ("starting 1 trainer rank (torchrun); run directory", "INFO starting 1 local engine",
+                     "INFO building the model", "INFO 1 engine ready"):
         assert any(expected in line for line in lines[:8]), (expected, lines[:8])
 
 
@@ -98,11 +98,11 @@ def test_user_run_ends_with_a_summary_and_a_plot(resumed, tmp_path):
     for expected in ("reward: ", "exact answers: ", "held-out mean@4: ", "(step 0) -> ", "(step 3)",
                      f"metrics: {out / 'metrics.jsonl'}", f"checkpoints: {out / 'checkpoints'}", f"mpo plot {out}"):
         assert expected in summary, (expected, summary)
-    assert f"mpo: plot: {out / 'metrics.png'}" in text  # written by `mpo train` after the run
+    assert f"\nplot: {out / 'metrics.png'}" in text  # written by `mpo train` after the run
     assert (out / "metrics.png").stat().st_size > 10_000
     (out / "metrics.png").unlink()
     plotted = _mpo("plot", str(out), timeout=120)
-    assert plotted.returncode == 0 and plotted.stderr.strip() == f"mpo: plot: {out / 'metrics.png'}", plotted.stderr
+    assert plotted.returncode == 0 and plotted.stderr.strip() == f"plot: {out / 'metrics.png'}", plotted.stderr
     assert (out / "metrics.png").stat().st_size > 10_000
     nothing = _mpo("plot", str(tmp_path), timeout=120)
     assert nothing.returncode == 2 and len(nothing.stderr.strip().splitlines()) == 1, nothing.stderr
