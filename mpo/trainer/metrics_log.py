@@ -180,7 +180,6 @@ class MetricsLog:
         self.bar = None
         if progress:
             from tqdm import tqdm
-
             from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="mpo rl", unit="step", dynamic_ncols=True)
