@@ -51,6 +51,19 @@ def log_tail(path: str, lines: int = 15) -> str:
     return "\n".join("    | " + line for line in text)
 
 
+def process_env(spec: Process) -> dict[str, str]:
+    """The environment `spec` runs in: the agent's, the plan's on top. A trainer of several ranks a node gets
+    OMP_NUM_THREADS=1 unless set: what torchrun sets then anyway, without the banner it prints at the top of the
+    trainer's log when it has to (megatron's notices are filtered in the ranks themselves: mpo.quiet)."""
+    env = {**os.environ, **spec.env}
+    argv = list(spec.argv)
+    if spec.kind == "trainer" and "--nproc-per-node" in argv[:-1]:
+        per_node = argv[argv.index("--nproc-per-node") + 1]
+        if per_node.isdigit() and int(per_node) > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 class Agent:
     """This node's part of `plan`.
 
@@ -80,7 +93,7 @@ class Agent:
             # Own session: teardown signals the whole process group (torchrun's workers, SGLang's schedulers). The
             # death signal: a SIGKILLed agent runs no teardown, yet its processes must not outlive it.
             popen = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **spec.env}, start_new_session=True,
+                                     env=process_env(spec), start_new_session=True,
                                      preexec_fn=preexec_exit_with_this_process())
         say(self.node, f"started {spec.name} (pid {popen.pid}); log: {spec.log}")
         running = Running(spec, popen)

@@ -1,4 +1,7 @@
-"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`, `mpo export`.
+"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`, `mpo export`, `mpo plot`.
+
+`mpo plot RUN` writes RUN/metrics.png from RUN/metrics.jsonl (mpo.trainer.plot); `mpo train` writes it after a
+successful run.
 
 `mpo plan --config FILE [--gpu-mem-gib 79.6]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
 does not fit; `mpo check-config` prints it too (on stderr) for configs with SGLang engines.
@@ -20,7 +23,6 @@ from pathlib import Path
 from mpo.config import RECIPES
 from mpo.lifecycle import NoSpaceLeft, RunDirInUse, child_env, lock_run_dir, writing
 from mpo.parallel.ports import free_port
-from mpo.trainer.metrics_log import read_metrics
 
 INTERRUPTED_EXIT = 130  # a shell's status for a process stopped by Ctrl-C
 
@@ -35,8 +37,9 @@ def resolve_config(config_path: str | None, overrides: list[str]):
     return config, yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
-def run_local(config_path: str | None, overrides: list[str]) -> int:
-    """Validate, write the resolved config into the run directory, start world_size ranks here with torchrun."""
+def run_local(config_path: str | None, overrides: list[str], *, plot: bool = True) -> int:
+    """Validate, write the resolved config into the run directory, start world_size ranks here with torchrun; after a
+    successful run, write RUN/metrics.png (`plot`; the demo writes its own)."""
     config, text = resolve_config(config_path, overrides)
     from mpo.memory_plan import check_fits_here
 
@@ -64,7 +67,17 @@ def run_local(config_path: str | None, overrides: list[str]) -> int:
                    f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"), **child_env()}
-        return _wait_or_interrupted(subprocess.Popen(command, env=env), out_dir)
+        # The ranks import torch and megatron before their first line (~10 s): say what is starting meanwhile. No "mpo:"
+        # prefix: that one marks the one line a failure ends with.
+        print(f"starting {config.world_size} trainer rank{'s' * (config.world_size > 1)} (torchrun); run directory "
+              f"{out_dir}", file=sys.stderr, flush=True)
+        code = _wait_or_interrupted(subprocess.Popen(command, env=env), out_dir)
+        if code == 0 and plot:
+            try:
+                write_run_plot(out_dir)
+            except (OSError, ImportError) as exc:  # the run succeeded and is intact: a missing plot is no failure
+                print(f"mpo: plot not written ({exc}); `mpo plot {out_dir}` retries", file=sys.stderr)
+        return code
     finally:
         lock.close()
 
@@ -92,6 +105,19 @@ def _wait_or_interrupted(proc: subprocess.Popen, out_dir: Path) -> int:
              else "no checkpoint had been written yet")
     print(f"mpo: interrupted; {where}: rerun the same command to resume", file=sys.stderr)
     return INTERRUPTED_EXIT
+
+
+def write_run_plot(out_dir: Path) -> int:
+    """RUN/metrics.png from RUN/metrics.jsonl (mpo.trainer.plot), said in one line; 1 when the run has no RL step
+    yet."""
+    from mpo.trainer.plot import write_plot
+
+    path = write_plot(out_dir)
+    if path is None:
+        print(f"mpo: {out_dir / 'metrics.jsonl'} holds no RL step yet: no plot written", file=sys.stderr)
+        return 1
+    print(f"plot: {path}", file=sys.stderr)
+    return 0
 
 
 def memory_plan(config, *, gpu_mem_gib: float, seq_len: int | None = None,
@@ -143,55 +169,14 @@ def _gpu_mem_gib(args: argparse.Namespace) -> float:
 
 
 def summarize_demo(out_dir: Path) -> str:
-    """Reward before/after table and a PNG of reward and routing agreement over steps."""
-    everything = read_metrics(out_dir / "metrics.jsonl")
-    rows = [r for r in everything if "reward_mean" in r]  # RL steps (the final evaluation's row is not one)
-    if not rows:
-        return "no metrics were written"
-    evals = [r for r in everything if any(k.startswith("eval/mean@") for k in r)]
-    window = max(1, min(5, len(rows) // 4 or 1))
-    before = rows[:window]
-    after = rows[-window:]
+    """Reward before/after table and a PNG of reward, loss and routing agreement over steps (mpo.trainer.plot)."""
+    from mpo.trainer.plot import before_after, write_plot
 
-    def mean(items: list[dict], key: str) -> float:
-        values = [r[key] for r in items if key in r]
-        return sum(values) / len(values) if values else float("nan")
-
-    lines = [f"{'':28s}{'before RL':>12s}{'after RL':>12s}",
-             f"{'reward (mean)':28s}{mean(before, 'reward_mean'):12.3f}{mean(after, 'reward_mean'):12.3f}",
-             f"{'exact answers (fraction)':28s}{mean(before, 'reward_exact_frac'):12.3f}"
-             f"{mean(after, 'reward_exact_frac'):12.3f}",
-             f"(mean of the first and last {window} of {len(rows)} RL steps)"]
-    eval_keys = sorted({k for r in evals for k in r if k.startswith(("eval/mean@", "eval/pass@"))})
-    for key in eval_keys:
-        lines.append(f"{'held-out ' + key.removeprefix('eval/'):28s}{evals[0][key]:12.3f}{evals[-1][key]:12.3f}")
-    if evals:
-        lines.append(f"(held-out evaluations: before RL step {evals[0]['step']}, after {evals[-1]['step']} RL steps)")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax1.plot(steps, [r.get("reward_mean", float("nan")) for r in rows], label="reward (mean)")
-    ax1.plot(steps, [r.get("reward_exact_frac", float("nan")) for r in rows], label="exact answers")
-    for key in eval_keys:
-        ax1.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", linestyle="--",
-                 label=f"held-out {key.removeprefix('eval/')}")
-    ax1.set_ylabel("reward")
-    ax1.legend()
-    for key, label in (("routing/rollout_vs_old/exact_match", "engine vs old forward"),
-                       ("routing/old_vs_update/exact_match", "old forward vs update")):
-        ax2.plot(steps, [r.get(key, float("nan")) for r in rows], label=label)
-    ax2.set_ylabel("top-k routing agreement")
-    ax2.set_xlabel("RL step")
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "demo.png", dpi=100)
-    plt.close(fig)
-    lines.append(f"plot: {out_dir / 'demo.png'}   metrics: {out_dir / 'metrics.jsonl'}")
-    return "\n".join(lines)
+    table = before_after(out_dir)
+    plot = write_plot(out_dir, out_dir / "demo.png")
+    if plot is None:
+        return table
+    return f"{table}\nplot: {plot}   metrics: {out_dir / 'metrics.jsonl'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     from mpo import export  # `mpo export RUN [--step N] --out DIR` (mpo.export)
 
     export.add_parser(sub)
+    plot_cmd = sub.add_parser("plot", help="write RUN/metrics.png (reward, held-out evaluation, loss, routing "
+                              "agreement over RL steps) from RUN/metrics.jsonl; a running run can be plotted too")
+    plot_cmd.add_argument("run", help="run directory (logging.out_dir)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "export" and not rest:
         return export.main(args)
@@ -257,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                                engine_mem_fraction=args.engine_mem_fraction, gpus_per_node=args.gpus_per_node)
         if args.command == "train":
             return run_local(args.config, args.overrides)
+        if args.command == "plot":
+            if not (Path(args.run) / "metrics.jsonl").is_file():
+                print(f"mpo: {Path(args.run) / 'metrics.jsonl'} does not exist: give the run directory "
+                      f"(logging.out_dir) of a run", file=sys.stderr)
+                return 2
+            return write_run_plot(Path(args.run))
         # The demo evaluates held-out reversals every 20 steps (eval.every=0 turns it off).
         overrides = ["eval.every=20", f"logging.out_dir={args.out}", *args.overrides]
         if args.steps is not None:
@@ -265,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"algorithm.loss={args.loss}")
         if args.replay:
             overrides.append(f"algorithm.replay={args.replay}")
-        code = run_local(str(RECIPES / "demo_cpu.yaml"), overrides)
+        code = run_local(str(RECIPES / "demo_cpu.yaml"), overrides, plot=False)
         if code == 0:  # a failed run has said why in one line; its plot could not be written to a full disk anyway
             print(summarize_demo(Path(args.out)))
         return code

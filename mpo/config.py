@@ -369,7 +369,8 @@ class LoggingSection:
     Attributes:
         out_dir: run directory: metrics.jsonl, TensorBoard events, checkpoints, logs.
         tensorboard: also write TensorBoard events (if the tensorboard package is installed).
-        checkpoint_every: steps between checkpoints (0: only at the end).
+        checkpoint_every: steps between checkpoints (0: only at the end). Non-zero also checkpoints the end of the
+            supervised warm start (step_0), so a crash early in RL does not repeat it.
         keep_checkpoints: complete checkpoints kept in out_dir/checkpoints (>= 1): once a newer one is committed the
             oldest beyond this many are deleted. Each is a trainer checkpoint (weights, optimizer state, the HF config
             and tokenizer files); `mpo export RUN --step N` turns one into an HF folder.
@@ -382,6 +383,10 @@ class LoggingSection:
             host memory on save), loadable at any TP/PP/EP/DP layout. The run's last checkpoint (the export) is
             always fully_reshardable. The plain optimizer's state is per model shard and reshardable either way.
         progress: show a progress bar on rank 0.
+        print_every: rank 0 logs a one-line summary of every N-th RL step (step, reward, exact answers, loss, lr, step
+            time, tokens/s, held-out metrics when evaluated), the run's first and last step too, and a line every N
+            warm-start steps; 0: none. null (default): 1 without the progress bar (a long run on a cluster shows
+            each step in its log), 0 with it (warm-start lines every 10 steps).
         wandb: also log every metrics row to Weights & Biases (rank 0; needs `pip install 'mpo[wandb]'`). The run's
             files go under out_dir/wandb; WANDB_MODE=offline (or WANDB_MODE=disabled) works without a network.
         wandb_project / wandb_run_name: the W&B project and run name (None: W&B's generated name).
@@ -400,6 +405,7 @@ class LoggingSection:
     checkpoint_async: bool | None = None
     checkpoint_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     progress: bool = True
+    print_every: int | None = None
     wandb: bool = False
     wandb_project: str = "mpo"
     wandb_run_name: str | None = None
@@ -897,6 +903,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "eval.max_new_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "logging.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
+    "logging.print_every": (lambda v: v is None or v >= 0, ">= 0 (0: no step lines; null: 1 without the progress bar)"),
     # numpy's and the engines' seeds are 32-bit; a 30-digit seed passed the old ">= 0" and overflowed inside a rank
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 4294967295]"),
     "world_size": (lambda v: v >= 1, ">= 1"),

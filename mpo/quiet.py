@@ -6,17 +6,34 @@
   (its sync save goes through the async path); NVRx is not a dependency of mpo.
 - torch's "No CUDA runtime is found, using CUDA_HOME=...": logged on import on every CPU host with a CUDA_HOME.
 What mpo does use instead (layer spec, precision, optimizer path) is said in one line by the trainer at start-up.
+
+And megatron's import-time `warnings.warn` notices (WARNINGS), which opened every trainer log and every script using
+the Python API (`mpo train` also sets PYTHONWARNINGS=ignore for its ranks; the launcher and a user's script do not):
+- "Transformer Engine and Apex are not installed" / "Apex is not installed" (CPU hosts, and GPU images without Apex:
+  mpo's layer spec and optimizer are chosen on purpose, and said in the start-up line);
+- "full scope is deprecated" (megatron's own TransformerConfig default, not a setting of mpo's);
+- "MimoModelConfig is experimental" (a megatron model family imported on the way, unused by mpo).
+Filtered by message, as UserWarnings only: any other warning still shows.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 NOISE = {
     "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
     "torch.utils.cpp_extension": "No CUDA runtime is found",
 }
+
+
+WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+    "MimoModelConfig is experimental",
+)
 
 
 class _DropMessage(logging.Filter):
@@ -29,8 +46,10 @@ class _DropMessage(logging.Filter):
 
 
 def install() -> None:
-    """Idempotent: one filter per noisy logger."""
+    """Idempotent: one filter per noisy logger, one per noisy warning."""
     for name, prefix in NOISE.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) for f in logger.filters):
             logger.addFilter(_DropMessage(prefix))
+    for prefix in WARNINGS:  # warnings.filterwarnings drops an identical filter before adding it again
+        warnings.filterwarnings("ignore", message=prefix, category=UserWarning)

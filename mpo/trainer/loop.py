@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from mpo.parallel.collectives import all_reduce_
 from mpo.parallel.init import launch_rank
 from mpo.rollout.engines import EngineSet
 from mpo.trainer.evaluation import Evaluator, due
-from mpo.trainer.metrics_log import MetricsLog, wandb_settings
+from mpo.trainer.metrics_log import MetricsLog, print_interval, run_summary, wandb_settings
 from mpo.trainer.producer import ProducerProcess
 from mpo.trainer.schedule import RolloutSchedule
 from mpo.trainer.trainer import Trainer, _broadcast_object
@@ -59,15 +60,27 @@ def publisher(trainer: Trainer, engines: EngineSet | None):
     return weights
 
 
-def supervised_warm_start(trainer: Trainer) -> float:
-    """A few teacher-forced steps on task answers, so RL starts from a policy that sometimes succeeds."""
+def _sft_loss(trainer: Trainer, share: float) -> float:
+    """Collective: a warm-start step's loss on every rank, from this rank's share (the last stage's shares summed over
+    data parallelism; the last global rank is on the last stage)."""
+    if trainer.is_last_stage:
+        share = all_reduce_(torch.tensor([share], dtype=torch.float64), group=trainer.dp_group).item()
+    return _broadcast_object(share, src=dist.get_world_size() - 1, group=trainer.ctx.object_group)
+
+
+def supervised_warm_start(trainer: Trainer, every: int = 0) -> float:
+    """Teacher-forced steps on task answers, so RL starts from a policy that sometimes succeeds: from
+    trainer.sft_steps_done (0, or a resumed checkpoint's) to schedule.sft_steps; rank 0 logs the loss every `every`
+    steps (and the first and last). Returns the last step's loss."""
     from mpo.trainer.rows import Sample
 
     cfg = trainer.config
+    steps = cfg.schedule.sft_steps
     for group in trainer.optimizer.param_groups:
         group["lr"] = cfg.schedule.sft_lr
     loss_value = float("nan")
-    for step in range(cfg.schedule.sft_steps):
+    started, first = time.perf_counter(), trainer.sft_steps_done
+    for step in range(first, steps):
         pairs = trainer.task.warm_start_prompts(step, 64) if trainer.rank == 0 else None
         pairs = _broadcast_object(pairs, group=trainer.ctx.object_group)  # rank 0 reads the data
         samples = [Sample(ids=[*ids, *answer], prompt_len=len(ids), group=0, reward=0.0) for ids, answer in pairs]
@@ -82,11 +95,15 @@ def supervised_warm_start(trainer: Trainer) -> float:
         trainer.optimizer.zero_grad()
         outs = run_microbatches(trainer.model, mbs, vocab_size=trainer.model_cfg.vocab_size, loss_fn=loss_fn)
         trainer.optimizer.step()
-        if outs:  # this rank's share of the global loss (each share divides by every rank's tokens)
-            loss_value = sum(float(o["sft_loss"]) for o in outs)
-    if cfg.schedule.sft_steps and trainer.is_last_stage:  # the last step's loss: the shares summed over DP
-        total = torch.tensor([loss_value], dtype=torch.float64)
-        loss_value = all_reduce_(total, group=trainer.dp_group).item()
+        trainer.sft_steps_done = step + 1
+        # this rank's share of the global loss (each share divides by every rank's tokens)
+        share = sum(float(o["sft_loss"]) for o in outs) if outs else float("nan")
+        shown = bool(every) and (step == first or (step + 1) % every == 0)
+        if shown or step + 1 == steps:  # the same steps on every rank: the loss is a collective
+            loss_value = _sft_loss(trainer, share)
+            if trainer.rank == 0:
+                log.info("warm start step %d/%d: loss %.4f (%.2f s/step)", step + 1, steps, loss_value,
+                         (time.perf_counter() - started) / (step + 1 - first))
     for group in trainer.optimizer.param_groups:
         group["lr"] = cfg.schedule.lr
     return loss_value
@@ -118,9 +135,16 @@ def run(config: TrainConfig) -> None:
     for noisy in ("httpx", "megatron"):  # one line per engine call / per parameter is noise at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     out_dir = Path(config.logging.out_dir)
+    began = time.perf_counter()
+    every = print_interval(config.logging)
+    first_rank = launch_rank() == 0
+    # Start-up takes a while (engines, models, a checkpoint to load): rank 0 says what it is doing, in a few lines.
+    if first_rank and not config.rollout.urls:
+        log.info("starting %d local engine%s (logs: %s)", config.rollout.num_engines,
+                 "s" * (config.rollout.num_engines > 1), out_dir / "logs")
     # Rank 0 launches its local engines first: they start while the ranks build their models (~3.5 s each on CPU,
     # paid by every run and most tests), and are waited for once the trainer is up.
-    engines = EngineSet(config, out_dir, model_config(config), wait=False) if launch_rank() == 0 else None
+    engines = EngineSet(config, out_dir, model_config(config), wait=False) if first_rank else None
     trainer: Trainer | None = None
     metrics_log = None
     evaluator: Evaluator | None = None
@@ -128,24 +152,37 @@ def run(config: TrainConfig) -> None:
     producer: ProducerProcess | None = None
     weights = None
     try:
+        if first_rank:
+            log.info("building the model on %d rank%s", config.world_size, "s" * (config.world_size > 1))
         trainer = Trainer(config)
         start = trainer.resume()
         if engines is not None:
+            waited = time.perf_counter()
             engines.wait_ready()
+            if trainer.rank == 0:
+                log.info("%d engine%s ready, %.0f s after start (%.1f s waited for once the model was built)",
+                         len(engines.handles), "s" * (len(engines.handles) > 1), time.perf_counter() - began,
+                         time.perf_counter() - waited)
             trainer.collector.connect(engines.handles)
             if config.schedule.mode != "sync":  # started now: its imports overlap the warm start and first push
                 producer = ProducerProcess(trainer.config, engines.handles, clock=trainer.clock,
                                            context_length=trainer.model_cfg.max_position_embeddings)
         weights = publisher(trainer, engines)
-        if start == 0 and config.schedule.sft_steps:
-            sft_loss = supervised_warm_start(trainer)
+        if start == 0 and trainer.sft_steps_done < config.schedule.sft_steps:
             if trainer.rank == 0:
-                log.info("supervised warm start: %d steps, final loss %.4f", config.schedule.sft_steps, sft_loss)
+                log.info("supervised warm start: %d steps%s", config.schedule.sft_steps,
+                         f", from step {trainer.sft_steps_done}" if trainer.sft_steps_done else "")
+            supervised_warm_start(trainer, every or 10)  # its last step's loss is logged
+            # A crash in RL's first steps does not repeat the warm start: its checkpoint, committed before RL begins
+            if config.logging.checkpoint_every:
+                trainer.save(0, wait=True)
+                if trainer.rank == 0:
+                    log.info("warm start: checkpoint %s", trainer.checkpoints.root / "step_0")
         weights.publish(version=start)
         if trainer.rank == 0:
             metrics_log = MetricsLog(out_dir, tensorboard=config.logging.tensorboard, total_steps=config.schedule.steps,
                                      progress=config.logging.progress, start_step=start, wandb=wandb_settings(config),
-                                     versions_per_token=config.logging.versions_per_token)
+                                     versions_per_token=config.logging.versions_per_token, print_every=every)
             metrics_log.truncate_after(start - 1)
             # Rank 0's rollout source: inline (sync) or a producer thread ahead of the trainer (one_step_off, async)
             # that waits on the producer process, which collects off this process's GIL (mpo.trainer.producer)
@@ -190,6 +227,10 @@ def run(config: TrainConfig) -> None:
         final = _evaluate(evaluator, config.schedule.steps, metrics_log)
         if final:
             metrics_log.log(config.schedule.steps, final, progress=False)
+        if metrics_log is not None:
+            metrics_log.close()  # the bar ends above the summary
+            log.info("%s", run_summary(out_dir, first_step=start, steps=config.schedule.steps,
+                                       seconds=time.perf_counter() - began))
     finally:
         if schedule is not None:  # first: a producer mid-batch is aborted before its engines stop
             schedule.stop(abort=lambda: [producer and producer.close()] + [c.abort_all() for c in engines.clients])

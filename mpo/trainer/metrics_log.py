@@ -1,8 +1,9 @@
 """Per-step metrics to JSONL (always), TensorBoard (when installed) and Weights & Biases (logging.wandb), plus a
-progress bar, on one rank."""
+progress bar or a line every `logging.print_every` steps, and the end-of-run summary, on one rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -87,12 +88,81 @@ class WandbSink:
                 log.error("logging.wandb: finishing the W&B run failed (%s)", exc)
 
 
+def print_interval(logging_config) -> int:
+    """logging.print_every resolved: null is every step without the progress bar, none with it."""
+    every = logging_config.print_every
+    return every if every is not None else 0 if logging_config.progress else 1
+
+
+def _number(value: float) -> str:
+    return f"{value:.3g}" if abs(value) >= 1000 or (value and abs(value) < 1e-3) else f"{value:.4g}"
+
+
+def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    """One RL step in one line: reward, exact answers, loss, lr, wall time, throughput, held-out metrics if any (the
+    evaluation before the step, as in its metrics row)."""
+    parts = []
+    for key, label in (("reward_mean", "reward"), ("reward_exact_frac", "exact")):
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(f"{label} {metrics[key]:.3f}")
+    if metrics.get("skipped_no_signal"):
+        parts.append("loss skipped (no signal)")
+    elif isinstance(metrics.get("loss"), (int, float)):
+        parts.append(f"loss {_number(metrics['loss'])}")
+    if isinstance(metrics.get("lr"), (int, float)):
+        parts.append(f"lr {metrics['lr']:.2e}")
+    if isinstance(metrics.get("schedule/step_s"), (int, float)):
+        parts.append(f"{metrics['schedule/step_s']:.2f} s/step")
+    for key, label in (("rollout_tokens_per_s", "rollout"), ("train_tokens_per_s", "train")):
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(f"{label} {metrics[key]:.0f} tok/s")
+    held_out = [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items()
+                if k.startswith(("eval/mean@", "eval/pass@")) and isinstance(v, (int, float))]
+    line = f"step {step} ({step + 1} of {total}): " + ", ".join(parts)  # `step` as in metrics.jsonl
+    return line + (f"; held-out {', '.join(held_out)}" if held_out else "")
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def run_summary(out_dir: str | Path, *, first_step: int, steps: int, seconds: float) -> str:
+    """The end of a run in a few lines: steps run, reward at the start and the end, held-out metrics before and after,
+    the wall time, and where the metrics, checkpoints and plot are."""
+    out_dir = Path(out_dir)
+    everything = read_metrics(out_dir / "metrics.jsonl")
+    rows = [r for r in everything if "reward_mean" in r]  # RL steps (the final evaluation's row is not one)
+    ran = steps - first_step
+    lines = [f"run finished: {ran} RL step{'s' * (ran != 1)} in {seconds:.0f} s"
+             + (f" (resumed at step {first_step}; {steps} in all)" if first_step else "")]
+    if rows:
+        window = max(1, min(5, len(rows) // 4))
+        first, last = rows[:window], rows[-window:]
+        for key, label in (("reward_mean", "reward"), ("reward_exact_frac", "exact answers")):
+            if any(key in r for r in rows):
+                lines.append(f"  {label}: {_mean(first, key):.3f} -> {_mean(last, key):.3f} (mean of the first and "
+                             f"last {window} of {len(rows)} steps)")
+    evals = [r for r in everything if any(k.startswith("eval/mean@") for k in r)]
+    for key in sorted({k for r in evals for k in r if k.startswith(("eval/mean@", "eval/pass@"))}):
+        lines.append(f"  held-out {key.removeprefix('eval/')}: {evals[0].get(key, float('nan')):.3f} (step "
+                     f"{evals[0]['step']}) -> {evals[-1].get(key, float('nan')):.3f} (step {evals[-1]['step']})")
+    lines.append(f"  metrics: {out_dir / 'metrics.jsonl'}; checkpoints: {out_dir / 'checkpoints'}; plot: "
+                 f"`mpo plot {out_dir}` writes {out_dir / 'metrics.png'}")
+    return "\n".join(lines)
+
+
 class MetricsLog:
-    """Rank 0's metrics sinks. `wandb`: the W&B run's project, name and config (None: no W&B)."""
+    """Rank 0's metrics sinks. `wandb`: the W&B run's project, name and config (None: no W&B). `print_every`: a line
+    per N-th step through this module's logger (0: none); with the progress bar, every console log line of the
+    process is written above the bar (tqdm.write), so no line is glued to it."""
 
     def __init__(self, out_dir: str | Path, *, tensorboard: bool, total_steps: int, progress: bool,
-                 start_step: int = 0, wandb: dict[str, Any] | None = None, versions_per_token: bool = False) -> None:
+                 start_step: int = 0, wandb: dict[str, Any] | None = None, versions_per_token: bool = False,
+                 print_every: int = 0) -> None:
         self.versions_per_token = versions_per_token  # logging.versions_per_token
+        self.total_steps, self.start_step, self.print_every = total_steps, start_step, print_every
+        self._redirect = contextlib.ExitStack()
         self.path = Path(out_dir) / "metrics.jsonl"
         self.samples_path = Path(out_dir) / "samples.jsonl"  # a few decoded responses per step
         self.versions_path = Path(out_dir) / "versions.jsonl"  # per consumed sample, each token's policy version
@@ -110,8 +180,12 @@ class MetricsLog:
         self.bar = None
         if progress:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="mpo rl", unit="step", dynamic_ncols=True)
+            # Log lines (evaluations, warnings, step lines) go through tqdm.write: the bar is cleared, the line
+            # written on its own, the bar redrawn below it. Until close().
+            self._redirect.enter_context(logging_redirect_tqdm())
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint (they will be recomputed)."""
@@ -164,6 +238,9 @@ class MetricsLog:
                 self.writer.flush()
         if self.wandb is not None:
             self.wandb.log(step, record)
+        every = self.print_every
+        if every and progress and (step == self.start_step or (step + 1) % every == 0 or step + 1 == self.total_steps):
+            log.info("%s", step_line(step, self.total_steps, metrics))
         if self.bar is not None and progress:  # a row that is no RL step (the final evaluation) moves no bar
             self.bar.update(1)
             loss = metrics.get("loss")
@@ -172,10 +249,13 @@ class MetricsLog:
                                  else f"{loss:.4f}")
 
     def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.close()
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            with writing(self.writer.get_logdir()):
-                self.writer.close()
+        """Idempotent (the loop closes the log before its summary, and again on the way out)."""
+        wandb, bar, writer, self.wandb, self.bar, self.writer = self.wandb, self.bar, self.writer, None, None, None
+        if wandb is not None:
+            wandb.close()
+        if bar is not None:
+            bar.close()
+        self._redirect.close()  # console logging as before the bar
+        if writer is not None:
+            with writing(writer.get_logdir()):
+                writer.close()

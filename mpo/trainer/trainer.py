@@ -62,6 +62,7 @@ class Trainer:
         # Off-policy modes, rank 0: the rollout producer process (mpo.trainer.producer), which then owns the rollout
         # state (advantages, retirement, data position) that checkpoints keep; set by loop.run.
         self.producer = None
+        self.sft_steps_done = 0  # supervised warm-start steps taken (loop.run), kept in checkpoints
         self.clock = PhaseClock(enabled=config.logging.phase_times)  # time/<phase>_s per step (bench step_profile)
         refuse_without_weights(config, where="the trainer")  # never random weights in place of hf_dir's
         self.model_cfg = model_config(config)
@@ -317,7 +318,7 @@ class Trainer:
         """The loop's own state (JSON): the data position (the step, and the task's stream position when the task has
         one), counters, the advantage estimator's and the prompt retirement's state, the config and the layout."""
         rollouts = (self.producer or self.collector).state_dict()  # off-policy: the producer process owns them
-        return {"step": step, "nonfinite_total": self.nonfinite_total,
+        return {"step": step, "nonfinite_total": self.nonfinite_total, "sft_steps_done": self.sft_steps_done,
                 "advantage_state": rollouts["advantage_state"], "retirement": rollouts["retirement"],
                 "task": rollouts["task"], "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 
@@ -344,6 +345,8 @@ class Trainer:
         if changed and self.rank == 0:  # extending a run re-shapes its decay: never silently
             log.warning(changed)
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
+        # checkpoints from before the key: all taken after the whole warm start
+        self.sft_steps_done = int(trainer_state.get("sft_steps_done", self.config.schedule.sft_steps))
         self.collector.load_state_dict(trainer_state)  # advantages, retirement, the data position (rank 0's)
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
         return int(trainer_state["step"])
