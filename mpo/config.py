@@ -693,6 +693,13 @@ def validate(config: TrainConfig) -> None:
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
+    if r.colocate:  # engines on the trainer's GPUs: the transport must reach every one (one node of NODE_GPUS)
+        from mpo.weight_sync.transports import NODE_GPUS, check_colocated
+
+        try:
+            check_colocated(config.sync.transport, r.engine, trainer_nodes=-(-config.world_size // NODE_GPUS))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if r.offload_trainer and not r.colocate:
         raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
                           "room for engines on its own GPUs")
