@@ -50,3 +50,82 @@ def test_first_contact_launch_refuses_engines_placed_on_trainer_gpus_of_two_node
         with pytest.raises(PlanError, match=message):
             make_plan(config, Allocation(hosts=("g1", "g2"), gpus_per_node=8, job_id="1"),
                       LaunchOptions(config_path=str(REPO / GSPO), overrides=tuple(overrides)))
+
+
+# -- item 2: waits sized to the work -----------------------------------------------------------------------------
+
+TIMEOUT_S = 3.0  # parallel.distributed_timeout_s of these runs: a rollout takes longer
+
+
+def _rollout_wait_worker(out: str, scenario: str) -> None:
+    """2 gloo ranks brought up as `mpo train` does (initialize_parallel) with a 3 s timeout. Rank 0 'generates' (sleeps:
+    the engine's time, faked) longer than the timeout; rank 1 waits for its share (mpo.trainer.distribute)."""
+    import json
+    import os
+    import time
+
+    from mpo.parallel import ParallelConfig
+    from mpo.parallel.init import initialize_parallel
+    from mpo.trainer.distribute import Distributor
+    from mpo.trainer.rows import Sample
+
+    ctx = initialize_parallel(ParallelConfig(distributed_timeout_s=TIMEOUT_S), force_cpu=True)
+    distributor = Distributor(ctx.object_group, dp_rank=ctx.rank, layers=(1,), num_layers=1)
+    distributor.on_republish = lambda: None
+    samples = [Sample(ids=[1, 2, 3, 4], prompt_len=2, group=0, reward=1.0)]
+    if ctx.rank == 0:
+        if scenario == "slow":
+            time.sleep(2.5 * TIMEOUT_S)  # a rollout longer than the timeout
+            distributor.republish()  # sync mode's stale engines: a second wait inside the same step
+            time.sleep(1.5 * TIMEOUT_S)
+            distributor(samples, updates=1, dp_size=2, packed=False)
+        elif scenario == "hung":  # rank 0 alive but its heartbeat gone (stopped): a hang the others must not share
+            distributor.close()
+            time.sleep(4 * TIMEOUT_S)
+        else:  # died: the process is gone, with the job's store it hosts (exit status 0: spawn_ranks would kill
+            time.sleep(1.0)  # rank 1 on another one, before it could tell)
+            os._exit(0)
+        return
+    started = time.monotonic()
+    try:
+        got = distributor(None, updates=1, dp_size=2, packed=False)
+        result = {"ok": True, "lengths": [len(s.ids) for s in got]}
+    except RuntimeError as exc:
+        result = {"ok": False, "error": str(exc)}
+    result["waited_s"] = time.monotonic() - started
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def test_first_contact_ranks_wait_for_a_rollout_longer_than_the_timeout(tmp_path):
+    """A rollout step of 4x distributed_timeout_s (with a re-publish inside it): rank 1 gets its samples. Before
+    issue #45 its gloo receive timed out after 3 s."""
+    import json
+
+    from helpers.spawn import spawn_ranks
+
+    out = tmp_path / "rank1.json"
+    spawn_ranks(2, _rollout_wait_worker, str(out), "slow")
+    result = json.loads(out.read_text())
+    assert result["ok"], result
+    assert result["lengths"] == [4] and result["waited_s"] > 3 * TIMEOUT_S
+
+
+def test_first_contact_a_dead_or_hung_rank_0_is_still_detected_in_the_timeout(tmp_path):
+    """No heartbeat for distributed_timeout_s (rank 0 hangs) or no rank 0 at all (it died): rank 1 stops waiting
+    within the timeout (plus a poll) and says why in one line."""
+    import json
+
+    from helpers.spawn import spawn_ranks
+
+    out = tmp_path / "hung.json"
+    spawn_ranks(2, _rollout_wait_worker, str(out), "hung")
+    hung = json.loads(out.read_text())
+    assert not hung["ok"] and "rank 0 sent no heartbeat" in hung["error"] and "\n" not in hung["error"]
+    assert TIMEOUT_S <= hung["waited_s"] < TIMEOUT_S + 2.0, hung
+
+    out = tmp_path / "died.json"
+    spawn_ranks(2, _rollout_wait_worker, str(out), "died")
+    died = json.loads(out.read_text())
+    assert not died["ok"] and "rank 0" in died["error"] and "\n" not in died["error"]
+    assert died["waited_s"] < TIMEOUT_S + 2.0, died
