@@ -142,12 +142,16 @@ class SyncSection:
         host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a bucket through shared-memory
             slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.weight_sync.gather). None: on when
             training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
+        probe_max_sequences: SGLang verification: the probe grows (64-token sequences) until the engine routes some
+            token to every (MoE layer, expert), up to this many sequences; pairs still uncovered then are not
+            verified, and the run says so in a warning (a trained model may have experts its router never picks).
     """
 
     transport: Literal["auto", "tensor", "distributed", "cuda_ipc", "shm"] = "auto"
     bucket_mb: int = 64
     master_address: str | None = None
     host_shared_memory: bool | None = None
+    probe_max_sequences: int = 64
 
 
 @dataclass(frozen=True)
@@ -836,6 +840,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
     "sync.bucket_mb": (lambda v: v >= 1, ">= 1"),
+    "sync.probe_max_sequences": (lambda v: v >= 1, ">= 1"),
     "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
     "rollout.max_tokens_per_turn": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "rollout.max_env_state_bytes": (lambda v: v >= 1, ">= 1 (bytes of an environment's pickled state)"),

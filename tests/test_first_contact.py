@@ -129,3 +129,68 @@ def test_first_contact_a_dead_or_hung_rank_0_is_still_detected_in_the_timeout(tm
     died = json.loads(out.read_text())
     assert not died["ok"] and "rank 0" in died["error"] and "\n" not in died["error"]
     assert died["waited_s"] < TIMEOUT_S + 2.0, died
+
+
+# -- item 3: a probe that cannot kill a healthy bf16 run -------------------------------------------------------------
+
+def _tiny_hf_model():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from helpers.tiny_hf import TINY_QWEN3_MOE
+    from mpo.models.config import preset, to_hf_config
+
+    cfg = preset("tiny")  # 4 layers, 8 experts, top-2, vocab 256: the engine's model
+    hf = {**to_hf_config(cfg), "initializer_range": TINY_QWEN3_MOE["initializer_range"]}
+    config = Qwen3MoeConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    import torch
+
+    torch.manual_seed(5)
+    return cfg, Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+
+
+def test_first_contact_bf16_probe_passes_a_healthy_run_and_fails_a_wrong_expert(tmp_path):
+    """mpo's engine (a real server, fp32) serves a tiny Qwen3-MoE; the 'trainer' scores the same probe with the same
+    weights in bf16 and its own (natural) routing: transformers' forward, standing in for megatron's bf16 (no bf16
+    megatron path runs on this CPU). Its largest log-prob difference is past 0.1, which aborted the run before issue
+    #45; its median is ~1e-2. The check passes it and records what it measured; one expert of the last layer pushed
+    wrong (x2) to the engine fails, naming that expert."""
+    import torch
+
+    from helpers.tiny_hf import read_safetensors_dir
+    from mpo.bench._util import push_whole
+    from mpo.rollout.client import EngineError
+    from mpo.rollout.local_engine import LocalEngineProcess
+    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.verify import check_probe, probe_bounds, verify_by_probe
+
+    cfg, model = _tiny_hf_model()
+    model.save_pretrained(tmp_path / "hf")
+    generator = torch.Generator().manual_seed(0)
+    probes = torch.randint(1, cfg.vocab_size, (16, 64), generator=generator).tolist()
+    with torch.no_grad():
+        bf16 = model.to(torch.bfloat16)(torch.tensor(probes)).logits.double().log_softmax(-1)
+    scored = bf16[:, :-1].gather(-1, torch.tensor(probes)[:, 1:, None])[..., 0]
+    trainer = [[0.0, *row.tolist()] for row in scored]
+
+    engine = LocalEngineProcess.mpo_engine(log_path=tmp_path / "engine.log", api_key="k",
+                                           extra_args=["--enable-return-routed-experts"], num_layers=cfg.num_layers,
+                                           topk=cfg.router_topk).start()
+    try:
+        engine.client.call("/update_weights_from_disk", {"model_path": str(tmp_path / "hf"), "weight_version": "0"})
+        shape = dict(num_layers=cfg.num_layers, topk=cfg.router_topk, num_experts=cfg.num_experts)
+        with pytest.raises(EngineError, match="differ"):  # the old rule: every token within 0.1
+            verify_by_probe([engine.client], probes, trainer, tolerance=0.1)
+        metrics = check_probe([engine.client], probes, trainer, probe_bounds("bf16"), **shape)
+        assert metrics["sync_probe_logprob_maxdiff"] > 0.1 and metrics["sync_probe_logprob_median"] < 0.02, metrics
+        assert 0 < metrics["sync_probe_logprob_worst_group_median"] < 0.04, metrics
+
+        layer, expert = cfg.num_layers - 1, 5
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+        wrong = [(name, 2 * t) for name, t in sorted(read_safetensors_dir(tmp_path / "hf").items())
+                 if name.startswith(prefix)]
+        assert len(wrong) == 3
+        push_whole(WeightSync([engine.client], engine="mpo"), wrong, version=1)
+        with pytest.raises(EngineError, match=f"routed to layer {layer} expert {expert} .*a wrong expert tensor"):
+            check_probe([engine.client], probes, trainer, probe_bounds("bf16"), **shape)
+    finally:
+        engine.stop()
