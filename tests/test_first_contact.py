@@ -194,3 +194,66 @@ def test_first_contact_bf16_probe_passes_a_healthy_run_and_fails_a_wrong_expert(
             check_probe([engine.client], probes, trainer, probe_bounds("bf16"), **shape)
     finally:
         engine.stop()
+
+
+# -- item 6: prompt routes once per sample, timeouts from the token budget, the covering probe's cap ----------------
+
+def test_first_contact_prompt_routes_once_timeouts_and_probe_cap(tmp_path, caplog):
+    """mpo's engine (a real server) takes SGLang 0.5.23's routed_experts_start_len; a client asking for a prompt's
+    routes once (as it does for SGLang) gets every sample's full routes back, the prompt's rows from the prompt's
+    first sample. A call's timeout grows with its token budget. A probe that cannot cover every expert within
+    sync.probe_max_sequences warns and verifies what it covers (it ended the run before)."""
+    import asyncio
+    import logging
+
+    import numpy as np
+
+    from mpo.config import load_config
+    from mpo.models.config import preset
+    from mpo.rollout.client import EngineClient
+    from mpo.rollout.local_engine import LocalEngineProcess
+    from mpo.rollout.protocol import GenerateRequest, SamplingParams, call_timeout_s
+    from mpo.weight_sync.verify import ProbeCoverage, covering_probe_runs
+
+    cfg = preset("tiny")
+    engine = LocalEngineProcess.mpo_engine(log_path=tmp_path / "engine.log", api_key="k",
+                                           extra_args=["--enable-return-routed-experts"], num_layers=cfg.num_layers,
+                                           topk=cfg.router_topk).start()
+    try:
+        prompt = [5, 6, 7, 8]
+        body = {"input_ids": [prompt, prompt[:3]], "return_routed_experts": True, "routed_experts_start_len": 3,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        answers = engine.client.call("/generate", body)
+        from mpo.rollout.protocol import decode_routed_experts
+
+        for ids, answer in zip(body["input_ids"], answers):
+            rows = len(ids) + len(answer["output_ids"]) - 1 - 3
+            assert decode_routed_experts(answer["meta_info"]["routed_experts"], rows=rows, num_layers=cfg.num_layers,
+                                         topk=cfg.router_topk).shape[0] == rows
+
+        client = EngineClient(engine.client.url, api_key="k", num_layers=cfg.num_layers, topk=cfg.router_topk,
+                              num_experts=cfg.num_experts, prompt_routes_once=True)
+        requests = [GenerateRequest(tuple(p), SamplingParams(max_new_tokens=5, sampling_seed=s),
+                                    return_routed_experts=True)
+                    for p, s in ((prompt, 1), (prompt, 2), ([9, 10, 11], 3), (prompt, 4), ([9, 10, 11], 5))]
+        results = asyncio.run(client.generate_batch(requests))
+        for request, result in zip(requests, results):
+            n = len(request.input_ids) + len(result.output_ids)
+            assert result.routed_experts.shape == (n - 1, cfg.num_layers, cfg.router_topk)
+        for i, j in ((1, 0), (3, 0), (4, 2)):  # a later sample carries its prompt's rows from the first sample
+            rows = len(requests[i].input_ids)
+            assert np.array_equal(results[i].routed_experts[:rows], results[j].routed_experts[:rows])
+
+        big = [GenerateRequest((1,), SamplingParams(max_new_tokens=32768))] * 16
+        assert call_timeout_s(big, 1800.0) >= 1800.0 + 16 * 32768 / 100  # 16 x 32k at <= 100 tokens/s still fits
+        assert call_timeout_s(big[:1], 300.0) < 1000.0  # a small call keeps its hung-engine bound near the base
+
+        coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
+                                 vocab_size=cfg.vocab_size, max_sequences=1, strict=False)
+        with caplog.at_level(logging.WARNING, logger="mpo.weight_sync.verify"):
+            probes, runs, uncovered = covering_probe_runs(engine.client, [prompt[:3]], coverage)
+        assert probes == [prompt[:3]] and len(runs) == 1 and uncovered > 0
+        assert "raise sync.probe_max_sequences (now 1)" in caplog.text
+        assert load_config(str(REPO / "mpo/recipes/demo_cpu.yaml"), ["sync.probe_max_sequences=8"]).sync.probe_max_sequences == 8
+    finally:
+        engine.stop()
