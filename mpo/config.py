@@ -75,7 +75,9 @@ class RolloutSection:
             own batch: rollouts stay a pure function of (weights, seeds), whatever the timing.
         max_inflight_per_engine: calls in flight per engine at most (the next ones wait in the client's queue).
         api_key: sent as a bearer token to every engine. Unset: engines the run starts itself get a random key.
-        request_timeout_s: a request slower than this counts as a hung engine.
+        request_timeout_s: the base of each /generate call's timeout, which adds the call's token budget at 50
+            tokens/s (mpo.rollout.protocol.call_timeout_s): a small call slower than about this is a hung engine,
+            and a call of 16 x 32k tokens still has hours.
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.

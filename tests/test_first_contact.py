@@ -254,6 +254,7 @@ def test_first_contact_prompt_routes_once_timeouts_and_probe_cap(tmp_path, caplo
             probes, runs, uncovered = covering_probe_runs(engine.client, [prompt[:3]], coverage)
         assert probes == [prompt[:3]] and len(runs) == 1 and uncovered > 0
         assert "raise sync.probe_max_sequences (now 1)" in caplog.text
-        assert load_config(str(REPO / "mpo/recipes/demo_cpu.yaml"), ["sync.probe_max_sequences=8"]).sync.probe_max_sequences == 8
+        config = load_config(str(REPO / "mpo/recipes/demo_cpu.yaml"), ["sync.probe_max_sequences=8"])
+        assert config.sync.probe_max_sequences == 8
     finally:
         engine.stop()

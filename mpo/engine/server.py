@@ -167,8 +167,8 @@ class EngineApp:
             raise RequestError(str(exc)) from exc
         start = request.routed_experts_start_len
         if start and want_routes:  # SGLang's routed_experts_start_len: rows of positions [start, n-1) only
-            results = [{**r, "meta_info": {**r["meta_info"], "routed_experts": r["meta_info"]["routed_experts"][start:]}}
-                       if isinstance(r.get("meta_info"), dict) and "routed_experts" in r["meta_info"] else r
+            results = [{**r, "meta_info": {**meta, "routed_experts": meta["routed_experts"][start:]}}
+                       if isinstance(meta := r.get("meta_info"), dict) and "routed_experts" in meta else r
                        for r in results]
         return results if request.batch else results[0]
 

@@ -327,8 +327,9 @@ def covering_probe_runs(client: EngineClient, base: Sequence[Sequence[int]],
         if room <= 0:
             shown = ", ".join(f"layer {layer} expert {expert}" for layer, expert in missing[:5])
             if not coverage.strict:
-                log.warning("engine %s: a probe of %d sequences leaves %d (layer, expert) pairs never routed to (%s%s): "
-                            "they are not verified; raise sync.probe_max_sequences (now %d) to cover them", client.url,
+                log.warning("engine %s: a probe of %d sequences leaves %d (layer, expert) pairs never routed to "
+                            "(%s%s): they are not verified; raise sync.probe_max_sequences (now %d) to cover them",
+                            client.url,
                             len(probes), len(missing), shown, ", ..." if len(missing) > 5 else "",
                             coverage.max_sequences)
                 break
