@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mpo.config import TrainConfig
 from mpo.rollout.engine_command import REDACTED, SECRET_ENV, EngineSettings, engine_command
-from mpo.weight_sync.transports import check_transport
+from mpo.weight_sync.transports import check_colocated, check_transport
 from mpo.weight_sync.wire import group_layout
 
 
@@ -274,12 +274,17 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                             f"the {len(candidates)} {placement} node(s) ({slots} per node)")
         for i in range(r.num_engines):
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
-            if node >= trainer_nodes:
-                try:
+            try:
+                if placement == "colocated" and gpus_per_engine:  # SGLang on trainer GPUs: first, it says why
+                    check_colocated(config.sync.transport, r.engine, trainer_nodes=trainer_nodes)
+                if node >= trainer_nodes:
                     check_transport(config.sync.transport, r.engine,
                                     off_host=f"engine{i} is placed on rollout node {hosts[node]}")
-                except ValueError as exc:
-                    raise PlanError(str(exc)) from None
+                elif node != 0:  # colocated on another trainer node than rank 0's: same-host transports miss it
+                    check_transport(config.sync.transport, r.engine,
+                                    off_host=f"engine{i} is colocated on trainer node {hosts[node]}, not rank 0's")
+            except ValueError as exc:
+                raise PlanError(str(exc)) from None
             local = len(engines[node])
             port = engine_port + i
             proc_env = dict(engine_env)

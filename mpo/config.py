@@ -75,8 +75,10 @@ class RolloutSection:
             own batch: rollouts stay a pure function of (weights, seeds), whatever the timing.
         max_inflight_per_engine: calls in flight per engine at most (the next ones wait in the client's queue).
         api_key: sent as a bearer token to every engine. Unset: engines the run starts itself get a random key.
-        request_timeout_s: a request slower than this counts as a hung engine; an off-policy run's rollout process
-            silent for this long counts as hung too (warned about before, then stopped in one line).
+        request_timeout_s: the base of each /generate call's timeout, which adds the call's token budget at 50
+            tokens/s (mpo.rollout.protocol.call_timeout_s): a small call slower than about this is a hung engine,
+            and a call of 16 x 32k tokens still has hours. An off-policy run's rollout process silent for this
+            long counts as hung too (warned about before, then stopped in one line).
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.
@@ -143,12 +145,16 @@ class SyncSection:
         host_shared_memory: on CPU, trainer ranks on one host pass their pieces of a bucket through shared-memory
             slots in /dev/shm (MPO_SHM_DIR) instead of gloo's loopback TCP (mpo.weight_sync.gather). None: on when
             training on CPU; false for a container with a tiny /dev/shm. Not available on GPU (NCCL moves pieces).
+        probe_max_sequences: SGLang verification: the probe grows (64-token sequences) until the engine routes some
+            token to every (MoE layer, expert), up to this many sequences; pairs still uncovered then are not
+            verified, and the run says so in a warning (a trained model may have experts its router never picks).
     """
 
     transport: Literal["auto", "tensor", "distributed", "cuda_ipc", "shm"] = "auto"
     bucket_mb: int = 64
     master_address: str | None = None
     host_shared_memory: bool | None = None
+    probe_max_sequences: int = 64
 
 
 @dataclass(frozen=True)
@@ -706,6 +712,13 @@ def validate(config: TrainConfig) -> None:
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
+    if r.colocate:  # engines on the trainer's GPUs: the transport must reach every one (one node of NODE_GPUS)
+        from mpo.weight_sync.transports import NODE_GPUS, check_colocated
+
+        try:
+            check_colocated(config.sync.transport, r.engine, trainer_nodes=-(-config.world_size // NODE_GPUS))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if r.offload_trainer and not r.colocate:
         raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
                           "room for engines on its own GPUs")
@@ -858,6 +871,7 @@ _RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
     "sync.bucket_mb": (lambda v: v >= 1, ">= 1"),
+    "sync.probe_max_sequences": (lambda v: v >= 1, ">= 1"),
     "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
     "rollout.max_tokens_per_turn": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
     "rollout.max_env_state_bytes": (lambda v: v >= 1, ">= 1 (bytes of an environment's pickled state)"),

@@ -165,6 +165,11 @@ class EngineApp:
                                                  gone=caller_gone())  # no one to answer: its rows are aborted
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
+        start = request.routed_experts_start_len
+        if start and want_routes:  # SGLang's routed_experts_start_len: rows of positions [start, n-1) only
+            results = [{**r, "meta_info": {**meta, "routed_experts": meta["routed_experts"][start:]}}
+                       if isinstance(meta := r.get("meta_info"), dict) and "routed_experts" in meta else r
+                       for r in results]
         return results if request.batch else results[0]
 
     def _abort(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -28,9 +28,10 @@ class ParallelConfig:
             None: one chunk. Chunk v of stage p holds the layers after those of chunk v of stages < p.
         distributed_optimizer: shard the optimizer state (fp32 master weights, Adam moments) and the gradient
             reduce-scatter over the data-parallel ranks (megatron use_distributed_optimizer); None: on with CUDA.
-        distributed_timeout_s: how long a collective may wait before the job fails. Every rank waits while rank 0
-            generates a step's rollouts (minutes at scale): that wait happens on a CPU (gloo) group with this timeout,
-            so NCCL's watchdog never sees it; NCCL groups get the same timeout.
+        distributed_timeout_s: how long a collective may wait before the job fails (NCCL and gloo groups). Every rank
+            waits while rank 0 generates a step's rollouts (35-50 minutes at 32k tokens): that wait is not one
+            collective but a poll of rank 0's heartbeat, which fails once rank 0 has been silent this long
+            (mpo.trainer.distribute.RolloutWait).
     """
 
     tensor_parallel: int = 1

@@ -88,8 +88,10 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    # Python objects (rollout samples, probes, metrics) travel on a gloo group: pickles are host bytes, and ranks
-    # waiting there for rank 0's rollouts are outside NCCL's watchdog. On CPU the world group already is gloo.
+    # Python objects (rollout samples, probes, metrics) travel on a gloo group: pickles are host bytes, outside NCCL's
+    # watchdog. On CPU the world group already is gloo. Ranks waiting for rank 0's rollouts (longer than timeout_s at
+    # 32k tokens) do not wait in a receive of this group: they poll rank 0's announcements and heartbeat on the job's
+    # store (mpo.trainer.distribute.RolloutWait) and receive once the samples are sent.
     object_group = None
     if device.is_gpu and world_size > 1:
         object_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

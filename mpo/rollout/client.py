@@ -16,9 +16,10 @@ import ssl
 from typing import Any
 
 import httpx
+import numpy as np
 
 from mpo.rollout.frames import CONTENT_TYPE as FRAMES_CONTENT_TYPE, decode_frames, restore_prompt_routes
-from mpo.rollout.protocol import GenerateRequest, GenerateResult, parse_generate_request
+from mpo.rollout.protocol import GenerateRequest, GenerateResult, call_timeout_s, parse_generate_request
 
 # /generate asks for mpo's binary frames (routes as raw compact bytes); SGLang ignores it and answers JSON
 _ACCEPT_FRAMES = {"Accept": f"{FRAMES_CONTENT_TYPE}, application/json"}
@@ -71,9 +72,14 @@ class EngineClient:
     """Calls one engine. Sync methods for control calls; `generate` is async for concurrent rollouts."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 300.0,
-                 num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None) -> None:
+                 num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
+                 prompt_routes_once: bool = False) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        # generate_batch asks for a prompt's routes once per call (routed_experts_start_len): for engines answering
+        # JSON (SGLang), whose routes of every prompt position of every sample are most of a call's bytes at 32k
+        # contexts; mpo's engine shares them in its frames already.
+        self.prompt_routes_once = prompt_routes_once
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # routes: [tokens, num_layers (the MoE layers), topk], kept in the dtype num_experts needs (uint8 <= 256)
         self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
@@ -175,7 +181,9 @@ class EngineClient:
             raise EngineError(self.url, "/generate", f"bad response: {exc}") from exc
 
     async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResult:
-        body = await self.acall("/generate", self._checked(request.to_json()), timeout_s=timeout_s,
+        """One request; its timeout is timeout_s (default: the client's) plus its token budget (call_timeout_s)."""
+        body = await self.acall("/generate", self._checked(request.to_json()),
+                                timeout_s=call_timeout_s([request], timeout_s or self.timeout_s),
                                 headers=_ACCEPT_FRAMES)
         if isinstance(body, str):
             raise EngineError(self.url, "/generate", f"bad response: not JSON: {_short(body)}")
@@ -184,7 +192,12 @@ class EngineClient:
     async def generate_batch(self, requests: list[GenerateRequest], *,
                              timeout_s: float | None = None) -> list[GenerateResult]:
         """Several requests in one /generate call (SGLang's batch form). The engine sees them together and in order,
-        so its batching, and so its numerics, do not depend on request timing."""
+        so its batching, and so its numerics, do not depend on request timing. The call's timeout is timeout_s
+        (default: the client's) plus its token budget (call_timeout_s).
+
+        With prompt_routes_once and routes asked for, a prompt's later samples go in a second call sent alongside,
+        with routed_experts_start_len (SGLang's field is one per call): the first sample of each prompt brings the
+        prompt's routes, the others only their own rows, and the prompt's are put back into theirs."""
         if len(requests) == 1:
             return [await self.generate(requests[0], timeout_s=timeout_s)]
         first = requests[0]
@@ -192,10 +205,44 @@ class EngineClient:
                for r in requests):
             raise self._not_sent("a batched /generate needs the same return_logprob / return_routed_experts "
                                  "everywhere")
+        if self.prompt_routes_once and first.return_routed_experts:
+            owner: dict[tuple[int, ...], int] = {}
+            for i, r in enumerate(requests):
+                owner.setdefault(tuple(r.input_ids), i)
+            repeats = [i for i, r in enumerate(requests) if owner[tuple(r.input_ids)] != i]
+            if repeats:
+                return await self._prompt_routes_once(requests, owner, repeats, timeout_s)
+        return await self._one_call(requests, timeout_s)
+
+    async def _prompt_routes_once(self, requests: list[GenerateRequest], owner: dict, repeats: list[int],
+                                  timeout_s: float | None) -> list[GenerateResult]:
+        from dataclasses import replace
+
+        firsts = sorted(set(owner.values()))
+        start = min(len(requests[i].input_ids) for i in repeats)
+        later = [replace(requests[i], routed_experts_start_len=start) for i in repeats]
+        whole, partial = await asyncio.gather(self._one_call([requests[i] for i in firsts], timeout_s),
+                                              self._one_call(later, timeout_s))
+        out: list[GenerateResult | None] = [None] * len(requests)
+        for i, result in zip(firsts, whole):
+            out[i] = result
+        for i, result in zip(repeats, partial):
+            source = out[owner[tuple(requests[i].input_ids)]]
+            if result.routed_experts is not None:
+                result.routed_experts = np.concatenate([source.routed_experts[:start], result.routed_experts])
+            out[i] = result
+        return out
+
+    async def _one_call(self, requests: list[GenerateRequest], timeout_s: float | None) -> list[GenerateResult]:
+        if len(requests) == 1:
+            return [await self.generate(requests[0], timeout_s=timeout_s)]
+        first = requests[0]
         body = {**first.to_json(), "input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [r.sampling.to_json() for r in requests]}
         body.pop("rid", None)
-        answers = await self.acall("/generate", self._checked(body), timeout_s=timeout_s, headers=_ACCEPT_FRAMES)
+        answers = await self.acall("/generate", self._checked(body),
+                                   timeout_s=call_timeout_s(requests, timeout_s or self.timeout_s),
+                                   headers=_ACCEPT_FRAMES)
         if not isinstance(answers, list) or len(answers) != len(requests):
             raise EngineError(self.url, "/generate", f"bad response: a batch of {len(requests)} answered with "
                               f"{f'{len(answers)} answers' if isinstance(answers, list) else _short(answers)}")

@@ -61,7 +61,8 @@ class EngineSet:
         if r.urls:
             self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
                                           num_layers=model.num_layers, topk=model.router_topk,
-                                          num_experts=model.num_experts), None, None)
+                                          num_experts=model.num_experts, prompt_routes_once=r.engine == "sglang"),
+                             None, None)
                             for url in r.urls]
             return
         if r.engine != "mpo":

@@ -168,6 +168,7 @@ class ParsedGenerate:
     rids: list[str] | None
     return_logprob: bool
     return_routed_experts: bool
+    routed_experts_start_len: int = 0  # SGLang 0.5.23's field: routes of positions [start, n-1) only
 
 
 def parse_generate_request(body: Any, *, vocab_size: int | None = None,
@@ -212,7 +213,11 @@ def parse_generate_request(body: Any, *, vocab_size: int | None = None,
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{flag}={value!r} must be true or false")
         flags[flag] = bool(value)
-    return ParsedGenerate(rows, sampling, batch, rids, **flags)
+    start = body.get("routed_experts_start_len", 0)
+    if not is_json_int(start) or not 0 <= start <= min(map(len, rows)):
+        raise ValueError(f"routed_experts_start_len={start!r} must be an integer in [0, {min(map(len, rows))}] (the "
+                         f"shortest row's prompt tokens)")
+    return ParsedGenerate(rows, sampling, batch, rids, **flags, routed_experts_start_len=int(start))
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,7 @@ class GenerateRequest:
     return_logprob: bool = True
     return_routed_experts: bool = False
     rid: str | None = None
+    routed_experts_start_len: int = 0  # routes of positions [start, n-1) only (the rest: another sample's prompt)
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -233,6 +239,8 @@ class GenerateRequest:
         }
         if self.return_routed_experts:
             body["return_routed_experts"] = True
+            if self.routed_experts_start_len:
+                body["routed_experts_start_len"] = self.routed_experts_start_len
         if self.rid is not None:
             body["rid"] = self.rid
         return body
@@ -247,7 +255,9 @@ class GenerateResult:
     output_logprobs: list[float]
     finish_reason: dict[str, Any]
     weight_version: int | None = None  # the engine's, as mpo's int (weight_version())
-    routed_experts: np.ndarray | None = None  # [prompt+completion-1, MoE layers, top_k], compact_routes' dtype
+    # [prompt+completion-1, MoE layers, top_k], compact_routes' dtype (rows from routed_experts_start_len on, when
+    # the request set it: EngineClient.generate_batch puts the prompt's rows back)
+    routed_experts: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -284,7 +294,7 @@ class GenerateResult:
             if "routed_experts" not in meta:
                 raise ValueError("response has no meta_info.routed_experts: was the engine started with "
                                  "--enable-return-routed-experts (and not behind a router that drops it)?")
-            rows = len(request.input_ids) + len(output_ids) - 1
+            rows = len(request.input_ids) + len(output_ids) - 1 - request.routed_experts_start_len
             wire = meta["routed_experts"]
             if isinstance(wire, np.ndarray):  # mpo's frames: already compact, only checked
                 if wire.shape != (rows, num_layers, topk) or wire.dtype.kind not in "iu":
@@ -432,3 +442,16 @@ def decode_routed_experts(encoded: str, *, rows: int, num_layers: int, topk: int
         raise ValueError(f"routed_experts has {flat.size} int32 values; expected rows={rows} x layers={num_layers} "
                          f"x top_k={topk}")
     return flat.reshape(rows, num_layers, topk).copy()
+
+
+# Request timeouts (issue #45): a call of 16 samples x 32k tokens generates 524k tokens, which no fixed timeout fits
+# without also waiting that long for a hung engine on a small call. A call's timeout is rollout.request_timeout_s (the
+# base: a small call slower than it is a hung engine) plus its token budget at this floor of tokens per second per
+# call (an H100 SGLang engine decodes thousands per second over its calls in flight: 16 calls in flight at 50 each
+# is a slow engine, and a hung one is still detected, later for a large call).
+MIN_CALL_TOKENS_PER_S = 50.0
+
+
+def call_timeout_s(requests: "list[GenerateRequest]", base_s: float) -> float:
+    """The timeout of one /generate call of `requests`: base_s plus its token budget at MIN_CALL_TOKENS_PER_S."""
+    return base_s + sum(r.sampling.max_new_tokens for r in requests) / MIN_CALL_TOKENS_PER_S

@@ -32,7 +32,7 @@ class Publisher:
         from mpo.weight_sync.gather import WeightStreamer
 
         s = config.sync
-        self.config, self.model_cfg, self.engines = config, model_cfg, engines
+        self.config, self.model_cfg, self.engines, self.model = config, model_cfg, engines, model
         self.object_group, self.score_probes = object_group, score_probes
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
                                        bucket_bytes=s.bucket_mb << 20, device=device,
@@ -145,26 +145,58 @@ class Publisher:
     def verify_by_probe(self) -> dict[str, float]:
         """Collective, after the push: rank 0 extends the probe until the first engine's routed experts (at the
         weights just pushed) touch every expert of every MoE layer, so a stale expert changes some log-prob; every
-        rank scores the probe; rank 0 compares every engine's log-probs with the trainer's."""
-        from mpo.weight_sync.verify import ProbeCoverage, covering_probes, verify_by_probe
+        rank scores the probe replaying that engine's routes (so the comparison sees weights, not routing flips);
+        rank 0 compares every engine's log-probs with the trainer's by robust statistics bounded by dtype
+        (mpo.weight_sync.verify.check_probe: a wrong tensor fails, drift warns) and returns what it measured."""
+        from mpo.weight_sync.verify import ProbeCoverage, check_probe, covering_probe_runs, probe_bounds
 
         cfg, r, m = self.model_cfg, self.config.rollout, self.config.model
         box: list = [None]
+        uncovered = 0
         if self.engines is not None:
             coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
-                                     vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=self.config.seed)
+                                     vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=self.config.seed,
+                                     max_sequences=self.config.sync.probe_max_sequences, strict=False)
             first = [[1 + (7 * i) % (cfg.vocab_size - 1) for i in range(PROBE_TOKENS)]]
-            self.probes = covering_probes(self.engines.clients[0], self.probes or first, coverage)
-            box = [self.probes]
+            self.probes, runs, uncovered = covering_probe_runs(self.engines.clients[0], self.probes or first,
+                                                               coverage)
+            box = [(self.probes, [run.routes.astype("int16") if cfg.num_experts < 32767 else run.routes
+                                  for run in runs])]
         dist.broadcast_object_list(box, src=0, group=self.object_group)
-        reference = self.score_probes(box[0])
+        probes, routes = box[0]
+        reference, replayed = self._score_replaying(probes, routes)
         if self.engines is None:
             return {}
-        # a bf16 engine or trainer differs by ~1e-2 in log-probs; fp32 on both sides by ~1e-5
-        tolerance = 1e-3 if (r.engine_dtype or m.dtype) == "fp32" and m.dtype == "fp32" else 0.1
-        return {"sync_probe_logprob_maxdiff": verify_by_probe(self.engines.clients, box[0], reference,
-                                                              tolerance=tolerance),
-                "sync_probe_tokens": float(sum(map(len, box[0])))}
+        metrics = check_probe(self.engines.clients, probes, reference, probe_bounds(r.engine_dtype or m.dtype, m.dtype),
+                              num_layers=cfg.num_layers, topk=cfg.router_topk, num_experts=cfg.num_experts)
+        return {**metrics, "sync_probe_tokens": float(sum(map(len, probes))),
+                "sync_probe_uncovered_experts": float(uncovered), "sync_probe_replayed": float(replayed)}
+
+    def _score_replaying(self, probes: list[list[int]], routes: list) -> tuple[list[list[float]], bool]:
+        """Collective: score_probes with this stage's routers forced to the engine's `routes` (routing replay, one
+        record per micro-batch the scorer runs: probes grouped by length in order of first appearance, as
+        mpo.trainer.loop._trainer_probe_logprobs does); natural routing where this rank has no routing hooks."""
+        from mpo.routing.capture import CaptureConfig, _tap_for
+        from mpo.routing.records import MicroBatchRouting
+        from mpo.trainer.distribute import route_slots
+
+        hooks = next((tap.hooks for module in self.model.modules() if (tap := _tap_for(module)) is not None), None)
+        if hooks is None or not routes:
+            return self.score_probes(probes), False
+        cfg = self.model_cfg
+        slots = route_slots(routes[0].shape[1], hooks.layers, num_layers=cfg.num_layers,
+                            first_k_dense=cfg.first_k_dense)
+        by_length: dict[int, list[int]] = {}
+        for j, probe in enumerate(probes):
+            by_length.setdefault(len(probe), []).append(j)
+        records = []
+        for length, rows in by_length.items():
+            indices = torch.full((len(rows), length, len(slots), cfg.router_topk), -1, dtype=torch.int32)
+            for b, j in enumerate(rows):  # the engine's routes of input positions 0..n-2; the last routes naturally
+                indices[b, :length - 1] = torch.from_numpy(routes[j][:, slots].astype("int32"))
+            records.append(MicroBatchRouting(tuple(hooks.layers), indices))
+        with hooks.session(replay=records, config=CaptureConfig(record=False)):
+            return self.score_probes(probes), True
 
     def close(self) -> None:
         """Tear down this sender's own WeightSync (rank 0's belongs to the EngineSet)."""

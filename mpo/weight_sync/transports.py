@@ -78,6 +78,29 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
                          f"sync.transport='distributed'")
 
 
+NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
+
+
+def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
+    """Raise ValueError (one line) when engines colocated on the trainer's GPUs, over `trainer_nodes` nodes, cannot
+    be synced: "tensor", "cuda_ipc" (and "auto", which is "tensor" there) reach SGLang engines on rank 0's node only,
+    and "distributed" would put a trainer GPU and an engine GPU that are the same device into one NCCL group (NCCL
+    refuses a device twice in a communicator). mpo's engines (CPU, gloo) have no such limit beyond check_transport's.
+    Until colocated multi-node sync exists, such a layout is refused before anything starts."""
+    if engine != "sglang":
+        return
+    if transport == "distributed":
+        raise ValueError("sync.transport='distributed' with rollout.colocate=true: the engines' GPUs are trainer GPUs "
+                         "and NCCL cannot hold one device twice in the weight-update group; use sync.transport="
+                         "'tensor' or 'cuda_ipc' (trainer on one node) or give the engines nodes of their own "
+                         "(rollout.colocate=false)")
+    if trainer_nodes > 1:
+        raise ValueError(f"rollout.colocate=true with the trainer on {trainer_nodes} nodes: sync.transport="
+                         f"{transport!r} reaches colocated SGLang engines on rank 0's node only (and 'distributed' "
+                         f"cannot share a GPU); run the trainer on one node or give the engines nodes of their own "
+                         f"(rollout.colocate=false and more nodes)")
+
+
 log = logging.getLogger(__name__)
 
 
