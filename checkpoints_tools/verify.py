@@ -60,7 +60,9 @@ def default_prompts(vocab_size: int, batch: int = 2, length: int = 16, seed: int
 def hf_reference(hf_dir: str | Path, prompts: list[list[int]]) -> dict:
     """Logits [b,s,V], next-token log-probs [b,s] (position 0 = 0) and per-layer sorted top-k [b*s,k] from HF."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per load of a small reference model: verify prints its own result lines
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.eval()
     _check_rotary(model)

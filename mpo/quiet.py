@@ -13,7 +13,14 @@ the Python API (`mpo train` also sets PYTHONWARNINGS=ignore for its ranks; the l
   mpo's layer spec and optimizer are chosen on purpose, and said in the start-up line);
 - "full scope is deprecated" (megatron's own TransformerConfig default, not a setting of mpo's);
 - "MimoModelConfig is experimental" (a megatron model family imported on the way, unused by mpo).
-Filtered by message, as UserWarnings only: any other warning still shows.
+- torch's distributed-checkpoint notices on megatron's calls: "torch.distributed is disabled ... assuming the intent
+  is to load in a single process" (checkpoints_tools and scripts reading a checkpoint without a process group, on
+  purpose), "The argument order of load has been changed" (megatron's call), and the FutureWarning "Please use
+  DTensor instead and we are deprecating ShardedTensor" (megatron's checkpoint format) -- 19 of `checkpoints_tools
+  verify`'s 31 lines before issue #49; at TP2 megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA scheduling hint
+  for overlapped tensor-parallel communication: nothing to do on a CPU, and on a GPU its absence costs overlap, not
+  correctness) and torch's FutureWarning on megatron's `all_gather_into_tensor` call.
+Filtered by message, as UserWarnings (FutureWarnings for FUTURE_WARNINGS) only: any other warning still shows.
 """
 
 from __future__ import annotations
@@ -33,7 +40,12 @@ WARNINGS = (
     "Apex is not installed",
     "full scope is deprecated",
     "MimoModelConfig is experimental",
+    "torch.distributed is disabled, unavailable or uninitialized",
+    "The argument order of load has been changed",
+    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
 )
+FUTURE_WARNINGS = ("Please use DTensor instead and we are deprecating ShardedTensor",
+                   "`torch.distributed.all_gather_into_tensor` is deprecated")
 
 
 class _DropMessage(logging.Filter):
@@ -53,3 +65,5 @@ def install() -> None:
             logger.addFilter(_DropMessage(prefix))
     for prefix in WARNINGS:  # warnings.filterwarnings drops an identical filter before adding it again
         warnings.filterwarnings("ignore", message=prefix, category=UserWarning)
+    for prefix in FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=prefix, category=FutureWarning)

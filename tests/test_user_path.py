@@ -210,3 +210,20 @@ def test_user_plan_totals_gpus_and_flags_a_tight_role(capsys):
     assert out.err.strip().splitlines() == [
         "mpo: memory plan: trainer (pipeline stage 1 of 2) is tight in 76 GiB (under 5% free): expect out-of-memory "
         "errors from fragmentation; lower schedule.micro_batch_size or raise a parallel size"]
+
+
+# ---- item 8: verify says its result, not the libraries' notices ------------------------------------------------------
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_user_verify_prints_its_result_and_no_library_warnings(tiny_hf, tmp_path, tp):
+    from mpo.model_import import ensure_converted
+
+    mc = ensure_converted(load_config(RECIPE, [f"model.hf_dir={tiny_hf}", f"logging.out_dir={tmp_path}"]))
+    env = {k: v for k, v in ENV.items() if k != "PYTHONWARNINGS"}  # as a user's shell has it
+    out = subprocess.run([sys.executable, "-m", "checkpoints_tools", "verify", "--hf-dir", str(tiny_hf), "--mcore-dir",
+                          mc.model.mcore_dir, "--tp", tp], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert "Warning" not in out.stdout + out.stderr and "Loading weights" not in out.stderr, lines
+    assert lines[0].startswith("layout ") and lines[-1].startswith("PASS") and len(lines) == 6, lines
