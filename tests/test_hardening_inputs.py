@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.cli import one_line as _one_line
+from helpers.cli import run_main as _main
 from helpers.tiny_hf import tiny_qwen3_moe
 
 RECIPE = Path(__file__).resolve().parents[1] / "mpo" / "recipes" / "demo_cpu.yaml"
@@ -45,28 +47,6 @@ def _run(module: str, *args: str) -> tuple[int, str]:
     result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
                             env=env)
     return result.returncode, result.stderr
-
-
-def _main(capsys, module: str, *args: str) -> tuple[int, str]:
-    """The same command line's `main(argv)` in this process (what `python -m` calls; an escaping exception fails the
-    test, as a traceback would). Starting an interpreter per case cost about 10 s each on the CI box."""
-    from checkpoints_tools.cli import main as converter_main
-    from mpo.cli import main as mpo_main
-
-    main = {"checkpoints_tools": converter_main, "mpo.cli": mpo_main}[module]
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as exc:  # argparse usage errors
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def _one_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert "Traceback" not in stderr, stderr
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 def _payload_works(payload: bytes, control: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.procs import alive, gone_within
 from helpers.tiny_tokenizer import build_tiny_tokenizer
 from mpo.envs.pool import EnvPool
 from mpo.rewards import RewardPool
@@ -151,21 +152,6 @@ def plugin(tmp_path_factory):
     sys.modules.pop(MODULE, None)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
 def _pids(path: Path) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
@@ -231,7 +217,7 @@ def test_hardening_plugin_frame_that_would_run_code_is_refused(plugin, tmp_path,
 def _escaped(pool_score, pidfile: Path) -> list[int]:
     pool_score()
     pids = _pids(pidfile)
-    assert len(pids) >= 2 and all(_alive(p) for p in pids), pids
+    assert len(pids) >= 2 and all(alive(p) for p in pids), pids
     return pids
 
 
@@ -240,7 +226,7 @@ def test_hardening_plugin_setsid_grandchildren_die_with_the_reward_pool(plugin, 
     meta = {"pidfile": str(pidfile), "workerfile": str(tmp_path / "worker")}
     pids = _escaped(lambda: pool.score(["a"], [0], [meta]), pidfile)
     pool.close()
-    assert _gone_within(pids, 3.0) == [], "a reward's setsid() child outlived the pool"
+    assert gone_within(pids, 3.0) == [], "a reward's setsid() child outlived the pool"
 
 
 def test_hardening_plugin_setsid_grandchildren_die_with_a_killed_worker(plugin, pidfile, tmp_path):
@@ -252,7 +238,7 @@ def test_hardening_plugin_setsid_grandchildren_die_with_a_killed_worker(plugin, 
         pids = _escaped(lambda: pool.score(["a"], [0], [meta]), pidfile)
         (worker,) = _pids(workerfile)
         os.kill(worker, signal.SIGKILL)
-        assert _gone_within(pids, 3.0) == [], "a reward's setsid() child outlived its killed worker"
+        assert gone_within(pids, 3.0) == [], "a reward's setsid() child outlived its killed worker"
         pidfile.unlink()
         assert pool.score(["b"], [0], [meta]) == ([1.0], 0), pool.last_errors
 
@@ -272,7 +258,7 @@ def test_hardening_plugin_setsid_grandchildren_die_when_the_trainer_is_killed(pl
         assert len(pids) == 2
         owner.kill()
         owner.wait()
-        assert _gone_within(pids, 3.0) == [], "a reward's setsid() child outlived the killed trainer"
+        assert gone_within(pids, 3.0) == [], "a reward's setsid() child outlived the killed trainer"
     finally:
         owner.kill()
         owner.wait()
@@ -283,9 +269,9 @@ def test_hardening_plugin_setsid_grandchildren_die_with_the_environment_pool(plu
     batch = pool.reset([{"pidfile": str(pidfile)}] * 2)
     assert batch.errors == 0, pool.last_errors
     pids = _pids(pidfile)
-    assert len(pids) == 4 and all(_alive(p) for p in pids)
+    assert len(pids) == 4 and all(alive(p) for p in pids)
     pool.close()
-    assert _gone_within(pids, 3.0) == [], "an environment's setsid() child outlived the pool"
+    assert gone_within(pids, 3.0) == [], "an environment's setsid() child outlived the pool"
 
 
 # -- items 3 and 6 through the episode loop: environment state and text ---------------------------------------------

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from helpers.procs import alive, gone_within
 from mpo.rewards import RewardPool
 
 MAX_OUTPUT_BYTES = 64 << 10  # mpo.rewards.pool.MAX_OUTPUT_BYTES (spelled out: the test predates it)
@@ -63,21 +64,6 @@ def plugin(tmp_path_factory):
     sys.modules.pop("mpo_hardening_reward", None)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
 @pytest.fixture
 def pidfile(tmp_path):
     path = tmp_path / "pids"
@@ -94,9 +80,9 @@ def test_hardening_reward_grandchildren_die_with_the_pool(plugin, pidfile):
     rewards, errors = pool.score(["a", "b"], [0, 0], [{"pidfile": str(pidfile)}] * 2)
     assert (rewards, errors) == ([1.0, 1.0], 0)
     pids = [int(p) for p in pidfile.read_text().split()]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
     pool.close()
-    assert _gone_within(pids, 3.0) == [], "processes a reward started outlived the pool"
+    assert gone_within(pids, 3.0) == [], "processes a reward started outlived the pool"
 
 
 def test_hardening_reward_grandchildren_die_when_the_trainer_is_killed(plugin, pidfile):
@@ -113,7 +99,7 @@ def test_hardening_reward_grandchildren_die_when_the_trainer_is_killed(plugin, p
         pids = [int(p) for p in pidfile.read_text().split()]
         owner.kill()
         owner.wait()
-        assert _gone_within(pids, 3.0) == [], "a reward's child outlived the killed trainer"
+        assert gone_within(pids, 3.0) == [], "a reward's child outlived the killed trainer"
     finally:
         owner.kill()
         owner.wait()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.cli import one_line, run_main
 from helpers.tiny_hf import tiny_qwen3_moe
 from helpers.tiny_tokenizer import build_tiny_tokenizer
 from mpo.data.chat import PromptEncoder
@@ -31,28 +32,6 @@ def tokenizer(tmp_path_factory):
     from mpo.data.chat import load_tokenizer
 
     return load_tokenizer(str(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
-
-
-def _main(capsys, module: str, *args: str) -> tuple[int, str]:
-    """`python -m MODULE ARGS`'s `main(argv)` in this process; an escaping exception fails the test as a traceback
-    would."""
-    from checkpoints_tools.cli import main as converter_main
-    from mpo.cli import main as mpo_main
-
-    main = {"checkpoints_tools": converter_main, "mpo.cli": mpo_main}[module]
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def _one_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert "Traceback" not in stderr, stderr
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 # ---- item 5: loops that call, look up and print nothing ---------------------------------------------------------------
@@ -103,10 +82,10 @@ def test_hardening_template_short_silent_loop_renders_and_others_code_is_not_wat
 # ---- item 7: one line each ----------------------------------------------------------------------------------------
 
 def test_hardening_seed_past_32_bits_is_refused_by_check_config(capsys):
-    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), "seed=" + "9" * 30)
+    code, err = run_main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), "seed=" + "9" * 30)
     assert code == 2, err
-    assert _one_line(err).startswith("mpo: config error: seed=") and "valid values: in [0, 4294967295]" in err
-    code, err = _main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"seed={2**32 - 1}")
+    assert one_line(err).startswith("mpo: config error: seed=") and "valid values: in [0, 4294967295]" in err
+    code, err = run_main(capsys, "mpo.cli", "check-config", "--config", str(RECIPE), f"seed={2**32 - 1}")
     assert code == 0, err
 
 
@@ -156,9 +135,9 @@ def test_hardening_hf_index_naming_a_shard_outside_the_directory_is_one_line(tin
     index["weight_map"] = {k: (named if v == first else v) for k, v in index["weight_map"].items()}
     index_path.write_text(json.dumps(index))
 
-    code, err = _main(capsys, "checkpoints_tools", "hf-to-mcore", "--hf-dir", str(hf), "--out-dir",
+    code, err = run_main(capsys, "checkpoints_tools", "hf-to-mcore", "--hf-dir", str(hf), "--out-dir",
                       str(tmp_path / "out"))
-    line = _one_line(err)
+    line = one_line(err)
     assert code == 2, err
     assert "not a file name inside the HF directory" in line and "model.safetensors.index.json" in line, line
     assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.cli import one_line
 from helpers.tiny_hf import tiny_qwen3_moe
 from mpo.config import ConfigError, load_config
 
@@ -26,13 +27,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
     return tiny_qwen3_moe(tmp_path_factory.mktemp("user") / "hf")
-
-
-def _one_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert "Traceback" not in stderr, stderr
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 # ---- item 1: one model path; random weights only by name ----------------------------------------------------------
@@ -84,7 +78,7 @@ def test_user_launch_refuses_hf_dir_alone_in_one_line_with_the_command(tiny_hf, 
     out = subprocess.run([sys.executable, "-m", "launch", "--config", str(RECIPE), "--hosts", "n1", "--dry-run",
                           f"model.hf_dir={tiny_hf}", f"logging.out_dir={tmp_path / 'run'}"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    line = _one_line(out.stderr)
+    line = one_line(out.stderr)
     assert out.returncode == 2
     assert "would train random weights" in line and "-m checkpoints_tools hf-to-mcore --hf-dir" in line, line
     ok = subprocess.run([sys.executable, "-m", "launch", "--config", str(RECIPE), "--hosts", "n1", "--dry-run",
@@ -130,7 +124,7 @@ def test_user_tokenizer_larger_than_the_vocabulary_is_one_line(big_tokenizer, tm
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": 2}\n')
     out = _check_config(f"model.tokenizer_dir={big_tokenizer}", f"data.task={data}")
-    line = _one_line(out.stderr)
+    line = one_line(out.stderr)
     assert out.returncode == 2 and "the model's vocabulary is 256" in line and "model.tokenizer_dir" in line, line
 
 
@@ -139,21 +133,21 @@ def test_user_mcore_dir_of_another_architecture_is_one_line(tiny_hf, tmp_path):
 
     mc = ensure_converted(load_config(RECIPE, [f"model.hf_dir={tiny_hf}", f"logging.out_dir={tmp_path}"]))
     out = _check_config(f"model.mcore_dir={mc.model.mcore_dir}")  # the tiny preset has 4 layers, this model 2
-    line = _one_line(out.stderr)
+    line = one_line(out.stderr)
     assert out.returncode == 2 and "holds another architecture (2 layers)" in line, line
 
 
 def test_user_sglang_without_urls_and_without_sglang_is_one_line(tmp_path):
     out = _check_config("rollout.engine=sglang", f"logging.out_dir={tmp_path / 'run'}",
                         env={"MPO_ENGINE_PYTHON": "/usr/bin/python3"}, command="train")
-    line = _one_line(out.stderr)
+    line = one_line(out.stderr)
     assert out.returncode == 2 and "cannot import sglang" in line and "MPO_ENGINE_PYTHON" in line, line
 
 
 def test_user_unreachable_engine_url_is_one_line_before_any_rank(tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"
     out = _check_config(f"rollout.urls=[{url}]", f"logging.out_dir={tmp_path / 'run'}", command="train")
-    line = _one_line(out.stderr)
+    line = one_line(out.stderr)
     assert out.returncode == 2 and line.startswith(f"mpo: config error: rollout.urls[0]={url}: no engine answers"), line
 
 
@@ -161,7 +155,7 @@ def test_user_dataset_without_its_answer_key_fails_check_config(big_tokenizer, t
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1?", "solution": i + 1}) + "\n" for i in range(20)))
     out = _check_config(f"data.task={data}", "model.tokenizer_dir=" + str(big_tokenizer))
-    line = _one_line(out.stderr)
+    line = one_line(out.stderr)
     assert out.returncode == 2 and "missing key 'answer'" in line and "qa.jsonl:1" in line, line
     data.write_text("not json\n" + "".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
                                            for i in range(3)))

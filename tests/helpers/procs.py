@@ -21,3 +21,22 @@ def live_processes_with_env(name: str, value: str) -> dict[int, str]:
         except OSError:
             continue
     return found
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after waiting up to `seconds` for all of them to go."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
