@@ -93,3 +93,13 @@ class MicroBatchRouting:
     def replayed_choice(self) -> "MicroBatchRouting":
         """The experts the forward actually used, without the natural record (for replay-vs-natural comparisons)."""
         return MicroBatchRouting(self.layers, self.indices)
+
+
+def route_slots(num_route_layers: int, layers: tuple[int, ...], *, num_layers: int, first_k_dense: int) -> list[int]:
+    """Indices into an engine routes array's layer axis of megatron layer numbers `layers`. The engine's array holds
+    every layer (SGLang: engine layer l = layer number l+1) or the MoE layers only (after the first_k_dense)."""
+    offset = 1 if num_route_layers == num_layers else 1 + first_k_dense
+    if num_route_layers not in (num_layers, num_layers - first_k_dense):
+        raise ValueError(f"engine routes have {num_route_layers} layers; the model has {num_layers} "
+                         f"({num_layers - first_k_dense} MoE)")
+    return [layer - offset for layer in layers]

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mpo.routing.records import route_slots
 from mpo.trainer.rows import Elsewhere, Sample
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,6 @@ def dp_owners(lengths: list[int], *, updates: int, dp_size: int, packed: bool) -
 
 def _array(values, dtype) -> np.ndarray | None:
     return None if values is None else np.asarray(values, dtype=dtype)
-
-
-def route_slots(num_route_layers: int, layers: tuple[int, ...], *, num_layers: int, first_k_dense: int) -> list[int]:
-    """Indices into an engine routes array's layer axis of megatron layer numbers `layers`. The engine's array holds
-    every layer (SGLang: engine layer l = layer number l+1) or the MoE layers only (after the first_k_dense)."""
-    offset = 1 if num_route_layers == num_layers else 1 + first_k_dense
-    if num_route_layers not in (num_layers, num_layers - first_k_dense):
-        raise ValueError(f"engine routes have {num_route_layers} layers; the model has {num_layers} "
-                         f"({num_layers - first_k_dense} MoE)")
-    return [layer - offset for layer in layers]
 
 
 def share_for(samples: list[Sample], owners: list[int], dp_rank: int, layers: tuple[int, ...], *, num_layers: int,

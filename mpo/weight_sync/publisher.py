@@ -178,7 +178,7 @@ class Publisher:
         mpo.trainer.loop._trainer_probe_logprobs does); natural routing where this rank has no routing hooks."""
         from mpo.routing.capture import CaptureConfig, _tap_for
         from mpo.routing.records import MicroBatchRouting
-        from mpo.trainer.distribute import route_slots
+        from mpo.routing.records import route_slots
 
         hooks = next((tap.hooks for module in self.model.modules() if (tap := _tap_for(module)) is not None), None)
         if hooks is None or not routes:
