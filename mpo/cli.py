@@ -71,7 +71,7 @@ def run_local(config_path: str | None, overrides: list[str], *, plot: bool = Tru
         # prefix: that one marks the one line a failure ends with.
         print(f"starting {config.world_size} trainer rank{'s' * (config.world_size > 1)} (torchrun); run directory "
               f"{out_dir}", file=sys.stderr, flush=True)
-        code = _wait_or_interrupted(subprocess.Popen(command, env=env), out_dir)
+        code = _run_ranks(command, env, out_dir)
         if code == 0 and plot:
             try:
                 write_run_plot(out_dir)
@@ -82,18 +82,13 @@ def run_local(config_path: str | None, overrides: list[str], *, plot: bool = Tru
         lock.close()
 
 
-def _wait_or_interrupted(proc: subprocess.Popen, out_dir: Path) -> int:
-    """torchrun's exit status; on Ctrl-C (which reached torchrun and the ranks too: one process group) wait for them
-    to stop, then say in one line where the run stands instead of every process's traceback."""
+def _run_ranks(command: list[str], env: dict[str, str], out_dir: Path) -> int:
+    """torchrun's exit status. Ctrl-C reaches this process and torchrun (one process group; torchrun forwards it to
+    the ranks): subprocess.call then kills torchrun, whose ranks and engines die with it (mpo.lifecycle), and the
+    run's checkpoints are atomic; instead of every process's traceback, one line says where the run stands."""
     try:
-        code = proc.wait()
+        code = subprocess.call(command, env=env)
     except KeyboardInterrupt:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:  # a second Ctrl-C: still let the ranks finish stopping
-                continue
         code = INTERRUPTED_EXIT
     if code not in (INTERRUPTED_EXIT, -signal.SIGINT):  # mpo.torchrun exits 130 when it was interrupted itself
         return code

@@ -3,11 +3,10 @@
 `mpo.config.validate` checks what the config says; it also runs in every rank, so it reads nothing large. These read
 a little more, once, so that a mistake costs one line before start-up instead of a traceback from every rank after:
 
-  * the tokenizer fits the model's vocabulary (a larger one makes ids past the embedding);
   * model.mcore_dir holds the configured architecture (its tensors' shapes, from the checkpoint's metadata);
-  * `mpo train` only (check-config may check a multi-node config, whose engines start elsewhere, before they are
-    up): engines the run starts itself can start (SGLang importable by the engine Python), engines given by URL
-    answer.
+  * `mpo train` only (check-config may check a config before its model is in place, or a multi-node one whose
+    engines start elsewhere): the tokenizer fits the model's vocabulary (ids past it have no embedding), engines the
+    run starts itself can start (SGLang importable by the engine Python), engines given by URL answer.
 
 Each raises ConfigError with the field to change.
 """
@@ -117,9 +116,10 @@ def check_engine_urls_answer(config: TrainConfig) -> None:
 
 
 def before_start(config: TrainConfig, *, local_run: bool) -> None:
-    """Every check above; `local_run`: `mpo train` is about to start this node's ranks and engines."""
-    check_tokenizer_fits(config)
+    """Every check above; `local_run`: `mpo train` is about to start this node's ranks and engines (check-config
+    reads no tokenizer: it may check a config before the model is in place)."""
     check_checkpoint_architecture(config)
     if local_run:
+        check_tokenizer_fits(config)
         check_local_engines_can_start(config)
         check_engine_urls_answer(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,19 @@ OBS_AFTER_CUT = "<|im_end|>" + OBS_AFTER_EOS
 def tokenizer_dir(tmp_path_factory):
     texts = [*DEFAULT_TEXTS, "What is 123 * 456? Answer: 56088 <calc>123*456</calc> RESULT 42 tool"]
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tok", texts, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def calc_model(tokenizer_dir, tmp_path_factory):
+    """A tiny HF Qwen3-MoE (vocabulary 512) with the test's tokenizer: `mpo train` refuses a tokenizer larger than
+    the model's vocabulary, and a byte-level one always has 256 + 3 tokens, past the tiny preset's 256."""
+    from helpers.tiny_hf import make_tiny_qwen3_moe
+
+    hf = make_tiny_qwen3_moe(tmp_path_factory.mktemp("calc") / "hf", seed=3, vocab=512)
+    for file in tokenizer_dir.iterdir():
+        if file.is_file():
+            shutil.copy(file, hf / file.name)
+    return hf
 
 
 @pytest.fixture(scope="module")
@@ -216,27 +230,27 @@ def _cli(args: list[str], log: Path, timeout: float = 900) -> None:
     assert code == 0, f"{' '.join(args[:3])} exited {code}:\n" + log.read_text()[-4000:]
 
 
-def _train(tokenizer_dir: Path, out: Path, *extra: str) -> list[dict]:
+def _train(model_dir: Path, out: Path, *extra: str) -> list[dict]:
     _cli(["-m", "mpo.cli", "train", "--config", str(CALC_RECIPE),
-          f"model.tokenizer_dir={tokenizer_dir}", "schedule.steps=2",
+          f"model.hf_dir={model_dir}", "schedule.steps=2",
           f"data.task={RECIPES / 'data' / 'calculator.jsonl'}", f"logging.out_dir={out}",
           "logging.tensorboard=false", "logging.progress=false", "logging.checkpoint_every=0", *extra],
          out.parent / f"{out.name}.log")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
 
 
-def test_env_mpo_train_with_the_calculator_environment(tokenizer_dir, tmp_path):
-    rows = _train(tokenizer_dir, tmp_path / "calc")
+def test_env_mpo_train_with_the_calculator_environment(calc_model, tmp_path):
+    rows = _train(calc_model, tmp_path / "calc")
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["env_turns_mean"] > 1 and 0 < r["loss_token_frac"] < 1, r
         assert r["env_errors"] == 0 and r["env_time_s"] >= 0 and isinstance(r["loss"], float)
 
 
-def test_env_mpo_train_async_with_a_critic(tokenizer_dir, tmp_path):
+def test_env_mpo_train_async_with_a_critic(calc_model, tmp_path):
     """PPO's GAE critic (values and returns over a loss mask with the observation's hole) in async mode (in-flight
     weight updates, per-token versions): the steps run with finite losses and the env metrics."""
-    rows = _train(tokenizer_dir, tmp_path / "async_gae", "schedule.mode=async", "algorithm.advantage=gae",
+    rows = _train(calc_model, tmp_path / "async_gae", "schedule.mode=async", "algorithm.advantage=gae",
                   "algorithm.loss=grpo", f"rollout.env={SCRIPTED}")  # reward 0.75 against values from 0: a signal
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -244,10 +258,10 @@ def test_env_mpo_train_async_with_a_critic(tokenizer_dir, tmp_path):
         assert np.isfinite(r["loss"]) and r["loss"] != 0 and r["critic/value_loss"] > 0, r
 
 
-def test_env_mpo_train_keeps_going_when_the_environment_fails(tokenizer_dir, tmp_path):
+def test_env_mpo_train_keeps_going_when_the_environment_fails(calc_model, tmp_path):
     """FlakyEnv raises, hangs or returns garbage on some turns (by a hash of the text): those episodes score 0 and
     count in env_errors, the run finishes its steps."""
-    rows = _train(tokenizer_dir, tmp_path / "flaky", f"rollout.env={FLAKY}", "reward.timeout_s=2",
+    rows = _train(calc_model, tmp_path / "flaky", f"rollout.env={FLAKY}", "reward.timeout_s=2",
                   "schedule.mode=one_step_off")
     assert [r["step"] for r in rows] == [0, 1]
     assert sum(r["env_errors"] for r in rows) > 0
@@ -288,16 +302,16 @@ def test_env_per_token_advantages_skip_observation_tokens():
             assert np.allclose([a for a, m in zip(row, mask) if m], ref, rtol=0, atol=1e-12), (name, row, ref)
 
 
-def test_env_mpo_train_survives_every_episode_failing_under_r3(tokenizer_dir, tmp_path):
+def test_env_mpo_train_survives_every_episode_failing_under_r3(calc_model, tmp_path):
     """Environments that cannot even be built: every episode fails before its first turn (reward 0, env_errors),
     no row has a generated token, and the steps run (nothing to train on; R3 has no routes to ask for)."""
-    rows = _train(tokenizer_dir, tmp_path / "broken", "rollout.env=helpers.scripted_env:BrokenEnv",
+    rows = _train(calc_model, tmp_path / "broken", "rollout.env=helpers.scripted_env:BrokenEnv",
                   "algorithm.replay=r3")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["env_errors"] == 8 and r["env_turns_mean"] == 0 and r["skipped_no_signal"] == 1 for r in rows), rows
 
 
-def test_env_async_checkpoints_the_producer_process_data_position_and_resumes_from_it(tokenizer_dir, tmp_path):
+def test_env_async_checkpoints_the_producer_process_data_position_and_resumes_from_it(calc_model, tmp_path):
     """Async mode: the producer process (mpo.trainer.producer) draws the prompts, so the checkpoint keeps its data
     position (rank 0's own task never draws), and a resumed run's producer goes on from the saved position: 3 more
     steps end further on than the first 3 did, where a producer that started the stream again would end at the
@@ -309,9 +323,9 @@ def test_env_async_checkpoints_the_producer_process_data_position_and_resumes_fr
         stream = json.loads((out / "checkpoints" / latest / "trainer_state.json").read_text())["task"]["data"]["stream"]
         return stream["epoch"], stream["position"]
 
-    _train(tokenizer_dir, out, "schedule.mode=async", "schedule.steps=3")
+    _train(calc_model, out, "schedule.mode=async", "schedule.steps=3")
     first = position()
     assert first > (0, 0)
-    rows = _train(tokenizer_dir, out, "schedule.mode=async", "schedule.steps=6")
+    rows = _train(calc_model, out, "schedule.mode=async", "schedule.steps=6")
     assert [r["step"] for r in rows] == list(range(6))
     assert position() > first, (first, position())

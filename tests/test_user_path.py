@@ -123,7 +123,8 @@ def big_tokenizer(tmp_path_factory):
 def test_user_tokenizer_larger_than_the_vocabulary_is_one_line(big_tokenizer, tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": 2}\n')
-    out = _check_config(f"model.tokenizer_dir={big_tokenizer}", f"data.task={data}")
+    out = _check_config(f"model.tokenizer_dir={big_tokenizer}", f"data.task={data}",
+                        f"logging.out_dir={tmp_path / 'run'}", command="train")
     line = one_line(out.stderr)
     assert out.returncode == 2 and "the model's vocabulary is 256" in line and "model.tokenizer_dir" in line, line
 
