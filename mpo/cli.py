@@ -58,7 +58,7 @@ def run_local(config_path: str | None, overrides: list[str], *, plot: bool = Tru
             config, text = converted, yaml.safe_dump(to_dict(converted), sort_keys=False)
         from mpo.prestart import before_start
 
-        before_start(config, local_run=True)  # files and engines a rank would trip on, in one line each
+        before_start(config)  # files and engines a rank would trip on, in one line each
         resolved = out_dir / "config.yaml"
         with writing(resolved):
             resolved.write_text(text)
@@ -92,12 +92,13 @@ def _run_ranks(command: list[str], env: dict[str, str], out_dir: Path) -> int:
         code = INTERRUPTED_EXIT
     if code not in (INTERRUPTED_EXIT, -signal.SIGINT):  # mpo.torchrun exits 130 when it was interrupted itself
         return code
-    try:
-        latest = (out_dir / "checkpoints" / "latest").read_text().strip()
-    except OSError:
-        latest = ""
-    where = (f"its last checkpoint is {out_dir / 'checkpoints' / latest}" if latest
-             else "no checkpoint had been written yet")
+    from mpo.model_files import CheckpointError, latest_checkpoint
+
+    try:  # what a rerun resumes from, read as the resume reads it
+        latest = latest_checkpoint(out_dir / "checkpoints")
+    except CheckpointError:
+        latest = None
+    where = f"its last checkpoint is {latest}" if latest is not None else "no checkpoint had been written yet"
     print(f"mpo: interrupted; {where}: rerun the same command to resume", file=sys.stderr)
     return INTERRUPTED_EXIT
 
@@ -223,9 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "check-config":
             config, text = resolve_config(args.config, args.overrides)
-            from mpo.prestart import before_start
-
-            before_start(config, local_run=False)
             if config.rollout.engine != "sglang":  # a CPU run: the GPU plan does not apply, this host's memory does
                 from mpo.memory_plan import check_fits_here
 

@@ -737,9 +737,9 @@ def validate(config: TrainConfig) -> None:
     _check_data(config)
     _check_schedule(config)
     _check_logging(config)
-    if m.mcore_dir is not None:
-        _check_mcore_dir(m.mcore_dir)
     model_cfg = model_config(config)
+    if m.mcore_dir is not None:
+        _check_mcore_dir(config, model_cfg)
     try:
         config.parallel.validate(config.world_size, num_layers=model_cfg.num_layers,
                                  num_attention_heads=model_cfg.num_attention_heads,
@@ -942,21 +942,48 @@ def _typed_loss_args(loss: str, loss_args: dict) -> dict:
             for key, value in loss_args.items()}
 
 
-def _check_mcore_dir(mcore_dir: str) -> None:
+def _check_mcore_dir(config: TrainConfig, model_cfg) -> None:
     """model.mcore_dir is a torch_dist checkpoint (a conversion, a trainer checkpoint's step directory, or a run
-    directory: its newest, mpo.model_files) whose metadata loads safely (mpo.safe_load) before any rank starts."""
+    directory: its newest, mpo.model_files) whose metadata loads safely (mpo.safe_load) before any rank starts, and
+    holds the configured architecture (its embedding, layer and expert counts: another model's checkpoint failed
+    deep in the load, as "corrupt or unreadable")."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from mpo.model_files import NotACheckpoint, resolve_mcore_dir
     from mpo.safe_load import CheckpointFileError, read_dcp_metadata
 
+    mcore_dir = config.model.mcore_dir
     try:
-        metadata = resolve_mcore_dir(mcore_dir) / ".metadata"
+        directory = resolve_mcore_dir(mcore_dir)
     except NotACheckpoint as exc:
         raise ConfigError(f"model.mcore_dir={_show(mcore_dir)}: {str(exc).removeprefix(str(mcore_dir) + ': ')}") \
             from None
     try:
-        read_dcp_metadata(metadata)
+        metadata = read_dcp_metadata(directory / ".metadata")
     except CheckpointFileError as exc:
         raise ConfigError(f"model.mcore_dir: {exc}") from None
+    shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def saved(suffix: str) -> tuple[int, ...] | None:  # keys end alike in a conversion and a trainer checkpoint
+        return next((shape for key, shape in shapes.items() if key.endswith(suffix)), None)
+
+    found, expected = [], []
+    embedding = saved("embedding.word_embeddings.weight")
+    if embedding is not None and embedding != (model_cfg.vocab_size, model_cfg.hidden_size):
+        found.append(f"vocabulary {embedding[0]} x hidden {embedding[1]}")
+        expected.append(f"vocabulary {model_cfg.vocab_size} x hidden {model_cfg.hidden_size}")
+    proj = saved("decoder.layers.self_attention.linear_proj.weight")
+    if proj is not None and len(proj) == 3 and proj[0] != model_cfg.num_layers:
+        found.append(f"{proj[0]} layers")
+        expected.append(f"{model_cfg.num_layers} layers")
+    router = saved("decoder.layers.mlp.router.weight")
+    if router is not None and len(router) == 3 and router[1] != model_cfg.num_experts:
+        found.append(f"{router[1]} experts")
+        expected.append(f"{model_cfg.num_experts} experts")
+    if found:
+        source = "model.hf_dir's config.json" if config.model.hf_dir else f"model.preset={config.model.preset}"
+        raise ConfigError(f"model.mcore_dir={mcore_dir} holds another architecture ({', '.join(found)}) than "
+                          f"{source} ({', '.join(expected)}): point model.mcore_dir at this model's conversion")
 
 
 def _advantage_needs_groups(name: str) -> bool:

@@ -492,10 +492,17 @@ def check_first_rows(task: str, *, prompt_key: str = "prompt", answer_key: str =
         return
     errors: list[str] = []
     with open(first, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if len(errors) >= PEEK_ROWS:
+        number = 0
+        while len(errors) < PEEK_ROWS:
+            raw = handle.readline(max_row_bytes + 1)  # bounded: a huge line is skipped, never held (as the index)
+            if not raw:
                 break
-            if not raw.strip() or len(raw) > max_row_bytes:
+            number += 1
+            if len(raw) > max_row_bytes:
+                while raw and not raw.endswith(b"\n"):
+                    raw = handle.readline(1 << 20)
+                continue
+            if not raw.strip():
                 continue
             where = f"{first}:{number}"
             try:

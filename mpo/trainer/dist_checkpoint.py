@@ -147,14 +147,18 @@ def _fresh_non_param_state(state: Any) -> Any:
             for k, v in state.items()}
 
 
-def sharded_state(parts: list[Part], *, is_loading: bool, rng: bool,
-                  formats: dict[str, str] | None = None) -> dict[str, Any]:
+def sharded_state(parts: list[Part], *, is_loading: bool, rng: bool, formats: dict[str, str] | None = None,
+                  models_only: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The sharded state dict of every part: its model, then its optimizer's state in `formats[prefix]`
-    ('fully_reshardable': mapped onto the model's tensors; 'dp_reshardable': the DP rank's own bucket ranges)."""
+    ('fully_reshardable': mapped onto the model's tensors; 'dp_reshardable': the DP rank's own bucket ranges); the
+    parts whose prefix is in `models_only` without their optimizer (whose loading state megatron would first fill with
+    zero moments)."""
     state: dict[str, Any] = {}
     for part in parts:
         model = part.gpt.sharded_state_dict(prefix=part.prefix)
         state[f"{part.prefix}model"] = model
+        if part.prefix in models_only:
+            continue
         fmt = (formats or {}).get(part.prefix, "fully_reshardable")
         dp = fmt == "dp_reshardable" and is_distributed(part.optimizer)
         optimizer = part.optimizer.sharded_state_dict(model, is_loading=is_loading,
@@ -395,12 +399,10 @@ class DistCheckpointer:
                 "from a checkpoint saved with logging.checkpoint_format=fully_reshardable (the run's last checkpoint "
                 "always is)")
         steps = trainer_state.get("optimizer_steps", {})
-        state = sharded_state(parts, is_loading=True, rng=same_layout, formats=formats)
         # An optimizer that had not stepped when saved (e.g. every group of the first steps had zero reward variance)
         # saved no state (Adam creates it at its first step): the fresh optimizer here is exactly it.
-        unstepped = {p.prefix for p in parts if steps.get(p.prefix) == 0}
-        for prefix in unstepped:
-            del state[f"{prefix}optimizer"]
+        unstepped = frozenset(p.prefix for p in parts if steps.get(p.prefix) == 0)
+        state = sharded_state(parts, is_loading=True, rng=same_layout, formats=formats, models_only=unstepped)
         skeleton = _skeleton(state)
         loaded = _fill(skeleton, load_sharded(state, path, strategy=_strategies(path)))
         for part in parts:
@@ -409,9 +411,7 @@ class DistCheckpointer:
             if part.prefix not in steps:
                 raise CheckpointFileError(f"no optimizer_steps[{part.prefix!r}] (not an mpo trainer checkpoint, or "
                                           "one without this model)", path / TRAINER_STATE)
-            if part.prefix in unstepped:  # building the state to load gave it zero moments without a step count
-                for inner in inner_optimizers(part.optimizer):
-                    inner.state.clear()
+            if part.prefix in unstepped:
                 continue
             # no_grad: megatron's dp_reshardable load copies into the main parameters outside of it (its fully
             # reshardable load is decorated), and an fp32 model's main parameters are views of leaves requiring grad
