@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mpo.models.fused_head import deferred_head
 from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, sequence_logprobs
 from mpo.models.packed import PackedLayout
 
@@ -86,12 +87,15 @@ LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, 
 
 def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, vocab_size: int,
                      loss_fn: LossFn | None = None, forward_only: bool | None = None, keep_logits: bool = False,
-                     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, values: bool = False) -> list[dict]:
+                     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, values: bool = False,
+                     fused_head: bool = True) -> list[dict]:
     """Forward (and backward, if `loss_fn` is given and not forward_only) over all micro-batches.
 
     Returns, on the last pipeline stage, one dict per micro-batch with "logprobs" and "entropy" ([b, s], fp32,
     detached; position t scores token t), "logits" (this rank's vocab slice) when keep_logits, and the loss_fn's
-    metrics. Other stages return an empty list. With `values` (a critic, mpo.models.value_head) the dict holds
+    metrics. The LM head runs fused with the scoring (mpo.models.fused_head: no [tokens, vocab] logits on the
+    training path) unless `keep_logits` asks for the logits whole (parity tests, debug dumps) or `fused_head` is off.
+    Other stages return an empty list. With `values` (a critic, mpo.models.value_head) the dict holds
     "values" ([b, s], aligned like the log-probs) and loss_fn is called as ``loss_fn(mb, values, None)``.
 
     Loss scaling: megatron divides each micro-batch loss by the number of micro-batches, and its DDP divides reduced
@@ -145,25 +149,33 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
             scored = mb.packing.unpack(scored.masked_fill(mb.position_ids == 0, 0.0))
         return scaled_loss(mb, {"values": scored.detach()}, scored, None)
 
-    def loss_func(mb: MicroBatch, logits: torch.Tensor):
-        logprobs, entropy = sequence_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
-                                              position_ids=mb.position_ids, chunk_tokens=chunk_tokens)
+    def loss_func(mb: MicroBatch, head_weight: torch.Tensor | None, output: torch.Tensor):
+        """`output`: this rank's vocab slice of the logits, or with `head_weight` the LM head's input."""
+        logprobs, entropy = sequence_logprobs(output, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
+                                              position_ids=mb.position_ids, chunk_tokens=chunk_tokens,
+                                              head_weight=head_weight)
         if mb.packing is not None:
             logprobs, entropy = mb.packing.unpack(logprobs), mb.packing.unpack(entropy)
         out = {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
         if keep_logits:
-            out["logits"] = logits.detach()
+            out["logits"] = output.detach()
         return scaled_loss(mb, out, logprobs, entropy)
 
     def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: torch.nn.Module):
         mb = next(data_iterator)
         attention = mb.packing.forward_kwargs(mb.input_ids.device) if mb.packing is not None else {}
-        logits = model_chunk(mb.input_ids, mb.positions(), attention.pop("attention_mask", None), **attention)
-        return logits, partial(value_loss_func if values else loss_func, mb)
+        output = model_chunk(mb.input_ids, mb.positions(), attention.pop("attention_mask", None), **attention)
+        if values:
+            return output, partial(value_loss_func, mb)
+        # the deferred head noted the weight its forward would have used (the FP32 head's upcast tied embedding)
+        weight = getattr(head, "_mpo_head_weight", None) if head is not None and model_chunk is chunks[-1] else None
+        return output, partial(loss_func, mb, weight)
 
     # megatron's schedules record autograd graphs even when forward_only: a pass with no backward (old log-probs,
     # reference, values, router-shift probes) would hold a training forward's activations per micro-batch.
-    with torch.no_grad() if forward_only else contextlib.nullcontext():
+    fuse = fused_head and not keep_logits and not values
+    with torch.no_grad() if forward_only else contextlib.nullcontext(), \
+            deferred_head(chunks) if fuse else contextlib.nullcontext() as head:
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             # the interleaved schedule reads one iterator per chunk: each chunk sees every micro-batch once

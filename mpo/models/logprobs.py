@@ -117,14 +117,23 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
 
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int,
                       tp_group: dist.ProcessGroup | None = None, position_ids: torch.Tensor | None = None,
-                      chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+                      head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies of `input_ids` [b, s] under causal-LM logits [b, s, V_local].
 
     out[:, t] scores token t with the logits at position t-1; out[:, 0] is 0. With packed rows, pass position_ids
     (they restart at 0 for each packed sequence): a sequence's first token has no prediction and also gets 0.
+    With `head_weight` ([V_local, H]), `logits` are the LM head's input [b, s, H] instead, and the head is applied
+    chunk by chunk inside the scoring (mpo.models.fused_head): no [tokens, vocab] tensor is ever whole.
     """
-    logp, entropy = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size,
+    if head_weight is not None:
+        from mpo.models.fused_head import fused_head_logprobs
+
+        logp, entropy = fused_head_logprobs(logits[:, :-1], head_weight, input_ids[:, 1:], vocab_size=vocab_size,
                                             tp_group=tp_group, chunk_tokens=chunk_tokens)
+    else:
+        logp, entropy = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size,
+                                                tp_group=tp_group, chunk_tokens=chunk_tokens)
     zero = logp.new_zeros(logp.shape[0], 1)
     logp, entropy = torch.cat([zero, logp], 1), torch.cat([zero, entropy], 1)
     if position_ids is not None:

@@ -1,0 +1,91 @@
+"""Long-context head memory: today's FP32 head (whole fp32 logits, then chunked log-probs) against the fused head.
+
+One training forward+backward over one sequence of `--tokens` tokens (16k by default) with a real large vocabulary
+(151,936, Qwen3's) and a small hidden size, each variant in a fresh process: a token-wise body (embedding, a two-layer
+MLP with a residual, a norm) and the FP32 LM head, a policy-gradient-like loss on log-probs and entropies. Attention is
+left out on purpose: at 16k tokens the local spec's unfused attention would dwarf the head, and the head is what this
+measures. The head's peak is the process's RSS high-water mark during the head's forward+backward minus its RSS just
+before it (the body's activations are already resident). Both variants see the same weights and tokens.
+
+Last line: `long-context head_peak_ratio=<a> max_logprob_diff=<b> cp2_vs_cp1_diff=<c>`; c is `n/a` until context
+parallelism exists (nothing here can compare CP2 with CP1 yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import time
+
+QWEN3_VOCAB = 151_936
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _variant(name: str, tokens: int, vocab: int, hidden: int, queue) -> None:
+    import torch
+
+    from mpo.models.fused_head import fused_head_logprobs
+    from mpo.models.logprobs import vocab_parallel_logprobs
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.nn.Parameter(torch.randn(vocab, hidden, generator=gen) * 0.02)
+    up = torch.nn.Parameter(torch.randn(4 * hidden, hidden, generator=gen) / hidden ** 0.5)
+    down = torch.nn.Parameter(torch.randn(hidden, 4 * hidden, generator=gen) / (4 * hidden) ** 0.5)
+    head = torch.nn.Parameter(torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5 * 2)
+    ids = torch.randint(0, vocab, (tokens + 1,), generator=gen)
+    advantages = torch.randn(tokens, generator=gen)
+
+    x = embed[ids[:-1]]
+    x = x + torch.nn.functional.gelu(x @ up.t()) @ down.t()
+    x = torch.nn.functional.rms_norm(x, (hidden,))
+    labels = ids[1:]
+    before = _rss_mib()
+    _ = _peak_mib()  # the high-water mark so far belongs to the body
+    start = time.perf_counter()
+    if name == "fused":
+        logp, entropy = fused_head_logprobs(x, head, labels, vocab_size=vocab)
+    else:  # today's: the head's whole fp32 logits, then the chunked vocab-parallel log-probs over them
+        logp, entropy = vocab_parallel_logprobs(x @ head.t(), labels, vocab_size=vocab)
+    loss = -(logp * advantages).mean() - 0.01 * entropy.mean()
+    loss.backward()
+    elapsed = time.perf_counter() - start
+    peak = _peak_mib() - before
+    queue.put((name, peak, elapsed, logp.detach().tolist(), head.grad.norm().item()))  # plain data: the child exits
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpo.bench long_context", description=__doc__)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
+    parser.add_argument("--hidden", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    whole_gib = args.tokens * args.vocab * 4 / 2**30
+    print(f"one sequence of {args.tokens} tokens, vocabulary {args.vocab}, hidden {args.hidden}, FP32 head "
+          f"(whole fp32 logits: {whole_gib:.1f} GiB, and as much again for their gradient)", flush=True)
+    ctx = mp.get_context("spawn")
+    results = {}
+    for name in ("whole_logits", "fused"):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_variant, args=(name, args.tokens, args.vocab, args.hidden, queue))
+        proc.start()
+        results[name] = queue.get()
+        proc.join()
+        _, peak, elapsed, _, grad_norm = results[name]
+        print(f"  {name:12s} head peak {peak:9.0f} MiB   fwd+bwd {elapsed:7.1f} s   |grad head| {grad_norm:.6g}",
+              flush=True)
+    whole, fused = results["whole_logits"], results["fused"]
+    ratio = fused[1] / whole[1]
+    diff = max(abs(a - b) for a, b in zip(fused[3], whole[3]))
+    print(f"long-context head_peak_ratio={ratio:.4f} max_logprob_diff={diff:.3g} cp2_vs_cp1_diff=n/a")
+    return 0
