@@ -29,10 +29,12 @@ backward), here with flash/fused attention (no s^2 terms, as TE on GPU) and no d
 With full recompute (model.recompute: megatron's uniform method, one layer per group) a layer keeps only its input,
 2 s b h / t bytes, and one layer's activations are live while it is recomputed. A pipeline stage keeps the
 activations of the micro-batches in flight: PP - rank under 1F1B; under the interleaved schedule megatron's warm-up
-count 2 (PP - rank - 1) + (vpp - 1) PP + 1 chunk-micro-batches. The last stage adds the fp32 logits of one
-micro-batch and their gradient (2 x 4 x s b V / t). With sequence packing (schedule.max_tokens_per_microbatch) a
-micro-batch is one row of the token budget (s b = the budget; a sample longer than it runs alone). A fixed reserve covers the CUDA context, NCCL buffers and
-allocator fragmentation.
+count 2 (PP - rank - 1) + (vpp - 1) PP + 1 chunk-micro-batches. The last stage's head runs fused with the log-probs
+(mpo.models.fused_head): it keeps the head's fp32 input (4 s b h), three fp32 floats per token, one chunk's
+working set (4 fp32 buffers of CHUNK_ELEMENTS) and the backward's fp32 weight-gradient sum (4 V h / t), never the
+[s b, V / t] logits (those would be 2 x 4 x s b V / t: ~40 GB at 33k tokens and Qwen3's vocabulary). With sequence
+packing (schedule.max_tokens_per_microbatch) a micro-batch is one row of the token budget (s b = the budget; a sample
+longer than it runs alone). A fixed reserve covers the CUDA context, NCCL buffers and allocator fragmentation.
 
 Routing bookkeeping (mpo.routing.capture; per rank of a stage with L MoE layers, top-K, the rank's DP share of a step's
 rows x seq_len tokens T, one update's share T / updates_per_step, e = 1 byte per expert id up to 256 experts, else 2):
@@ -200,8 +202,11 @@ def activation_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, 
     if recompute:
         total += max(per_layer, default=0)  # the layer being recomputed
     if rank == pp - 1:
+        from mpo.models.logprobs import CHUNK_ELEMENTS
+
         vocab = padded_vocab_size(m.vocab_size, parallel.tensor_parallel) / parallel.tensor_parallel
-        total += 2 * 4 * seq_len * micro_batch_size * vocab
+        tokens_mb = seq_len * micro_batch_size
+        total += 4 * tokens_mb * h + 12 * tokens_mb + 4 * 4 * CHUNK_ELEMENTS + 4 * vocab * h
     return int(total)
 
 
@@ -390,6 +395,25 @@ def gpu_totals(config, gpus_per_node: int = 8) -> str:
              "engines given by rollout.urls, not counted" if r.urls else "no GPU engines")
     return (f"total: {total} GPUs = {trainer} for the trainer ({config.world_size} ranks) + {where}; "
             f"{nodes} nodes of {gpus_per_node} GPUs")
+
+
+def longest_trainer_row(config, inputs: PlanInputs = PlanInputs(), *, limit: int = 1 << 20) -> int:
+    """The longest training row (tokens) with which every trainer stage still fits on `inputs.gpu_mem_gib`, by
+    bisection over the plan (engines not considered: their KV cache is sized separately); 0 when none fits."""
+    from dataclasses import replace
+
+    def trainer_fits(seq: int) -> bool:
+        return all(r.fits for r in plan_memory(config, replace(inputs, seq_len=seq)) if r.role.startswith("trainer"))
+
+    if not trainer_fits(1):
+        return 0
+    low, high = 1, limit
+    if trainer_fits(high):
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if trainer_fits(mid) else (low, mid)
+    return low
 
 
 def format_plan(roles: list[RoleMemory]) -> str:

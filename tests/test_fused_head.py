@@ -12,7 +12,7 @@ import torch
 from helpers import fused_head_worker
 from helpers.spawn import spawn_ranks
 from mpo.models.fused_head import fused_head_logprobs
-from mpo.models.logprobs import sequence_logprobs
+from mpo.models.logprobs import sequence_logprobs, vocab_parallel_logprobs
 
 VOCAB, PADDED, HIDDEN = 61, 64, 24
 
@@ -118,3 +118,38 @@ def test_fused_head_through_megatron_equals_whole_logits(tmp_path, layout, dtype
             f = fused["grads"][name]
             tol = 1e-6 if dtype == "fp32" or "output_layer" in name else 1e-2
             assert (f - g).abs().max() <= tol * max(1.0, g.abs().max().item()), name
+
+
+def test_fused_head_never_makes_a_tokens_by_vocab_tensor():
+    """Every tensor any op makes during the fused head's forward and backward (seen by a dispatch mode) is at most one
+    chunk of logits; the whole-logits path makes [tokens, vocab] ones (so the watcher can see them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    tokens, vocab, hidden, chunk = 512, 4096, 16, 32
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=gen).requires_grad_(True)
+    w = torch.randn(vocab, hidden, generator=gen).requires_grad_(True)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    sizes = {}
+    for name in ("fused", "whole"):
+        with Largest() as watch:
+            if name == "fused":
+                logp, ent = fused_head_logprobs(h, w, labels, vocab_size=vocab, chunk_tokens=chunk)
+            else:
+                logp, ent = vocab_parallel_logprobs(h @ w.t(), labels, vocab_size=vocab)
+            (logp.sum() + ent.sum()).backward()
+        sizes[name] = watch.numel
+    assert sizes["whole"] >= tokens * vocab
+    assert sizes["fused"] <= max(chunk * vocab, vocab * hidden)  # one chunk of logits, or the weight's gradient
