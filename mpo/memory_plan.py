@@ -37,10 +37,12 @@ packing (schedule.max_tokens_per_microbatch) a micro-batch is one row of the tok
 longer than it runs alone). A fixed reserve covers the CUDA context, NCCL buffers and allocator fragmentation.
 
 Routing bookkeeping (mpo.routing.capture; per rank of a stage with L MoE layers, top-K, the rank's DP share of a step's
-rows x seq_len tokens T, one update's share T / updates_per_step, e = 1 byte per expert id up to 256 experts, else 2):
+rows x seq_len tokens T; the records and engine routes live in (pinned) host memory between uses and move to the GPU one
+micro-batch at a time, so the plan puts only the replay indices on the device and states the host bytes;
+one update's share T / updates_per_step, e = 1 byte per expert id up to 256 experts, else 2):
   the old-logprob pass's records, kept for the step: T L K e (chosen experts), x 2 under replay (r2/r3: the router's
   natural choice too), + 4 T L K (fp32 router log-probs) only when the loss reads them (RSPO / +rs);
-  R3: the engine's routes on the device for the step, 2 T L K (int16, -1 where there is no record);
+  R3: the engine's routes for the step, 2 T L K (int16, -1 where there is no record);
   one update pass's records: the same index bytes for T / updates_per_step tokens, + 8 per (log-probs at the chosen
   and at the old experts) for RSPO;
   replay (r2/r3): int64 replay indices, 8 x (micro-batch tokens) L K per micro-batch in flight (the routing call's,
@@ -338,16 +340,21 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
             items["activations"] = max(items["activations"], activation_bytes(
                 m, par, rank, seq_len=act_seq, micro_batch_size=s.forward_micro_batch_size, num_microbatches=1,
                 recompute=config.model.recompute))
-        items["routing records (R2/R3, RSPO)"] = routing_bytes(
+        routing = routing_parts(
             m, par, rank, step_tokens=-(-rows // dp) * seq, updates_per_step=s.updates_per_step,
             microbatch_tokens=act_seq * act_rows, replay=config.algorithm.replay or "none",
             router_logprobs=router_logprobs)
+        # records and engine routes stay on the host between uses (mpo.routing.records.host_copy); the device holds
+        # the replay indices of the micro-batches in flight
+        items["routing replay indices (R2/R3)"] = routing.pop("replay indices")
+        host_routing = sum(routing.values())
         items["reserve (CUDA, NCCL, fragmentation)"] = RESERVE_BYTES
         role = RoleMemory(f"trainer (pipeline stage {rank} of {par.pipeline_parallel})", items, capacity,
                           f"TP{par.tensor_parallel} PP{par.pipeline_parallel} EP{par.expert_parallel} "
                           f"ETP{par.etp} DP{dp} expert-DP{edp}, distributed optimizer "
                           f"{'on' if distributed else 'off'}, {shape}, "
-                          f"recompute {'full' if config.model.recompute else 'off'}")
+                          f"recompute {'full' if config.model.recompute else 'off'}"
+                          + (f"; routing records on the host: {host_routing / GIB:.2f} GiB" if host_routing else ""))
         if best is None or role.total > best.total:
             best = role
     roles.append(best)

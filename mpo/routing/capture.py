@@ -42,7 +42,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from mpo.routing.records import MicroBatchRouting, index_dtype
+from mpo.routing.records import MicroBatchRouting, host_copies_landed, host_copy, index_dtype
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,9 @@ class _Session:
                     logp_at = log_probs.gather(1, at.clamp(min=0))
         small = idx.detach().to(self.hooks.index_dtype)
         natural_small = None if natural is None else natural.to(self.hooks.index_dtype)
-        self.raw[(self.microbatch, tap.layer_number)] = (small, logp, logp_at, natural_small, (s_local, b))
+        # Kept for the pass, so kept on the host: the device holds one routing call's tensors at a time.
+        self.raw[(self.microbatch, tap.layer_number)] = (host_copy(small), host_copy(logp), host_copy(logp_at),
+                                                         host_copy(natural_small), (s_local, b))
 
 
 class RoutingHooks:
@@ -321,10 +323,11 @@ class RoutingHooks:
         """Raw sequence-major captures -> batch-major MicroBatchRouting per micro-batch (TP-gathered under SP)."""
         if not state.config.record:
             return []
+        host_copies_landed()  # the captures' device-to-host copies (mpo.routing.records.host_copy)
         out = []
         if not self.layers:
             for b, s in state.shapes:
-                empty = torch.empty((b, s, 0, self.topk), dtype=self.index_dtype, device=self.device)
+                empty = torch.empty((b, s, 0, self.topk), dtype=self.index_dtype)
                 logp = empty.float() if state.config.record_logprobs and self.router_logprobs else None
                 at = empty.float() if state.gather_at is not None and self.router_logprobs else None
                 out.append(MicroBatchRouting((), empty, logp, at,
@@ -347,10 +350,13 @@ class RoutingHooks:
     def _gather_sequence(self, x: Tensor, config: CaptureConfig) -> Tensor:
         if not (self.sequence_parallel and config.gather_sequence_parallel):
             return x
-        wire = x.to(torch.int32) if not x.is_floating_point() else x  # gloo does not all-gather uint8 everywhere
+        # one micro-batch's record through the compute device (NCCL gathers device tensors), back to the host
+        wire = x.to(self.device, torch.int32 if not x.is_floating_point() else x.dtype)  # gloo: no uint8 everywhere
         parts = [torch.empty_like(wire) for _ in range(self.tp_size)]
         torch.distributed.all_gather(parts, wire, group=self.tp_group)
-        return torch.cat(parts, dim=1).to(x.dtype)
+        gathered = host_copy(torch.cat(parts, dim=1).to(x.dtype))
+        host_copies_landed()
+        return gathered
 
 
 class SessionResult:

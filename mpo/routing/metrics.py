@@ -57,10 +57,12 @@ def agreement_metrics(reference: Sequence[MicroBatchRouting], other: Sequence[Mi
     overlap = torch.zeros_like(n)
     changed_tokens = counted_tokens = 0.0
     for ref, oth, ok in zip(reference, other, valid, strict=True):
-        a = ref.indices.long()
-        c = oth.select(layers).indices.to(a.device).long()  # e.g. engine routes on the host, captured ones on a GPU
+        # records live on the host between uses (mpo.routing.records.host_copy): one micro-batch at a time on the
+        # device of the masks, where the pipeline collective below runs
+        a = ref.indices.to(ok.device).long()
+        c = oth.select(layers).indices.to(ok.device).long()
         k = a.shape[-1]
-        recorded = (a >= 0).all(-1) & (c >= 0).all(-1) & ok.to(a.device, torch.bool)[..., None]  # [b, s, L]
+        recorded = (a >= 0).all(-1) & (c >= 0).all(-1) & ok.to(torch.bool)[..., None]  # [b, s, L]
         common = (a[..., :, None] == c[..., None, :]).any(-1).sum(-1)  # [b, s, L]
         same = common == k
         w = recorded.to(torch.float64)
@@ -111,6 +113,7 @@ def router_shift_metrics(old: Sequence[MicroBatchRouting], new: Sequence[MicroBa
     n = torch.zeros(len(layers), dtype=torch.float64)
     total = torch.zeros_like(n)
     for o, c, ok in zip(old, new, valid, strict=True):
+        o, c = o.to(ok.device), c.to(ok.device)  # host records, one micro-batch at a time on the device
         delta = (current_logp_at_old(o, c).double() - o.logp.double()).abs().mean(-1)  # [b, s, L]
         w = ok.to(delta.device, torch.float64)[..., None].expand_as(delta)
         n += w.sum((0, 1)).cpu()

@@ -67,8 +67,9 @@ class PolicyUpdate:
         # Engine routes of this stage's layers, placed once per micro-batch: R3 replays them here and in the updates.
         for mb in microbatches:
             routes = self.engine_routes(mb)
-            # placed on the host from the engine's arrays; replayed and compared on the compute device
-            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers).to(self.device)
+            # placed on the host from the engine's arrays and kept there for the step (pinned where CUDA runs):
+            # replay and the metrics move one micro-batch's layers at a time to the compute device
+            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers).pinned()
         engine_routes = [mb.extras["engine_routes"] for mb in microbatches]
         replay = None
         if self.algorithm.replay == "r3":
@@ -138,8 +139,9 @@ class PolicyUpdate:
         with self.routing.session(replay=replay, gather_at=old_records) as probe:
             run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, forward_only=True)
         for mb, old, cur in zip(microbatches, old_records, probe.records):
-            shift = router_shift(old, cur, self.loss_cfg.gamma_min, position_ids=mb.position_ids,
-                                 pp_group=self.pp_group)
+            # host records (mpo.routing.records.host_copy): this micro-batch's on the device, where the loss reads it
+            shift = router_shift(old.to(self.device), cur.to(self.device), self.loss_cfg.gamma_min,
+                                 position_ids=mb.position_ids, pp_group=self.pp_group)
             if mb.packing is not None:  # gammas of the packed row -> the loss's sample layout
                 shift = type(shift)(*(None if f is None else mb.packing.unpack(f) for f in
                                       (shift.log_gamma, shift.gamma_raw, shift.abs_logdiff)))
