@@ -153,3 +153,10 @@ def test_fused_head_never_makes_a_tokens_by_vocab_tensor():
         sizes[name] = watch.numel
     assert sizes["whole"] >= tokens * vocab
     assert sizes["fused"] <= max(chunk * vocab, vocab * hidden)  # one chunk of logits, or the weight's gradient
+
+
+def test_fused_head_leaves_the_model_as_it_was(tmp_path):
+    """After fused passes the model's parameters and state_dict keys are the same as before (the deferred layer keeps
+    the weight it used outside the module) and its output layer gives logits again."""
+    spawn_ranks(1, fused_head_worker.run_state, str(tmp_path))
+    assert (tmp_path / "ok").read_text() == "ok"

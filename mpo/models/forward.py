@@ -168,7 +168,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         if values:
             return output, partial(value_loss_func, mb)
         # the deferred head noted the weight its forward would have used (the FP32 head's upcast tied embedding)
-        weight = getattr(head, "_mpo_head_weight", None) if head is not None and model_chunk is chunks[-1] else None
+        weight = head.weight if head is not None and model_chunk is chunks[-1] else None
         return output, partial(loss_func, mb, weight)
 
     # megatron's schedules record autograd graphs even when forward_only: a pass with no backward (old log-probs,

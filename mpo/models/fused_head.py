@@ -146,33 +146,44 @@ def output_layer(chunk: torch.nn.Module) -> torch.nn.Module | None:
     return head
 
 
-def _head_input(head: torch.nn.Module, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
-    """Stands in for ColumnParallelLinear.forward: the input as the matmul would see it, the weight noted on the
-    layer for the loss function (the FP32 head's pre-hook has already upcast both)."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
+class DeferredHead:
+    """The output layer in deferred mode: `weight` is what its last forward would have multiplied by (the FP32 head's
+    upcast tied embedding, or the layer's own weight). Kept here, not on the layer: a Parameter set as a module
+    attribute would become one of its parameters."""
 
-    if head.sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=head.tp_group)
-    else:
-        hidden = copy_to_tensor_model_parallel_region(input_, group=head.tp_group)
-    head._mpo_head_weight = weight if weight is not None else head.weight
-    return hidden, None
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+        self.weight: torch.Tensor | None = None
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        """Stands in for ColumnParallelLinear.forward: the input as its matmul would see it (the FP32 head's pre-hook
+        has already upcast input and weight)."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            gather_from_sequence_parallel_region)
+
+        layer = self.layer
+        if layer.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                          group=layer.tp_group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+        self.weight = weight if weight is not None else layer.weight
+        return hidden, None
 
 
 @contextlib.contextmanager
-def deferred_head(chunks: list[torch.nn.Module]) -> Iterator[torch.nn.Module | None]:
+def deferred_head(chunks: list[torch.nn.Module]) -> Iterator[DeferredHead | None]:
     """Within the block, the last stage's output layer returns its (gathered) input: the model's output is the head's
-    input [b, s, H] and the head's weight is `head._mpo_head_weight` after each forward. Yields the layer, or None
-    where there is nothing to defer (not the last stage, a value head, MuP or MTP): the model then returns logits."""
-    head = output_layer(chunks[-1]) if chunks else None
-    if head is None:
+    input [b, s, H] and the head's weight is the yielded DeferredHead's `weight` after each forward. Yields None where
+    there is nothing to defer (not the last stage, a value head, MuP or MTP): the model then returns logits."""
+    layer = output_layer(chunks[-1]) if chunks else None
+    if layer is None:
         yield None
         return
-    head.forward = lambda *args, **kwargs: _head_input(head, *args, **kwargs)
+    deferred = DeferredHead(layer)
+    layer.forward = deferred.forward  # an instance attribute: __call__ (and the FP32 head's pre-hook) still run
     try:
-        yield head
+        yield deferred
     finally:
-        del head.forward  # the class's forward again
-        head.__dict__.pop("_mpo_head_weight", None)
+        del layer.forward  # the class's forward again

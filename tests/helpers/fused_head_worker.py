@@ -53,3 +53,23 @@ def run(out_dir: str, layout: dict, dtype: str, tied: bool) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def run_state(out_dir: str) -> None:
+    from mpo.models.builder import PrecisionConfig, build_model
+    from mpo.models.config import preset
+    from mpo.models.forward import MicroBatch, run_microbatches
+    from mpo.parallel import ParallelConfig, initialize_parallel
+
+    cfg = preset("tiny-2layer")
+    ctx = initialize_parallel(ParallelConfig())
+    model = build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype="bf16", fp32_lm_head=True))
+    keys, params = set(model.state_dict()), [id(p) for p in model.parameters()]
+    ids, _ = _batch()
+    run_microbatches(model, [MicroBatch(ids)], vocab_size=cfg.vocab_size, loss_fn=lambda mb, lp, ent: (-lp.sum(), {}))
+    run_microbatches(model, [MicroBatch(ids)], vocab_size=cfg.vocab_size, forward_only=True)
+    assert set(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    logits = model(ids, torch.arange(ids.shape[1]).expand(ids.shape), None)
+    assert logits.shape[-1] >= cfg.vocab_size  # logits again, not the head's input
+    (Path(out_dir) / "ok").write_text("ok")
+    torch.distributed.destroy_process_group()
