@@ -25,7 +25,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from mpo.models.logprobs import CHUNK_ELEMENTS, _all_reduce, _compute_dtype, _tp_rank_size
+from mpo.models.logprobs import (CHUNK_ELEMENTS, _compute_dtype, _tp_rank_size, chunk_logit_grad,
+                                 chunk_statistics)
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, valid: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,38 +47,21 @@ class _FusedHeadLogProbEntropy(torch.autograd.Function):
         flat_labels = labels.reshape(-1)
         n = flat.shape[0]
         dtype = _compute_dtype(hidden)
-        chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
         logp = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy, lse_all = torch.empty_like(logp), torch.empty_like(logp)
         for start in range(0, n, chunk_tokens):
             x = _chunk_logits(flat[start:start + chunk_tokens], weight, valid, dtype)
-            rows = x.shape[0]
-            target = flat_labels[start:start + rows] - vocab_start
-            on_rank = (target >= 0) & (target < valid)
-            gmax = x.max(dim=-1).values if valid > 0 else x.new_full((rows,), -torch.inf)
-            _all_reduce(gmax, dist.ReduceOp.MAX, group, size)
-            shifted = x.sub_(gmax[:, None])
-            exp = shifted.exp()
-            target_logit = shifted.gather(1, target.clamp(0, max(valid - 1, 0))[:, None]).squeeze(1) if valid else \
-                shifted.new_zeros(rows)
-            stats = torch.stack([exp.sum(-1), torch.where(on_rank, target_logit, 0.0),
-                                 torch.linalg.vecdot(exp, shifted)])
-            del exp
-            _all_reduce(stats, dist.ReduceOp.SUM, group, size)
-            sum_exp, target_shifted, sum_exp_x = stats
-            log_z = sum_exp.log()
-            chunk = slice(start, start + rows)
-            logp[chunk] = target_shifted - log_z
-            entropy[chunk] = log_z - sum_exp_x / sum_exp  # H = log Z - E_p[x], shifted coordinates
-            lse_all[chunk] = log_z + gmax
+            chunk = slice(start, start + x.shape[0])
+            logp[chunk], entropy[chunk], lse_all[chunk] = chunk_statistics(
+                x, flat_labels[chunk] - vocab_start, valid, group, size)
         ctx.save_for_backward(hidden, weight, labels, lse_all, entropy)
-        ctx.meta = (group, chunk_tokens, valid, vocab_start)
+        ctx.meta = (chunk_tokens, valid, vocab_start)
         return logp.view(labels.shape), entropy.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
         hidden, weight, labels, lse_all, entropy = ctx.saved_tensors
-        group, chunk_tokens, valid, vocab_start = ctx.meta
+        chunk_tokens, valid, vocab_start = ctx.meta
         flat = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         dtype = lse_all.dtype
@@ -91,20 +75,12 @@ class _FusedHeadLogProbEntropy(torch.autograd.Function):
         for start in range(0, flat.shape[0], chunk_tokens):
             h = flat[start:start + chunk_tokens]
             chunk = slice(start, start + h.shape[0])
-            lse, ent = lse_all[chunk][:, None], entropy[chunk][:, None]
-            # d logp / dx_j = 1[j = label] - p_j ;  d H / dx_j = -p_j (x_j - E_p[x]),  E_p[x] = lse - H.
-            centered = _chunk_logits(h, weight, valid, dtype).sub_(lse - ent)
-            p = (centered - ent).exp_()
-            g = centered.mul_(g_ent[chunk][:, None]).add_(g_logp[chunk][:, None]).mul_(p).neg_()
-            del p
-            target = flat_labels[chunk] - vocab_start
-            on_rank = (target >= 0) & (target < valid)
-            rows = on_rank.nonzero().squeeze(1)
-            g[rows, target[rows]] += g_logp[chunk][rows]
+            g = chunk_logit_grad(_chunk_logits(h, weight, valid, dtype), flat_labels[chunk] - vocab_start, valid,
+                                 lse_all[chunk], entropy[chunk], g_logp[chunk], g_ent[chunk])
             g = g.to(hidden.dtype)  # the logit gradient in the head's dtype, as the unfused layer receives it
             grad_hidden[chunk] = g @ w
             grad_weight[:valid].addmm_(g.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
-        return (grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None, None, None)
+        return grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None, None, None
 
 
 def fused_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,

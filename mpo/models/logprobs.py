@@ -33,6 +33,45 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         dist.all_reduce(tensor, op=op, group=group)
 
 
+def chunk_statistics(x: torch.Tensor, target: torch.Tensor, valid: int, group, size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's (log p(target), entropy, log-sum-exp) per token from its fp32 logits `x` [c, valid] over this
+    rank's unpadded columns (modified in place); `target`: the labels minus this rank's first vocabulary id. Two
+    all-reduces over the tensor-parallel group: a max, then one packed [sum exp, target logit, sum exp*x] triple."""
+    on_rank = (target >= 0) & (target < valid)
+    rows = x.shape[0]
+    gmax = x.max(dim=-1).values if valid > 0 else x.new_full((rows,), -torch.inf)
+    _all_reduce(gmax, dist.ReduceOp.MAX, group, size)
+    shifted = x.sub_(gmax[:, None])
+    exp = shifted.exp()
+    target_logit = shifted.gather(1, target.clamp(0, max(valid - 1, 0))[:, None]).squeeze(1) if valid else \
+        shifted.new_zeros(rows)
+    stats = torch.stack([exp.sum(-1), torch.where(on_rank, target_logit, 0.0), torch.linalg.vecdot(exp, shifted)])
+    del exp
+    _all_reduce(stats, dist.ReduceOp.SUM, group, size)
+    sum_exp, target_shifted, sum_exp_x = stats
+    log_z = sum_exp.log()
+    # H = log Z - E_p[x] (in shifted coordinates)
+    return target_shifted - log_z, log_z - sum_exp_x / sum_exp, log_z + gmax
+
+
+def chunk_logit_grad(x: torch.Tensor, target: torch.Tensor, valid: int, lse: torch.Tensor, entropy: torch.Tensor,
+                     g_logp: torch.Tensor, g_ent: torch.Tensor) -> torch.Tensor:
+    """The gradient [c, valid] of one chunk's fp32 logits `x` (modified in place) from the upstream gradients of its
+    log-probs and entropies, given the forward's per-token log-sum-exp and entropy:
+    d logp / dx_j = 1[j = label] - p_j ;  d H / dx_j = -p_j (x_j - E_p[x]),  E_p[x] = lse - H."""
+    lse, ent = lse[:, None], entropy[:, None]
+    # In place on one fp32 copy: centered = x - E_p[x]; p = exp(x - lse) = exp(centered - H).
+    centered = x.sub_(lse - ent)
+    p = (centered - ent).exp_()
+    g = centered.mul_(g_ent[:, None]).add_(g_logp[:, None]).mul_(p).neg_()
+    del p
+    on_rank = (target >= 0) & (target < valid)
+    rows = on_rank.nonzero().squeeze(1)
+    g[rows, target[rows]] += g_logp[rows]
+    return g
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group, chunk_tokens: int):
@@ -48,25 +87,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         lse_all = torch.empty_like(logp)
         for start in range(0, n, chunk_tokens):
-            x = flat[start : start + chunk_tokens, :valid].to(logp.dtype, copy=True)  # modified in place below
-            target = flat_labels[start : start + chunk_tokens] - vocab_start
-            on_rank = (target >= 0) & (target < valid)
-            gmax = x.max(dim=-1).values if valid > 0 else x.new_full((x.shape[0],), -torch.inf)
-            _all_reduce(gmax, dist.ReduceOp.MAX, group, size)
-            shifted = x.sub_(gmax[:, None])
-            exp = shifted.exp()
-            target_logit = shifted.gather(1, target.clamp(0, max(valid - 1, 0))[:, None]).squeeze(1) if valid else \
-                shifted.new_zeros(x.shape[0])
-            stats = torch.stack([exp.sum(-1), torch.where(on_rank, target_logit, 0.0),
-                                 torch.linalg.vecdot(exp, shifted)])
-            _all_reduce(stats, dist.ReduceOp.SUM, group, size)
-            sum_exp, target_shifted, sum_exp_x = stats
-            log_z = sum_exp.log()
+            x = flat[start : start + chunk_tokens, :valid].to(logp.dtype, copy=True)  # modified in place
             chunk = slice(start, start + x.shape[0])
-            logp[chunk] = target_shifted - log_z
-            # H = log Z - E_p[x] (in shifted coordinates)
-            entropy[chunk] = log_z - sum_exp_x / sum_exp
-            lse_all[chunk] = log_z + gmax
+            logp[chunk], entropy[chunk], lse_all[chunk] = chunk_statistics(
+                x, flat_labels[chunk] - vocab_start, valid, group, size)
         ctx.save_for_backward(logits, labels, lse_all, entropy)
         ctx.meta = (vocab_size, group, chunk_tokens, valid, vocab_start)
         return logp.view(labels.shape), entropy.view(labels.shape)
@@ -84,16 +108,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
         for start in range(0, flat.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            lse, ent = lse_all[chunk][:, None], entropy[chunk][:, None]
-            # d logp / dx_j = 1[j = label] - p_j ;  d H / dx_j = -p_j (x_j - E_p[x]),  E_p[x] = lse - H.
-            # In place on one fp32 copy: centered = x - E_p[x]; p = exp(x - lse) = exp(centered - H).
-            centered = flat[chunk, :valid].to(lse_all.dtype, copy=True).sub_(lse - ent)
-            p = (centered - ent).exp_()
-            g = centered.mul_(g_ent[chunk][:, None]).add_(g_logp[chunk][:, None]).mul_(p).neg_()
-            target = flat_labels[chunk] - vocab_start
-            on_rank = (target >= 0) & (target < valid)
-            rows = on_rank.nonzero().squeeze(1)
-            g[rows, target[rows]] += g_logp[chunk][rows]
+            x = flat[chunk, :valid].to(lse_all.dtype, copy=True)
+            g = chunk_logit_grad(x, flat_labels[chunk] - vocab_start, valid, lse_all[chunk], entropy[chunk],
+                                 g_logp[chunk], g_ent[chunk])
             grad[chunk, :valid] = g.to(grad.dtype)
         return grad.view_as(logits), None, None, None, None
 
