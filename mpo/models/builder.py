@@ -207,9 +207,16 @@ def _build_chunk(model: MoEModelConfig, parallel: ParallelConfig, device: Device
 
     from mpo.models.short_softmax import pad_short_causal_softmax
 
+    spec = layer_spec(model, device, config, vp_stage)
+    if parallel.context_parallel > 1 and device.layer_spec != "te":
+        # TE brings ring attention for CP; the local spec gets attention over all-gathered K/V with the same result
+        from mpo.models.context_parallel import use_context_parallel_attention
+
+        if model.multi_latent_attention or not use_context_parallel_attention(spec):
+            raise ValueError("context parallelism on the local spec: standard attention only (not MLA)")
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, device, config, vp_stage),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(model.vocab_size, parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -366,6 +366,23 @@ def _build_adam_step_state() -> list[_Patch]:
             _Patch(distrib, "state_dict", state_dict)]
 
 
+def _build_cp_rope() -> list[_Patch]:
+    # Under context parallelism the rotary embedding picks this rank's two chunks with an index tensor moved to CUDA
+    # (`.cuda(non_blocking=True)` from pinned memory). The same selection with the index on the embedding's device.
+    rope = _module("megatron.core.models.common.embeddings.rotary_pos_embedding")
+
+    def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    return [_Patch(rope, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)]
+
+
 SHIMS: dict[str, Shim] = {
     shim.name: shim
     for shim in (
@@ -390,6 +407,7 @@ SHIMS: dict[str, Shim] = {
              "DistributedOptimizer load does not supply.", _build_adam_step_state),
         Shim("ckpt_exchange", "fully parallel checkpoint loading stages the shards it exchanges on CUDA.",
              _build_ckpt_exchange),
+        Shim("cp_rope", "context parallelism's rotary embedding moves its chunk index to CUDA.", _build_cp_rope),
     )
 }
 
