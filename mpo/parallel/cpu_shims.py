@@ -2,8 +2,8 @@
 
 megatron-core hard-codes CUDA in a handful of places; each shim below names the site it patches and why. Every
 shim is a list of attribute replacements, so it can be removed again: `tests/test_cpu_shims.py` removes each one in
-turn and checks that the megatron call it exists for fails without it (the shim is still needed) and works with it (the shim is right). An upgrade that fixes a site makes
-that test fail, which is the signal to delete the shim.
+turn and checks that the megatron call it exists for fails without it (the shim is still needed) and works with
+it (the shim is right). An upgrade that fixes a site makes that test fail, which is the signal to delete the shim.
 
 Nothing here is applied on a machine with CUDA: there the real kernels, streams and RNG are used unchanged.
 """
