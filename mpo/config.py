@@ -200,7 +200,7 @@ class AlgorithmSection:
             DAPO recipe's max_num_gen_batches is 10.
         overlong_filter: DAPO overlong filtering: truncated responses (no EOS within the budget) get no loss.
         overlong_buffer: DAPO soft overlong punishment's L_cache in tokens (0: off): a response longer than
-            data.max_response_tokens - overlong_buffer gets a penalty growing linearly to -1 (losses.md 4.2).
+            data.max_response_tokens - overlong_buffer gets a penalty growing linearly to -1 (DAPO).
     """
 
     loss: str = "gspo"

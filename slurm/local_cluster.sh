@@ -12,7 +12,7 @@
 # Environment: MPO_SLURM_DIR (state directory, default /tmp/mpo-slurm), MPO_SLURM_NODE_CPUS (CPUs each node declares,
 # default 8; config_overrides lets a node declare more than the machine has), MPO_SLURM_NODE_GPUS (fake GPUs per node,
 # default 0: gres stand-ins made from /dev/null so that `--gpus-per-node` is accepted; there is no GPU behind them).
-# Facts this is built on: /work/shared/spec/slurm.md (gotchas referenced as "gotcha N").
+# Each workaround below says the slurm behaviour it rests on where it is made (numbered "gotcha N").
 set -euo pipefail
 
 D=${MPO_SLURM_DIR:-/tmp/mpo-slurm}

@@ -37,12 +37,12 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def load_golden() -> dict[str, Any]:
-    """losses.json (spec losses.md section 9)."""
+    """tests/golden/losses.json: float64 cases of the policy losses, advantages and KL."""
     return _load(golden_path("MPO_GOLDEN_LOSSES"))
 
 
 def load_golden_algos() -> dict[str, Any]:
-    """algorithms_v2.json (spec algorithms_v2.md)."""
+    """tests/golden/algorithms_v2.json: token-level estimators, critic terms, DPPO, rollout correction."""
     return _load(golden_path("MPO_GOLDEN_ALGOS"))
 
 

@@ -47,7 +47,7 @@ def _exited(pid: int) -> bool:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return True
-    return state == "Z"  # reaped late by PID 1 here (see spec/slurm.md)
+    return state == "Z"  # reaped late by PID 1 in a container without an init that reaps
 
 
 def _grandchild(tmp: Path) -> int:

@@ -309,7 +309,7 @@ def test_loop_probe_verification_covers_every_expert_and_catches_a_stale_one(tmp
 def test_colocated_memory_release_and_staged_resume(engines):
     """rollout.colocate's protocol on mpo's engine, SGLang's endpoints and rules (release_memory_occupation needs an
     idle server; tags "weights" / "kv_cache", none = all; resume in two stages around the weight update). Real SGLang
-    on CPU cannot serve it: its release calls torch.cuda.synchronize and the server dies (spec/sglang.md); on CPU
+    on CPU cannot serve it: its release calls torch.cuda.synchronize and the server dies; on CPU
     the mpo engine has no device memory to hand back, so what is checked is the state machine."""
     from mpo.weight_sync.wire import MPO_FORMAT, encode_mpo_bucket
 

@@ -130,7 +130,7 @@ def test_reward_pool_rejects_bad_arguments(plugin):
 
 
 @pytest.mark.parametrize("length, max_len, buffer, expected", [
-    # Spec losses.md 4.2: 0 if |y| <= Lmax - Lcache, ((Lmax - Lcache) - |y|) / Lcache inside, -1 beyond.
+    # DAPO's soft overlong punishment: 0 if |y| <= Lmax - Lcache, ((Lmax - Lcache) - |y|) / Lcache inside, -1 beyond.
     (16, 20, 4, 0.0),
     (0, 20, 4, 0.0),
     (17, 20, 4, -0.25),  # (16 - 17) / 4

@@ -1,7 +1,7 @@
 """Routing capture / replay (R2, R3) / RSPO gamma / consistency metrics on real megatron-core (gloo ranks).
 
 References are independent of the code under test: megatron's own forward (natural routing, no recompute), megatron at
-PP1 for PP2, and the float64 golden gamma cases of shared/golden/losses.json.
+PP1 for PP2, and the float64 golden gamma cases of tests/golden/losses.json.
 """
 
 from __future__ import annotations

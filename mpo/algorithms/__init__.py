@@ -1,4 +1,4 @@
-"""Policy losses, advantage estimators, aggregation and KL penalties for mpo (spec: shared/spec/losses.md).
+"""Policy losses, advantage estimators, aggregation and KL penalties for mpo (checked against tests/golden/).
 
 Typical optimizer step::
 

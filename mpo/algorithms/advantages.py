@@ -1,4 +1,4 @@
-"""Outcome-reward advantage estimators over prompt groups (spec section 2).
+"""Outcome-reward advantage estimators over prompt groups (GRPO, Dr.GRPO, RLOO, batch-std, MaxRL).
 
 Every estimator returns one advantage per response; broadcast it to tokens with ``A[i, t] = A_i * mask[i, t]``.
 Singleton groups have no baseline: by default (``singleton="zero"``) they get A = 0; ``singleton="verl"`` reproduces
@@ -75,7 +75,7 @@ def _batchstd(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
 
 @register_advantage("maxrl", level="response", args=("eps",), needs_groups=True)
 def _maxrl(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
-    # MaxRL (algorithms_v2.md section 1): (r - mu_g) / (mu_g + eps) where the group has any success, else 0.
+    # MaxRL: (r - mu_g) / (mu_g + eps) where the group has any success, else 0.
     return torch.where(g.mean > 0, (r - g.mean) / (g.mean + eps), 0.0)
 
 

@@ -1,6 +1,6 @@
 """Hyper-parameters of the policy losses: one dataclass per loss family, validated on construction.
 
-Defaults are the spec's choices (``shared/spec/losses.md`` sections 4 and 8). The registry attaches per-name
+Defaults are each paper's recommended values (as tests/golden/ uses them). The registry attaches per-name
 defaults on top (e.g. ``dapo`` = :class:`PPOClipConfig` with ``eps_high=0.28`` and ``token-mean``), and any field can be
 overridden from the trainer config.
 """

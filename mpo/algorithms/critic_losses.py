@@ -1,5 +1,5 @@
-"""Terms beside the policy loss: PPO's clipped value loss for the critic and VAPO's positive-example NLL (spec
-algorithms_v2.md section 2)."""
+"""Terms beside the policy loss: PPO's clipped value loss for the critic and VAPO's positive-example NLL (VAPO,
+arXiv 2504.05118)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""DPPO: a divergence trust region instead of a ratio clip (verl ``dppo_tv`` / ``dppo_kl``, arXiv 2602.04879; spec
-algorithms_v2.md section 3).
+"""DPPO: a divergence trust region instead of a ratio clip (verl ``dppo_tv`` / ``dppo_kl``, arXiv 2602.04879).
 
 ``ell_t = -A_t * sg(min(r_t, C)) * logp_new_t * sg(valid_t)``: a CISPO-like truncated IS weight times a binary mask
 that drops a token once the policy left the trust region around the anchor ``mu`` (the old policy, or with

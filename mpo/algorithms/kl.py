@@ -1,4 +1,4 @@
-"""KL estimators against a reference policy (spec section 5), aggregated with the policy loss's mode.
+"""KL estimators against a reference policy (Schulman's k1/k2/k3), aggregated with the policy loss's mode.
 
 With ``x = logp_new - logp_ref``: k1 = x, k2 = x^2/2, k3 = exp(-x) + x - 1 (the "low_var_kl" of verl).
 No clamping, so the values match the golden reference; garbage at masked positions is removed before ``exp``.

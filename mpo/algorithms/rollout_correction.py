@@ -1,5 +1,5 @@
 """Rollout correction: importance weights and masks for the mismatch between the engine's log-probs and the
-trainer's old log-probs (spec algorithms_v2.md section 4).
+trainer's old log-probs (TIS, IcePop, MIS; the float64 cases in tests/golden/algorithms_v2.json).
 
 With ``d = logp_old - logp_rollout`` per valid token, a correction gives stop-gradient weights ``w[i,t]`` and a mask
 ``mask_out``; any loss then uses ``L = sum agg_w(mask_out)[i,t] * w[i,t] * ell[i,t]`` with aggregation denominators

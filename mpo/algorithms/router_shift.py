@@ -1,4 +1,4 @@
-"""RSPO router-shift weight gamma (spec section 4.8).
+"""RSPO router-shift weight gamma (RSPO's router-shift term).
 
 ``gamma[i,t] = max(exp(-mean_{l,k} |log p_new^l(e_k) - log p_old^l(e_k)|), gamma_min)``, where ``e_k`` are the K
 experts the *old* policy activated for the token in MoE layer l and ``p`` is the router's softmax over all experts.

@@ -1,4 +1,4 @@
-"""Sequence-level policy losses: GSPO, GSPO-token, GMPO and RSPO (spec sections 4.4, 4.7, 4.8).
+"""Sequence-level policy losses: GSPO, GSPO-token, GMPO and RSPO (float64 cases in tests/golden/losses.json).
 
 A sequence loss ``ell_i`` is broadcast to the row's valid tokens, so ``L = sum_i W_i ell_i`` with
 ``W_i = sum_t w[i,t]``. ``A_i`` is the masked mean of the token advantages.

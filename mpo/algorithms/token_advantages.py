@@ -1,4 +1,4 @@
-"""Token-level advantage estimators (spec algorithms_v2.md section 1): REINFORCE++ (with and without a group
+"""Token-level advantage estimators: REINFORCE++ (with and without a group
 baseline), GAE and VAPO's decoupled GAE, plus the running-mean (EMA) baseline of REINFORCE.
 
 All work on ``[B, T]`` response tokens with a ``mask`` (1 = response token); outputs are exactly 0 at padding.

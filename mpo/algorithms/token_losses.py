@@ -1,7 +1,8 @@
 """Token-level policy losses: PPO clip (GRPO / DAPO / Dr.GRPO, optional router shift), SAPO, CISPO.
 
-Each function returns ``(loss, metrics)`` with ``loss = sum_{i,t} w[i,t] * ell[i,t]`` (spec sections 4.1-4.3, 4.5,
-4.6). Inputs come from :class:`~mpo.algorithms.batch.LossContext`, where padding is already 0.
+Each function returns ``(loss, metrics)`` with ``loss = sum_{i,t} w[i,t] * ell[i,t]`` (PPO-clip family,
+CISPO, SAPO; float64 cases in tests/golden/losses.json). Inputs come from
+:class:`~mpo.algorithms.batch.LossContext`, where padding is already 0.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def ppo_clip_loss(ctx: LossContext, cfg: PPOClipConfig) -> tuple[Tensor, dict[st
     Dual clip (``dual_clip_c``) additionally caps the A<0 factor at c, i.e. ``max(J, c A)``.
     """
     adv, valid = ctx.advantages, ctx.valid
-    ratio = torch.exp(ctx.log_ratio + ctx.log_gamma)  # router shift enters before the clip (spec 4.8 plug-in form)
+    ratio = torch.exp(ctx.log_ratio + ctx.log_gamma)  # router shift enters before the clip (RSPO's plug-in form)
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     factor = clip_factor(ratio, adv, low, high)
     pos, neg = adv > 0, adv < 0

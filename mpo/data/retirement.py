@@ -1,4 +1,4 @@
-"""No-positive-resampling (ScaleRL, arXiv 2510.13786; spec algorithms_v2.md section 5): a prompt whose pass rate
+"""No-positive-resampling (ScaleRL, arXiv 2510.13786): a prompt whose pass rate
 reaches the threshold is retired from the dataset for good. The retired set is trainer state (checkpointed and
 restored on resume) and is logged as a count."""
 

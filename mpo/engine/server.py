@@ -1,6 +1,6 @@
 """SGLang's HTTP API (the subset an RL trainer uses) in front of MpoGenerator, on the standard library's server.
 
-Routes and response shapes follow sglang 0.5.23 (../shared/spec/sglang.md, part 2): errors are HTTP 400 with
+Routes and response shapes follow sglang 0.5.23's HTTP server: errors are HTTP 400 with
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
 
 One request harms no one else (ServerLimits): a connection gets a slot (a thread; 503 beyond) only once its request

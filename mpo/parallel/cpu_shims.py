@@ -1,10 +1,9 @@
 """Patches that let megatron-core run on CPU over gloo. Applied only when CUDA is absent.
 
-megatron-core hard-codes CUDA in a handful of places (see ../shared/spec/megatron_cpu.md for the measured sites and
-ablations). Each shim below names what it patches and why. Every shim is a list of attribute replacements, so it can
-be removed again: `tests/test_cpu_shims.py` removes each one in turn and checks that the megatron call it exists for
-fails without it (the shim is still needed) and works with it (the shim is right). An upgrade that fixes a site makes
-that test fail, which is the signal to delete the shim.
+megatron-core hard-codes CUDA in a handful of places; each shim below names the site it patches and why. Every
+shim is a list of attribute replacements, so it can be removed again: `tests/test_cpu_shims.py` removes each one in
+turn and checks that the megatron call it exists for fails without it (the shim is still needed) and works with
+it (the shim is right). An upgrade that fixes a site makes that test fail, which is the signal to delete the shim.
 
 Nothing here is applied on a machine with CUDA: there the real kernels, streams and RNG are used unchanged.
 """
@@ -135,7 +134,7 @@ class _CpuDeviceTorch(types.ModuleType):
     """Stands in for the name `torch` inside selected megatron modules: factory calls with device="cuda" build on CPU.
 
     Scoped on purpose: wrapping torch.zeros & co. globally breaks Hugging Face in the same process (transformers 5
-    then leaves RoPE's inv_freq buffer uninitialised; spec megatron_cpu.md, "Gotcha").
+    then leaves RoPE's inv_freq buffer uninitialised).
     """
 
     def __init__(self) -> None:
@@ -155,7 +154,7 @@ class _CpuDeviceTorch(types.ModuleType):
         return value
 
 
-# megatron modules with `device="cuda"` factory calls that the mpo code paths reach (spec section 4, row 3).
+# megatron modules with `device="cuda"` factory calls that the mpo code paths reach.
 _CUDA_FACTORY_MODULES = (
     "megatron.core.transformer.utils",  # get_default_causal_mask
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens in every schedule

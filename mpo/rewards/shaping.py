@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
-    """DAPO's soft overlong punishment (spec losses.md section 4.2), added to the task reward.
+    """DAPO's soft overlong punishment (DAPO, arXiv 2503.14476), added to the task reward.
 
     0 while ``length <= max_len - buffer``; inside the last `buffer` tokens it falls linearly,
     ``((max_len - buffer) - length) / buffer``, reaching -1 at ``length == max_len``; -1 beyond. DAPO used

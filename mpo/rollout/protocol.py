@@ -1,4 +1,4 @@
-"""SGLang's /generate wire format (sglang 0.5.23), in one place. See ../shared/spec/sglang.md section 2c.
+"""SGLang's /generate wire format (sglang 0.5.23), in one place: the shapes its /generate route takes and returns.
 
 Both engines behind the API (real SGLang and mpo's own) produce and consume exactly these shapes:
 - request: {"input_ids": [...], "sampling_params": {...}, "return_logprob": true, "return_routed_experts": true}

@@ -1,4 +1,4 @@
-"""RSPO router-shift inputs from two routing captures (spec losses.md section 4.8).
+"""RSPO router-shift inputs from two routing captures (RSPO's router-shift weight, mpo.algorithms.router_shift).
 
 The old-logprob forward's capture gives the old top-K experts and their old router log-probs. The current forward,
 captured with ``gather_at=old_records``, gives the current router's log-probs at those same experts (under R2/R3 the

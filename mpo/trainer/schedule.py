@@ -44,7 +44,7 @@ resume their weights, the push (reads the trainer's resident parameters), engine
 start and the first push run before the first step, resident. Logged per step: offload/bytes (device bytes freed
 on the reporting rank), offload/host_bytes, offload/offload_s, offload/reload_s. On CPU there is no device memory to
 hand over (the protocol runs and is tested: storages freed to 0 bytes, bit-exact reloads, a colocated run equal to
-a resident one), and real SGLang's release dies without CUDA (spec/sglang.md), so the GPU path is unverified.
+a resident one), and real SGLang's release calls CUDA and dies without it, so the GPU path is unverified.
 
 The producer is a thread of rank 0 that keeps the gating below (versions, the one_step_off lock, busy intervals); in
 the off-policy modes what it calls, `collect`, is a child process's (mpo.trainer.producer.ProducerProcess: it owns a
