@@ -135,9 +135,7 @@ class WeightRoutes:
 
     def _shape_of(self, name: Any) -> tuple[int, ...]:
         """The shape the model expects for a tensor of the checkpoint format or a block-FP8 scale of one."""
-        shape = self._expected.get(name) if isinstance(name, str) else None
-        if shape is None and isinstance(name, str):
-            shape = self._scales.get(name)
+        shape = self._expected.get(name, self._scales.get(name)) if isinstance(name, str) else None
         if shape is None:
             raise RequestError(f"weight update: unknown tensor {name!r} for this model")
         return shape

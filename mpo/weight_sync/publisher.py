@@ -248,6 +248,9 @@ class _EngineFormat:
             if self.keep:
                 self._dequantized[name] = value
         self.bytes += sum(t.numel() * t.element_size() for _, t in out)
+        # grouped by dtype (stable): SGLang's flattened buckets hold one dtype each, and alternating fp8 weights and
+        # fp32 scales would make a payload per tensor; engines pair weight and scale within the session, in any order
+        out.sort(key=lambda item: str(item[1].dtype))
         return out
 
     @property
