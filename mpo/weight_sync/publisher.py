@@ -149,7 +149,7 @@ class Publisher:
         metrics = {"sync_time_s": seconds, "sync_bytes": totals[0].item(), "sync_buckets": totals[1].item(),
                    "sync_bytes_per_s": totals[0].item() / max(seconds, 1e-9),
                    "sync_senders": float(len(streamer.senders))}
-        if fp8:  # the weight error FP8 adds (its effect on log-probs: train_rollout_logprob_absdiff, rollout_mismatch_*)
+        if fp8:  # the weight error FP8 adds (on log-probs: train_rollout_logprob_absdiff, rollout_mismatch_*)
             metrics["sync_fp8_weight_rel_rmse"] = (totals[2].item() / max(totals[3].item(), 1e-300)) ** 0.5
         return metrics
 
