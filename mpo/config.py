@@ -82,6 +82,12 @@ class RolloutSection:
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.
+        engine_weights: the parameter format the weight sync pushes. "bf16": every weight as the trainer holds it
+            (the engine stores it in its dtype). "fp8_block": for engines serving a block-FP8 checkpoint
+            (DeepSeek-V3 / Qwen3-FP8 style, e.g. SGLang started on one): linear weights quantized to float8_e4m3fn
+            with a float32 `weight_scale_inv` per 128 x 128 block, embeddings, LM head, norms and routers left as
+            they are (mpo.weight_sync.fp8); about half the bytes of bf16. mpo's engine dequantizes on load. The
+            mismatch it adds shows in sync_fp8_weight_rel_rmse and the train-vs-rollout log-prob metrics.
         tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
             tensor_parallel engines on each rollout node.
         colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
@@ -117,6 +123,7 @@ class RolloutSection:
     request_timeout_s: float = 300.0
     router_in_front: bool = False
     engine_dtype: Literal["fp32", "bf16"] | None = None
+    engine_weights: Literal["bf16", "fp8_block"] = "bf16"
     tensor_parallel: int = 1
     env: str | None = None
     max_turns: int = 4
@@ -705,6 +712,10 @@ def validate(config: TrainConfig) -> None:
         check_transport(config.sync.transport, r.engine)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if r.engine_weights == "fp8_block" and r.engine == "mpo" and config.sync.transport == "distributed":
+        raise ConfigError("rollout.engine_weights='fp8_block' with sync.transport='distributed' and rollout.engine="
+                          "'mpo': mpo's engine joins the group over gloo, which cannot broadcast float8; use "
+                          "sync.transport 'auto', 'shm' or 'tensor' (or engine_weights='bf16')")
     if config.schedule.mode != "sync" and a.rollout_correction == "none":
         raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
                           f"samples come from older policies and nothing would correct them; leave it unset "

@@ -238,10 +238,18 @@ class EngineModel:
 
     def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace weights from HF-named tensors, each copied once straight into its place in the model (dtype
-        converted on copy); names not given keep their current values."""
+        converted on copy); names not given keep their current values. A float8_e4m3fn weight comes with its
+        `weight_scale_inv` among `tensors` (the block-FP8 format, mpo.weight_sync.fp8) and is dequantized on load, one
+        tensor at a time: the model holds dequantize_block(weight, scale) rounded to its dtype."""
+        from mpo.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_block, scale_name
+
         targets = self._targets
         with torch.no_grad():
             for name, tensor in tensors.items():
+                if name.endswith(SCALE_SUFFIX):  # read with its weight
+                    continue
+                if tensor.dtype == FP8_DTYPE:
+                    tensor = dequantize_block(tensor, tensors[scale_name(name)])
                 for view in targets[name]:
                     view.copy_(tensor.reshape(view.shape))
 

@@ -12,6 +12,12 @@ The transports of mpo.weight_sync are served with SGLang's semantics:
   announced dtype and shape, and /destroy_weights_update_group leaves the group. Received tensors are checked (name,
   shape) only after every broadcast of the request was received, so a bad request never leaves the group out of step.
 
+Block-FP8 weights (rollout.engine_weights=fp8_block, mpo.weight_sync.fp8): a weight that arrives in float8_e4m3fn
+(tensor and shm paths) is staged with its `<module>.weight_scale_inv` (float32, one scale per 128 x 128 block) and
+dequantized when the session ends (EngineModel.load_hf), so the engine holds exactly dequantize(quantize(w)) in its
+own dtype; a weight without its scale, or a scale without its FP8 weight, fails the end of the session and no weight
+of it is applied. Only the tensors FP8 checkpoints quantize may arrive in FP8 (mpo.weight_sync.fp8.is_quantized).
+
 Every field of a weight request is checked before it is used (payload count and type, base64, safetensors framing,
 dtype, name, shape, weight_version): a malformed request is a 400 naming what is wrong, never a 500 carrying the
 decoder's exception.
@@ -33,6 +39,7 @@ from safetensors.torch import load as safetensors_load
 
 from mpo.engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
+from mpo.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, is_quantized, scale_name, scale_shape
 from mpo.weight_sync.shared_memory import WEIGHT_DTYPES
 from mpo.weight_sync.wire import MPO_FORMAT, SHM_FORMAT, dtype_from_name, join_weight_update_group
 
@@ -112,6 +119,8 @@ class WeightRoutes:
         self._buffers: dict[str, torch.Tensor] = {}  # receive buffers of the distributed path, reused every sync
         self._mapped: dict = {}  # shm transport: the sender's slots mapped once per session (dropped at its end)
         self._expected: dict[str, tuple[int, ...]] = runner.mapping.hf_shapes()
+        # block-FP8 format: weight_scale_inv name -> its shape, for every weight FP8 checkpoints quantize
+        self._scales = {scale_name(n): scale_shape(s) for n, s in self._expected.items() if is_quantized(n, s)}
 
     def install(self) -> None:
         self.app.add("GET", "/weights_checksum", lambda body: {"checksum": self.runner.checksum()})
@@ -120,17 +129,33 @@ class WeightRoutes:
         self.app.add("POST", "/init_weights_update_group", self.init_group)
         self.app.add("POST", "/update_weights_from_distributed", self.from_distributed)
         self.app.add("POST", "/destroy_weights_update_group", self.destroy_group)
+        # the slots are the trainer's: unmapped when the session ends (first: apply may refuse the session)
+        self.app.end_hooks.append(self._mapped.clear)
         self.app.end_hooks.append(self.apply)
-        self.app.end_hooks.append(self._mapped.clear)  # the slots are the trainer's: unmapped when the session ends
+
+    def _shape_of(self, name: Any) -> tuple[int, ...]:
+        """The shape the model expects for a tensor of the checkpoint format or a block-FP8 scale of one."""
+        shape = self._expected.get(name, self._scales.get(name)) if isinstance(name, str) else None
+        if shape is None:
+            raise RequestError(f"weight update: unknown tensor {name!r} for this model")
+        return shape
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
-            _check_dtype(name, tensor.dtype)
-            if name not in self._expected:
-                raise RequestError(f"weight update: unknown tensor {name!r} for this model")
-            if tuple(tensor.shape) != self._expected[name]:
+            shape = self._shape_of(name)
+            if name in self._scales:
+                if tensor.dtype != torch.float32:
+                    raise RequestError(f"weight update: {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}"
+                                       f", block-FP8 scales are float32")
+            elif tensor.dtype == FP8_DTYPE:
+                if not is_quantized(name, shape):
+                    raise RequestError(f"weight update: tensor {name!r} arrived in float8_e4m3fn, but block-FP8 "
+                                       f"checkpoints keep it unquantized (embeddings, LM head, norms, routers)")
+            else:
+                _check_dtype(name, tensor.dtype)
+            if tuple(tensor.shape) != shape:
                 raise RequestError(f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                                   f"expects {self._expected[name]}")
+                                   f"expects {shape}")
         self.pending.update(tensors)
 
     def from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -161,13 +186,12 @@ class WeightRoutes:
         received: dict[str, torch.Tensor] = {}
         for i, locator in enumerate(locators):
             name = locator.get("name")
-            if not isinstance(name, str) or name not in self._expected:
-                raise RequestError(f"weight update: unknown tensor {name!r} for this model")
+            shape = self._shape_of(name)
             try:
-                view = read_view(locator, expected_shape=self._expected[name], cache=self._mapped)
+                view = read_view(locator, expected_shape=shape, cache=self._mapped)
             except (ValueError, OSError) as exc:
                 raise RequestError(f"{SHM_FORMAT}: locator {i} ({name}): {exc}") from exc
-            buffer = self._receive_buffer(name, view.dtype, self._expected[name])
+            buffer = self._receive_buffer(name, view.dtype, shape)
             buffer.view(view.shape).copy_(view)  # the view may keep an extra axis (q/k/v's head groups)
             received[name] = buffer
         return received
@@ -231,6 +255,9 @@ class WeightRoutes:
             if not isinstance(shape, list) or not all(is_json_int(d) and d >= 0 for d in shape):
                 raise RequestError(f"update_weights_from_distributed: shapes[{i}]={shape!r} must be a list of "
                                    f"integers >= 0")
+            if dtype == "float8_e4m3fn":  # refused before any broadcast, so the group stays in step
+                raise RequestError(f"update_weights_from_distributed: {name!r} is float8_e4m3fn, which gloo cannot "
+                                   f"broadcast; send block-FP8 weights over sync.transport 'tensor' or 'shm'")
             try:
                 specs.append((name, dtype_from_name(dtype), tuple(shape)))
                 _check_dtype(name, specs[-1][1])
@@ -252,7 +279,7 @@ class WeightRoutes:
         buffer = self._buffers.get(name)
         if buffer is None or buffer.dtype != dtype or tuple(buffer.shape) != shape or name in self.pending:
             buffer = torch.empty(shape, dtype=dtype)
-            if name in self._expected:
+            if name in self._expected or name in self._scales:
                 self._buffers[name] = buffer
         return buffer
 
@@ -289,10 +316,20 @@ class WeightRoutes:
         return self.app.generator.model_lock
 
     def apply(self) -> None:
-        if not self.pending:
+        pending, version = self.pending, self.pending_version
+        self.pending, self.pending_version = {}, None  # a refused session leaves nothing behind for the next one
+        if not pending:
             return
+        for name, tensor in pending.items():  # block-FP8: every FP8 weight with its scale, every scale with its weight
+            if name.endswith(SCALE_SUFFIX):
+                weight = name[: -len(SCALE_SUFFIX)] + "weight"
+                if weight not in pending or pending[weight].dtype != FP8_DTYPE:
+                    raise RequestError(f"end_weight_update: {name!r} arrived without its float8_e4m3fn weight "
+                                       f"{weight!r} in this session; no weight of the session was applied")
+            elif tensor.dtype == FP8_DTYPE and scale_name(name) not in pending:
+                raise RequestError(f"end_weight_update: FP8 weight {name!r} arrived without its "
+                                   f"{scale_name(name)!r} in this session; no weight of the session was applied")
         with self.runner_lock():  # weights and their version change together (tokens are stamped with it)
-            self.runner.load_hf(self.pending)
-            if self.pending_version:
-                self.app.generator.weight_version = self.pending_version
-        self.pending, self.pending_version = {}, None
+            self.runner.load_hf(pending)
+            if version:
+                self.app.generator.weight_version = version

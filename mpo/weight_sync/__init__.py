@@ -38,6 +38,10 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
     engine copies the values out before it answers, so the sender may reuse the slot right after.
   Why every sender talks to the engines itself rather than forwarding to rank 0: at 32 GPUs with PP4 the stages'
   bytes leave from four NICs instead of converging on one, and no rank holds more than its buckets.
+* fp8.py: `rollout.engine_weights: fp8_block` (engines serving a block-FP8 checkpoint, DeepSeek-V3 style): each
+  sender converts its HF buckets into that parameter format before pushing (float8_e4m3fn linears, a float32
+  `weight_scale_inv` per 128 x 128 block, embeddings / LM head / norms / routers as they are); mpo's engine
+  dequantizes on load, and the sync reports the error it adds (sync_fp8_weight_rel_rmse).
 * publisher.py (Publisher, made once per run in mpo.trainer.loop.run): rank 0 holds the engines (EngineSet, in
   mpo.rollout.engines; its one WeightSync comes from transports.engine_set_sync) and opens the session on every
   engine before any bucket and closes it after every sender finished, so the new weights take effect at once; every

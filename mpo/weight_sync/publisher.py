@@ -104,12 +104,16 @@ class Publisher:
         if info is None:  # no engines: nothing to push
             return {}
         sync = self._sender_sync(info) if streamer.is_sender else None
+        fp8 = r.engine_weights == "fp8_block"
+        convert = _EngineFormat(r.engine_weights, keep=r.engine == "mpo")
         digest = None
         if r.engine == "mpo":
             engine_dtype = torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32
             fp32_names = {"lm_head.weight"} if m.fp32_lm_head else set()
 
             def digest(name: str, tensor: torch.Tensor) -> str:
+                if fp8:  # what the engine stores: the FP8 weight dequantized (convert saw this bucket first)
+                    tensor = convert.engine_value(name, tensor)
                 return tensor_digest(tensor if name in fp32_names else tensor.to(engine_dtype))
 
         if engines is not None:
@@ -118,16 +122,19 @@ class Publisher:
         try:
             if not one_rank():
                 dist.barrier()
-            push = (lambda named: sync.push_bucket(named, version, wait=False)) if sync is not None else None
-            # shm: the engines read strided views of the slots, no conversion copies
+            push = (lambda named: sync.push_bucket(convert(named), version, wait=False)) if sync is not None else None
+            # shm: the engines read strided views of the slots, no conversion copies (block FP8 makes new tensors
+            # anyway, from HF-shaped ones: views keep q/k/v's head-group axis)
             result = streamer.stream(push, sequential=info["transport"] == "distributed", digest=digest,
-                                     hf_views=info["transport"] == "shm")
+                                     hf_views=info["transport"] == "shm" and not fp8)
             if not one_rank():
                 dist.barrier()
         finally:
             if engines is not None:
                 sync.end_session()
-        totals = torch.tensor([float(result.bytes), float(result.buckets)], dtype=torch.float64)
+        # block FP8: the bytes pushed are the converted tensors' (fp8 + scales), not the trainer's
+        pushed = float(convert.bytes) if fp8 else float(result.bytes)
+        totals = torch.tensor([pushed, float(result.buckets), *convert.squares], dtype=torch.float64)
         all_reduce_(totals)  # a host tensor: NCCL needs it on the GPU, all_reduce_ moves it there and back
         digests: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         if digest is not None and one_rank():
@@ -139,8 +146,12 @@ class Publisher:
             if digest is not None:
                 verify_checksum(sync.live, combine_digests(digests))
         seconds = time.perf_counter() - started
-        return {"sync_time_s": seconds, "sync_bytes": totals[0].item(), "sync_buckets": totals[1].item(),
-                "sync_bytes_per_s": totals[0].item() / max(seconds, 1e-9), "sync_senders": float(len(streamer.senders))}
+        metrics = {"sync_time_s": seconds, "sync_bytes": totals[0].item(), "sync_buckets": totals[1].item(),
+                   "sync_bytes_per_s": totals[0].item() / max(seconds, 1e-9),
+                   "sync_senders": float(len(streamer.senders))}
+        if fp8:  # the weight error FP8 adds (on log-probs: train_rollout_logprob_absdiff, rollout_mismatch_*)
+            metrics["sync_fp8_weight_rel_rmse"] = (totals[2].item() / max(totals[3].item(), 1e-300)) ** 0.5
+        return metrics
 
     def verify_by_probe(self) -> dict[str, float]:
         """Collective, after the push: rank 0 extends the probe until the first engine's routed experts (at the
@@ -203,3 +214,57 @@ class Publisher:
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+
+
+class _EngineFormat:
+    """One sync's conversion of a sender's HF buckets into the engines' parameter format (rollout.engine_weights,
+    mpo.weight_sync.fp8.to_engine_format), measuring what it pushed: the bytes of the converted tensors and, for
+    block FP8, the relative RMSE the quantization adds (squared error of the dequantized weights against the
+    trainer's, over the squared weights; summed on the tensors' device, read once per sync). `keep`: hold each
+    bucket's dequantized weights until engine_value takes them (the mpo engine's checksum)."""
+
+    def __init__(self, fmt: str, *, keep: bool) -> None:
+        self.fmt, self.keep = fmt, keep
+        self.bytes = 0
+        self._sums: torch.Tensor | None = None  # [squared error, squared weights], float64
+        self._dequantized: dict[str, torch.Tensor] = {}  # the current bucket's, until digested
+
+    def __call__(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        from mpo.weight_sync.fp8 import dequantize_block, scale_name, to_engine_format
+
+        if self.fmt == "bf16":
+            return named
+        self._dequantized = {}
+        out = list(to_engine_format(named, self.fmt))
+        converted = dict(out)
+        for name, tensor in named:
+            if converted[name] is tensor:  # left as it is (kept unquantized in FP8 checkpoints)
+                continue
+            value = dequantize_block(converted[name], converted[scale_name(name)])
+            reference = tensor.detach().float()
+            sums = torch.stack([(value - reference).square().sum(dtype=torch.float64),
+                                reference.square().sum(dtype=torch.float64)])
+            self._sums = sums if self._sums is None else self._sums + sums
+            if self.keep:
+                self._dequantized[name] = value
+        self.bytes += sum(t.numel() * t.element_size() for _, t in out)
+        # grouped by dtype (stable): SGLang's flattened buckets hold one dtype each, and alternating fp8 weights and
+        # fp32 scales would make a payload per tensor; engines pair weight and scale within the session, in any order
+        out.sort(key=lambda item: str(item[1].dtype))
+        return out
+
+    @property
+    def squares(self) -> tuple[float, float]:
+        """(squared error, squared weights) of the weights this sender quantized so far."""
+        return (0.0, 0.0) if self._sums is None else tuple(self._sums.tolist())
+
+    def engine_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What an engine loading this sync holds for `name` before rounding to its dtype: the FP8 weight
+        dequantized, or `tensor` itself where block FP8 leaves it unquantized."""
+        from mpo.weight_sync.fp8 import dequantize_block, is_quantized, quantize_block
+
+        if name in self._dequantized:
+            return self._dequantized.pop(name)
+        if self.fmt == "fp8_block" and is_quantized(name, tensor.shape):  # not converted here (a push without engines)
+            return dequantize_block(*quantize_block(tensor))
+        return tensor

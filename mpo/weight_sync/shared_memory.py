@@ -81,8 +81,9 @@ def host_key() -> str:
 STAGING = "mpo-staging-"  # a file being created (mpo-staging-<token>-p<pid>-...), not yet named PREFIX
 _OWNER = re.compile(r"^mpo-(sync|staging)-[0-9a-z]+-p(\d+)-")
 # Weights travel in these dtypes (the trainer's and the engine's, mpo.config's model.dtype / rollout.engine_dtype);
-# a locator naming another one would reinterpret the slot's bytes.
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+# a locator naming another one would reinterpret the slot's bytes. float8_e4m3fn: block-FP8 engine weights
+# (rollout.engine_weights=fp8_block, mpo.weight_sync.fp8), which the engine takes only with their scales.
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 
 
 def _open_regular(path: str | Path, flags: int) -> int:
