@@ -315,7 +315,8 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
     if s.max_tokens_per_microbatch:
         act_seq, act_rows = max(s.max_tokens_per_microbatch, seq), 1
         shape = f"packed, {act_seq} tokens per micro-batch"
-        microbatches = max(1, -(-rows * seq // (dp * config.schedule.updates_per_step * s.max_tokens_per_microbatch)))
+        # one row of the budget per micro-batch; a sample longer than the budget is a micro-batch of its own
+        microbatches = max(1, -(-rows * seq // (dp * config.schedule.updates_per_step * act_seq)))
     roles = []
     best: RoleMemory | None = None
     for rank in range(par.pipeline_parallel):

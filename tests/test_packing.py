@@ -116,8 +116,9 @@ def test_packed_plan_accounts_activations_by_the_token_budget():
     seq = 4096
     inputs = PlanInputs(seq_len=seq)
 
-    def activations(*overrides: str) -> int:
-        return plan_memory(load_config(recipe, list(overrides)), inputs)[0].items["activations"]
+    def activations(*overrides: str) -> int:  # padded rows unless an override packs (the recipe packs)
+        config = load_config(recipe, ["schedule.max_tokens_per_microbatch=null", *overrides])
+        return plan_memory(config, inputs)[0].items["activations"]
 
     padded = activations("schedule.micro_batch_size=4")
     assert activations(f"schedule.max_tokens_per_microbatch={4 * seq}") == pytest.approx(padded, rel=1e-9)
@@ -150,8 +151,9 @@ def test_plan_counts_the_joined_old_logprob_forwards():
     recipe = REPO / "mpo/recipes/qwen3_30b_a3b_gspo.yaml"
     inputs = PlanInputs(seq_len=4096)
 
-    def activations(*overrides: str) -> int:
-        return plan_memory(load_config(recipe, list(overrides)), inputs)[0].items["activations"]
+    def activations(*overrides: str) -> int:  # padded rows unless an override packs (the recipe packs)
+        config = load_config(recipe, ["schedule.max_tokens_per_microbatch=null", *overrides])
+        return plan_memory(config, inputs)[0].items["activations"]
 
     base = activations("schedule.micro_batch_size=2")
     assert activations("schedule.micro_batch_size=2", "schedule.forward_micro_batch_size=1") == base
