@@ -7,15 +7,20 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
+from helpers.procs import gone_within, live_processes_with_env
 from helpers.wandb_files import wandb_history, wandb_offline
+
+RUN_MARKER = "MPO_DEMO_TEST_RUN"
 
 # Wall-clock measurements differ between runs by nature; everything else must be identical after a resume.
 TIMING_KEYS = ("rollout_time_s", "rollout_tokens_per_s", "train_time_s", "train_tokens_per_s", "sync_time_s",
@@ -162,7 +167,9 @@ def test_one_step_off_raises_the_reward_one_version_behind(tmp_path):
     between batches: every consumed token is at most one version old (and some are), the engine was generating
     during training, and RL still raises the reward."""
     out = tmp_path / "off"
-    result = _run(_demo_command(out, 20, "schedule.mode=one_step_off", "logging.tensorboard=false"),
+    # eval.every=0: nothing here reads the held-out evaluations (the other demo runs assert them), which would
+    # otherwise generate 2 x 256 responses before step 0 and after the last
+    result = _run(_demo_command(out, 20, "schedule.mode=one_step_off", "logging.tensorboard=false", "eval.every=0"),
                   tmp_path / "off.log")
     assert result.returncode == 0, (tmp_path / "off.log").read_text()[-3000:]
     rows = _rl_rows(out)
@@ -179,7 +186,11 @@ def test_async_bounds_staleness_survives_a_kill_and_raises_the_reward(tmp_path):
     """schedule.mode=async, max_staleness=2: the producer keeps the engine busy and weight updates reach it in
     flight (a response may mix two versions, stamped per token by the engine). The run is SIGKILLed mid-run (the
     producer has rollouts in flight, often while an update is being pushed), restarted, and finishes: every step once,
-    no consumed token staler than 2 versions (from the logged per-token versions), and the reward rises."""
+    no consumed token staler than 2 versions (from the logged per-token versions), and the reward rises.
+
+    The restarted run is also the suite's finished async run (tests/test_hardening_lifecycle.py kills its own):
+    rank 0's rollouts were collected in a child process of its own (mpo.trainer.producer), and once the run has
+    finished no process it started is left."""
     out = tmp_path / "async"
     settings = ("schedule.mode=async", "schedule.max_staleness=2", "logging.checkpoint_every=4",
                 "logging.tensorboard=false")
@@ -196,8 +207,16 @@ def test_async_bounds_staleness_survives_a_kill_and_raises_the_reward(tmp_path):
         time.sleep(0.3)  # into the next steps: the producer is generating, an update may be in flight
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    assert _run(_demo_command(out, 20, *settings), tmp_path / "b.log").returncode == 0, \
-        (tmp_path / "b.log").read_text()[-3000:]
+    run_id = uuid.uuid4().hex  # in the environment of every process the restarted run starts: found in /proc
+    with (tmp_path / "b.log").open("w") as log:
+        code = subprocess.run(_demo_command(out, 20, *settings), stdout=log, stderr=subprocess.STDOUT, timeout=600,
+                              env={**os.environ, RUN_MARKER: run_id}).returncode
+    text = (tmp_path / "b.log").read_text()
+    assert code == 0, text[-3000:]
+    left = live_processes_with_env(RUN_MARKER, run_id)
+    assert not gone_within(list(left), 10.0), f"processes of the finished run still alive: {left}"
+    producer = re.search(r"rank(\d+) INFO rollout producer: process (\d+)", text)
+    assert producer and producer[1] != producer[2], text[-3000:]
     rows = _rl_rows(out)
     assert [r["step"] for r in rows] == list(range(20))
     assert _eval_steps(out) == [0, 20]  # held-out evaluations in async mode, across the kill

@@ -50,6 +50,13 @@ def calc_model(tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def convert_dir(calc_model, tmp_path_factory):
+    """One model.convert_dir for the module's runs: the first `mpo train` converts model.hf_dir there, the others
+    reuse it (mpo.model_import's stamp; ~7 s of conversion per run saved)."""
+    return tmp_path_factory.mktemp("calc_converted") / "mc"
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
     from mpo.data.chat import load_tokenizer
 
@@ -230,38 +237,27 @@ def _cli(args: list[str], log: Path, timeout: float = 900) -> None:
     assert code == 0, f"{' '.join(args[:3])} exited {code}:\n" + log.read_text()[-4000:]
 
 
-def _train(model_dir: Path, out: Path, *extra: str) -> list[dict]:
+def _train(model_dir: Path, convert_dir: Path, out: Path, *extra: str) -> list[dict]:
     _cli(["-m", "mpo.cli", "train", "--config", str(CALC_RECIPE),
-          f"model.hf_dir={model_dir}", "schedule.steps=2",
+          f"model.hf_dir={model_dir}", f"model.convert_dir={convert_dir}", "schedule.steps=2",
           f"data.task={RECIPES / 'data' / 'calculator.jsonl'}", f"logging.out_dir={out}",
           "logging.tensorboard=false", "logging.progress=false", "logging.checkpoint_every=0", *extra],
          out.parent / f"{out.name}.log")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
 
 
-def test_env_mpo_train_with_the_calculator_environment(calc_model, tmp_path):
-    rows = _train(calc_model, tmp_path / "calc")
+def test_env_mpo_train_with_the_calculator_environment(calc_model, convert_dir, tmp_path):
+    rows = _train(calc_model, convert_dir, tmp_path / "calc")
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["env_turns_mean"] > 1 and 0 < r["loss_token_frac"] < 1, r
         assert r["env_errors"] == 0 and r["env_time_s"] >= 0 and isinstance(r["loss"], float)
 
 
-def test_env_mpo_train_async_with_a_critic(calc_model, tmp_path):
-    """PPO's GAE critic (values and returns over a loss mask with the observation's hole) in async mode (in-flight
-    weight updates, per-token versions): the steps run with finite losses and the env metrics."""
-    rows = _train(calc_model, tmp_path / "async_gae", "schedule.mode=async", "algorithm.advantage=gae",
-                  "algorithm.loss=grpo", f"rollout.env={SCRIPTED}")  # reward 0.75 against values from 0: a signal
-    assert [r["step"] for r in rows] == [0, 1]
-    for r in rows:
-        assert r["env_turns_mean"] == 2 and 0 < r["loss_token_frac"] < 1, r
-        assert np.isfinite(r["loss"]) and r["loss"] != 0 and r["critic/value_loss"] > 0, r
-
-
-def test_env_mpo_train_keeps_going_when_the_environment_fails(calc_model, tmp_path):
+def test_env_mpo_train_keeps_going_when_the_environment_fails(calc_model, convert_dir, tmp_path):
     """FlakyEnv raises, hangs or returns garbage on some turns (by a hash of the text): those episodes score 0 and
     count in env_errors, the run finishes its steps."""
-    rows = _train(calc_model, tmp_path / "flaky", f"rollout.env={FLAKY}", "reward.timeout_s=2",
+    rows = _train(calc_model, convert_dir, tmp_path / "flaky", f"rollout.env={FLAKY}", "reward.timeout_s=2",
                   "schedule.mode=one_step_off")
     assert [r["step"] for r in rows] == [0, 1]
     assert sum(r["env_errors"] for r in rows) > 0
@@ -302,30 +298,45 @@ def test_env_per_token_advantages_skip_observation_tokens():
             assert np.allclose([a for a, m in zip(row, mask) if m], ref, rtol=0, atol=1e-12), (name, row, ref)
 
 
-def test_env_mpo_train_survives_every_episode_failing_under_r3(calc_model, tmp_path):
+def test_env_mpo_train_survives_every_episode_failing_under_r3(calc_model, convert_dir, tmp_path):
     """Environments that cannot even be built: every episode fails before its first turn (reward 0, env_errors),
     no row has a generated token, and the steps run (nothing to train on; R3 has no routes to ask for)."""
-    rows = _train(calc_model, tmp_path / "broken", "rollout.env=helpers.scripted_env:BrokenEnv",
+    rows = _train(calc_model, convert_dir, tmp_path / "broken", "rollout.env=helpers.scripted_env:BrokenEnv",
                   "algorithm.replay=r3")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["env_errors"] == 8 and r["env_turns_mean"] == 0 and r["skipped_no_signal"] == 1 for r in rows), rows
 
 
-def test_env_async_checkpoints_the_producer_process_data_position_and_resumes_from_it(calc_model, tmp_path):
-    """Async mode: the producer process (mpo.trainer.producer) draws the prompts, so the checkpoint keeps its data
-    position (rank 0's own task never draws), and a resumed run's producer goes on from the saved position: 3 more
-    steps end further on than the first 3 did, where a producer that started the stream again would end at the
-    same place. (Batches drawn ahead of a checkpoint count in its position: mpo.trainer.schedule's Resume.)"""
+def test_env_async_with_a_critic_checkpoints_the_producer_process_data_position_and_resumes_from_it(
+        calc_model, convert_dir, tmp_path):
+    """PPO's GAE critic (values and returns over a loss mask with the observation's hole) in async mode (in-flight
+    weight updates, per-token versions): the steps run with finite losses and the env metrics.
+
+    The producer process (mpo.trainer.producer) draws the prompts, so the checkpoint keeps its data position (rank
+    0's own task never draws), and a resumed run's producer goes on from the saved position: 2 more steps end
+    further on than the first 2 did, where a producer that started the stream again would end at the same place.
+    (Batches drawn ahead of a checkpoint count in its position: mpo.trainer.schedule's Resume.) One run directory
+    serves both claims (they were two tests, each its own async `mpo train` of the same recipe)."""
     out = tmp_path / "async_resume"
+    critic = ("schedule.mode=async", "algorithm.advantage=gae", "algorithm.loss=grpo",
+              f"rollout.env={SCRIPTED}")  # reward 0.75 against values from 0: a signal
 
     def position() -> tuple[int, int]:
         latest = (out / "checkpoints" / "latest").read_text().strip()
         stream = json.loads((out / "checkpoints" / latest / "trainer_state.json").read_text())["task"]["data"]["stream"]
         return stream["epoch"], stream["position"]
 
-    _train(calc_model, out, "schedule.mode=async", "schedule.steps=3")
+    def check_critic(rows: list[dict]) -> None:
+        for r in rows:
+            assert r["env_turns_mean"] == 2 and 0 < r["loss_token_frac"] < 1, r
+            assert np.isfinite(r["loss"]) and r["loss"] != 0 and r["critic/value_loss"] > 0, r
+
+    rows = _train(calc_model, convert_dir, out, *critic, "schedule.steps=2")
+    assert [r["step"] for r in rows] == [0, 1]
+    check_critic(rows)
     first = position()
     assert first > (0, 0)
-    rows = _train(calc_model, out, "schedule.mode=async", "schedule.steps=6")
-    assert [r["step"] for r in rows] == list(range(6))
+    rows = _train(calc_model, convert_dir, out, *critic, "schedule.steps=4")
+    assert [r["step"] for r in rows] == list(range(4))
+    check_critic(rows[2:])
     assert position() > first, (first, position())

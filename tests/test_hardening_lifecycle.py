@@ -325,18 +325,10 @@ def _async_run_killed(out, log_path, run_id: str, *, victim: str) -> tuple[subpr
 
 def test_hardening_async_producer_is_a_child_process_stopped_with_the_run_and_its_death_is_one_line(tmp_path):
     """schedule.mode=async: rank 0's rollouts are collected in a child process of rank 0 (mpo.trainer.producer: HTTP,
-    decoding, scoring and advantages off the training loop's GIL). A finished run leaves no process behind; a
-    producer SIGKILLed mid-run stops the run promptly (no hang) with one line naming it, no traceback, and again no
-    process of the run is left."""
-    run_id = uuid.uuid4().hex
-    done = subprocess.run(_async_train(tmp_path / "ok", 3), env=_marked_env(run_id), capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rank0, producer = _producer_pids(done.stderr) or (0, 0)
-    assert rank0 and producer != rank0, done.stderr[-3000:]
-    assert len(read_metrics(tmp_path / "ok" / "metrics.jsonl")) == 3
-    _assert_all_gone(run_id, "an async run finished")
-
+    decoding, scoring and advantages off the training loop's GIL). A producer SIGKILLed mid-run stops the run
+    promptly (no hang) with one line naming it, no traceback, and no process of the run is left. (That a finished
+    async run leaves no process behind is asserted on tests/test_demo.py's async run, which finishes after its
+    restart: one `mpo` run fewer here.)"""
     run_id = uuid.uuid4().hex
     log_path = tmp_path / "killed.log"
     job, rank0, producer = _async_run_killed(tmp_path / "killed", log_path, run_id, victim="producer")
