@@ -4,16 +4,16 @@ harness, one server for the module) and against mpo's own engine, which must agr
 The off-policy schedules (one_step_off, async) reach the engines through one code path: the publisher opens
 WeightSync.begin_session(pause=schedule.mode != "sync"), pushes the buckets, and closes it; one_step_off's gate
 (Schedule.before_sync) only waits for its own batch, so what is in flight at its sync is whatever else runs (a late
-evaluation, another sampler), async's is the batch itself. Each test drives that path with the publisher's pause rule for
-its mode while long generations run (max_new_tokens 440 on a 512-position model, so every sync lands mid-response),
-then checks what a trainer would record: no error; every response's per-token versions (mpo's parse of the engine's
-stamps: SGLang's meta_info.weight_versions spans, mpo's output_token_weight_versions) rise through the syncs, and
-its meta_info.num_retractions says the syncs retracted it (SGLang's count; mpo's engine keeps the same one); and
-every token's behaviour log-prob is the truth, i.e. equals the log-prob that token gets when the whole sequence is
-scored afresh under the weights of the version it is stamped with (a token sampled from a cache built by older weights
+evaluation, another sampler), async's is the batch itself. Each test drives that path with the publisher's pause
+rule for its mode while long generations run (max_new_tokens 440 on a 512-position model), then checks what a
+trainer would record: no error; every response's per-token versions (mpo's parse of the engine's stamps: SGLang's
+meta_info.weight_versions spans, mpo's output_token_weight_versions) rise through at least two of the syncs, and its
+meta_info.num_retractions says the syncs retracted it (SGLang's count; mpo's engine keeps the same one); and every
+token's behaviour log-prob is the truth, i.e. equals the log-prob that token gets when the whole sequence is scored
+afresh under the weights of the version it is stamped with. A token sampled from a cache built by older weights
 would not: an in_place pause with the flush turned off, tried once by hand on this harness, was off by 1.9 nats
-against this test's 2e-4). Before the fix the first sync died with SGLang's HTTP 400 ("the cache was not flushed because requests are
-still running"), and mpo's engine accepted what SGLang refuses.
+against this test's 2e-4. Before the fix the first sync died with SGLang's HTTP 400 ("the cache was not flushed
+because requests are still running"), and mpo's engine accepted what SGLang refuses.
 """
 
 from __future__ import annotations
