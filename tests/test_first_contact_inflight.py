@@ -189,3 +189,17 @@ def test_inflight_in_place_pause_refuses_the_flush_on_both_engines(sglang, mpo_e
             client.continue_generation()
         thread.join(300)
         assert not thread.is_alive()
+
+
+def test_inflight_sglang_version_spans_become_per_token_versions():
+    """SGLang's meta_info.weight_versions spans (what it answers after a sync mid-response) are the tokens' versions
+    in mpo's parse; spans that do not cover the tokens in order are a one-line error naming the field."""
+    request = GenerateRequest((1, 2), SamplingParams(max_new_tokens=5))
+    answer = {"output_ids": [7, 8, 9, 10, 11], "meta_info": {
+        "output_token_logprobs": [[-1.0, t, None] for t in (7, 8, 9, 10, 11)],
+        "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]}}
+    result = GenerateResult.from_json(request, answer)
+    assert token_versions(result.meta["output_token_weight_versions"], -1, 5).tolist() == [3, 3, 4, 4, 4]
+    answer["meta_info"]["weight_versions"][1]["start"] = 3
+    with pytest.raises(ValueError, match=r"meta_info.weight_versions\[1\]"):
+        GenerateResult.from_json(request, answer)
