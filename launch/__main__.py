@@ -100,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(plan.format())
         return 0
+    if config.rollout.engine == "sglang" and not config.rollout.urls and config.sync.transport == "distributed":
+        from mpo.prestart import check_one_nccl
+
+        try:  # before any group is formed: the trainer's and the engines' interpreters on this node, one NCCL
+            check_one_nccl(args.python, args.engine_python or args.python)
+        except ConfigError as exc:
+            print(f"launch: error: {exc}", file=sys.stderr)
+            return 2
     if node_rank is None or not 0 <= node_rank < len(plan.nodes):
         print(f"launch: error: this node's rank is unknown or out of range ({node_rank}); pass --node-rank",
               file=sys.stderr)

@@ -20,6 +20,13 @@ under old weights is never extended with new ones: the first step after an updat
 position the rows already hold, under the new weights, so tokens sampled after the update see a context computed
 entirely by the new weights, and the routes (and prompt log-probs) a response returns are its last weights'. Meant
 for CPU runs and tests; GPU clusters use SGLang.
+
+These are SGLang's semantics under the trainer's pause_generation(mode="retract") (mpo.weight_sync.transports:
+PAUSE_MODE; docs/weight_updates_in_flight.md): SGLang retracts the running requests to its queue, the update flushes
+its radix cache, and on continue it prefills them again under the new weights; its meta_info.weight_versions spans
+give each token's version. The pause rules are SGLang's too (pause): after an "in_place" pause the running rows keep
+their cache and a flush, or an update that asks for one, is refused while they are there (can_flush), so a trainer
+that would mix old KV with new weights on SGLang fails here as well.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ class _Active:
     versions: list[str] = field(default_factory=list)  # the weight version each output token was sampled under
     sampled_logprobs: list[float] = field(default_factory=list)  # each output token's log-prob when it was sampled
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log-prob (logprob_start_len >= 0)
+    retractions: int = 0  # retracting pauses while it ran (SGLang's meta_info.num_retractions)
     finish_reason: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     call_done: _CallDone | None = None  # its submit_many's, told when this request is answered
@@ -190,6 +198,7 @@ class MpoGenerator:
         self._active: list[_Active] = []  # the running batch's rows
         self._cv = threading.Condition()
         self._paused = False
+        self._retracted = False  # a retracting pause came: the running batch is prefilled again before its next step
         self._stopped = False
         self._ids = itertools.count()
         self._calls = itertools.count()
@@ -265,14 +274,29 @@ class MpoGenerator:
         with self._cv:
             return bool(self._pending or self._active)
 
-    def pause(self) -> None:
+    def pause(self, mode: str = "in_place") -> None:
+        """Stop between two steps (SGLang's pause_generation; "abort" is the server's: abort_all, then this).
+        "retract": the running rows' cache is dropped and rebuilt by a prefill when generation continues, as SGLang
+        retracts running requests to its queue and recomputes their KV; "in_place": the rows keep their cache and
+        count as running, so a cache flush (and a weight update that asks for one) is refused, as SGLang's is."""
         with self._cv:
             self._paused = True
+            if mode == "retract" and self._active:
+                self._retracted = True
+                for request in self._active:
+                    request.retractions += 1
 
     def resume(self) -> None:
         with self._cv:
             self._paused = False
             self._cv.notify_all()
+
+    def can_flush(self) -> bool:
+        """SGLang's flush rule (Scheduler.flush_cache: is_fully_idle, queued requests ignored while paused): True
+        unless a request is running (a batch not retracted) or, while not paused, queued."""
+        with self._cv:
+            running = bool(self._active) and not self._retracted
+            return not running and (self._paused or not self._pending)
 
     def stop(self) -> None:
         with self._cv:
@@ -297,6 +321,9 @@ class MpoGenerator:
                     self._active = self._pending[:n]
                     del self._pending[:n]
                     batch = _Batch.of(list(self._active))
+                elif self._retracted and batch is not None:
+                    batch.cache = None  # retracted: recomputed by the next step's prefill, under today's weights
+                self._retracted = False
             try:
                 self._step(batch)
             except Exception as exc:  # noqa: BLE001 - last resort: the scheduler thread must never die
@@ -435,6 +462,7 @@ class MpoGenerator:
             "prompt_tokens": n_prompt,
             "completion_tokens": len(request.output),
             "cached_tokens": 0,
+            "num_retractions": request.retractions,
             "weight_version": self.weight_version,
             "e2e_latency": time.time() - request.started,
         }

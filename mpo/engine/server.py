@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 Route = Callable[[dict[str, Any]], Any]
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes (PauseGenerationReqInput.mode)
+# SGLang 0.5.23's words (Scheduler.flush_cache, WeightUpdater.flush_cache_after_weight_update)
+FLUSH_REFUSED = "Cache not flushed because there are pending requests (running, or queued while not paused)"
+UPDATE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                      "queued. Retract or finish them, then call /flush_cache.")
 MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's GPU memory tags (ReleaseMemoryOccupationReqInput.tags)
 DEFAULT_MAX_ROWS = 16384  # rows of one batched /generate (--max-rows-per-request)
 
@@ -86,7 +91,8 @@ class EngineApp:
         self.add("POST", "/abort_request", self._abort)
         self.add("POST", "/pause_generation", self._pause)
         self.add("POST", "/continue_generation", self._continue)
-        self.add("POST", "/flush_cache", lambda body: {"success": True, "message": "no cache to flush"})
+        for method in ("GET", "POST"):  # SGLang's /flush_cache takes both
+            self.add(method, "/flush_cache", self._flush)
         self.add("POST", "/begin_weight_update", self._begin)
         self.add("POST", "/end_weight_update", self._end)
         # Colocated engines (SGLang --enable-memory-saver): free GPU memory while the trainer runs, take it back
@@ -176,10 +182,26 @@ class EngineApp:
         return {"success": True, "aborted": self.generator.abort_all()}
 
     def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("mode", "abort") == "abort":
+        mode = body.get("mode", "abort")  # SGLang's PauseGenerationReqInput default
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause_generation: mode={mode!r} must be one of {', '.join(map(repr, PAUSE_MODES))}")
+        if mode == "abort":
             self.generator.abort_all()
-        self.generator.pause()
+        self.generator.pause(mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _flush(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's rule (this engine keeps no cache between requests, but agrees on when a flush may happen): refused
+        while a request is running (an in-place pause keeps them running) or queued (unless paused)."""
+        if not self.generator.can_flush():
+            raise RequestError(FLUSH_REFUSED)
+        return {"success": True, "message": "Cache flushed."}
+
+    def flush_after_update(self, body: dict[str, Any], endpoint: str) -> None:
+        """A weight update's flush_cache (SGLang's default: true), checked as SGLang does after loading: the update
+        stands (staged here), the call fails with SGLang's message when the flush is refused."""
+        if body.get("flush_cache", True) and not self.generator.can_flush():
+            raise RequestError(f"{endpoint}: {UPDATE_NOT_FLUSHED}")
 
     def _continue(self, body: dict[str, Any]) -> dict[str, Any]:
         self.generator.resume()

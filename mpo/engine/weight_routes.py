@@ -169,6 +169,7 @@ class WeightRoutes:
         version = _weight_version(body, "update_weights_from_tensor")
         self._stage(_decode_inline(payload) if load_format == MPO_FORMAT else self._from_shared(payload))
         self.pending_version = version or self.pending_version
+        self.app.flush_after_update(body, "update_weights_from_tensor")
         return {"success": True, "message": "Success"}
 
     def _from_shared(self, payload: Any) -> dict[str, torch.Tensor]:
@@ -271,6 +272,7 @@ class WeightRoutes:
                 received[name] = tensor
         self._stage(received)
         self.pending_version = version or self.pending_version
+        self.app.flush_after_update(body, "update_weights_from_distributed")
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def _receive_buffer(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -309,6 +311,7 @@ class WeightRoutes:
         with self.runner_lock():
             self.runner.load_hf(tensors)
         self.app.generator.weight_version = version or self.app.generator.weight_version
+        self.app.flush_after_update(body, "update_weights_from_disk")
         return {"success": True, "message": f"Succeeded to update model weights from {path}.",
                 "num_paused_requests": 0}
 

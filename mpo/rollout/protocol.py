@@ -317,6 +317,9 @@ class GenerateResult:
         if "loss_mask" in meta:  # mpo's own key (mpo.envs.rollout builds it), never an engine's to set
             meta = {k: v for k, v in meta.items() if k != "loss_mask"}
         stamps = meta.get("output_token_weight_versions")
+        if stamps is None and meta.get("weight_versions") is not None:  # SGLang's spans, one stamp per token here
+            stamps = span_versions(meta["weight_versions"], len(output_ids))
+            meta = {**meta, "output_token_weight_versions": stamps}
         if stamps is not None:
             if _length(stamps, "meta_info.output_token_weight_versions") != len(output_ids):
                 raise ValueError(f"output_token_weight_versions has {len(stamps)} entries for {len(output_ids)} "
@@ -388,6 +391,22 @@ def weight_version(stamp: Any) -> int | None:
     weight_version is a string); another stamp ("default" before the first update) is None."""
     text = str(stamp) if isinstance(stamp, (int, np.integer, str)) and not isinstance(stamp, bool) else ""
     return int(text) if text.isascii() and text.isdigit() else None
+
+
+def span_versions(spans: Any, count: int) -> list[Any]:
+    """SGLang's meta_info.weight_versions ([{"version", "start", "end"}, ...] over the output tokens: the version
+    each run of tokens was sampled under, a weight update in flight starting a new span) as one stamp per token;
+    ValueError naming the field when it is not that."""
+    if not isinstance(spans, list) or not all(isinstance(span, dict) for span in spans):
+        raise ValueError(f"meta_info.weight_versions must be a list of spans, got {_short(spans)}")
+    stamps: list[Any] = []
+    for i, span in enumerate(spans):
+        start, end = span.get("start"), span.get("end")
+        if not (is_json_int(start) and is_json_int(end) and start == len(stamps) and start <= end <= count):
+            raise ValueError(f"meta_info.weight_versions[{i}]={_short(span)} must cover the output tokens in order "
+                             f"from {len(stamps)} (of {count})")
+        stamps += [span.get("version")] * (end - start)
+    return stamps + [None] * (count - len(stamps))  # none left: unknown, the collector's default
 
 
 def token_versions(stamps: Any, default: int = -1, count: int = 0) -> np.ndarray:

@@ -5,11 +5,12 @@
   at version >= its step - 1 and the weight sync waits until the batch in flight is finished (updates reach the
   engines between requests), so every token is at most 1 version stale.
 * async: the producer keeps the engines busy: it starts the batch of step p as soon as the engines hold version
-  >= p - schedule.max_staleness, and the weight sync does not wait for it: the push pauses the engines in place
-  (SGLang's pause_generation(mode="in_place") in WeightSync.begin_session), swaps the weights and continues, so a partial
-  rollout finishes under the new weights. The mpo engine stamps every generated token with the weight version it
-  was sampled under (meta_info.output_token_weight_versions); for engines that do not (SGLang), every token gets the
-  version current when its batch was submitted, the oldest it can have (staleness is then an upper bound).
+  >= p - schedule.max_staleness, and the weight sync does not wait for it: the push pauses the engines retracting the
+  requests in flight (pause_generation(mode="retract") in WeightSync.begin_session; docs/weight_updates_in_flight.md),
+  swaps the weights, flushes the old-weight cache and continues, so a partial rollout is recomputed and finishes
+  under the new weights. Every generated token is stamped with the weight version it was sampled under (mpo's
+  engine: meta_info.output_token_weight_versions; SGLang: its meta_info.weight_versions spans); a token without a
+  stamp gets the version current when its batch was submitted, the oldest it can have.
 
 The consumer (the training step) takes the batch of its step and drops any sample with a token older than
 step - max_staleness (the gate makes this a check that should never fire; `staleness_dropped_samples` counts it).

@@ -103,6 +103,10 @@ def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
 
 log = logging.getLogger(__name__)
 
+# How a sync pauses engines with requests in flight (SGLang's pause_generation modes): "retract" sends them back to
+# the queue, to be recomputed under the new weights (WeightSync.begin_session says why not "in_place" or "abort").
+PAUSE_MODE = "retract"
+
 
 class _Calls:
     """HTTP calls to several engines in threads, so the trainer can take part in a collective meanwhile."""
@@ -203,10 +207,19 @@ class WeightSync:
     def begin_session(self, *, pause: bool = True) -> None:
         """Pause generation (pause=True) and open SGLang's weight-update session on every engine (once per sync, one
         caller). pause=False for a caller that knows nothing is generating (a synchronous schedule syncs between
-        rollouts): two HTTP round trips less per sync."""
+        rollouts): two HTTP round trips less per sync.
+
+        The pause RETRACTS the requests in flight (PAUSE_MODE; docs/weight_updates_in_flight.md): SGLang frees their
+        KV and puts them back in its queue with the tokens they have, so each update's cache flush (flush_cache,
+        sent with every update) succeeds and empties the radix cache of old-weight prefixes; on continue they are
+        prefilled again under the new weights and go on. Every token is then sampled from a context computed by
+        one set of weights, the version it is stamped with (SGLang's meta_info.weight_versions), and keeps the
+        log-prob it was sampled with. An `in_place` pause keeps the old KV, which a new-weights decode would extend
+        (neither policy's tokens), and SGLang refuses its flush while requests run: HTTP 400 at the first sync of
+        an off-policy run. mpo's engine follows the same rules (mpo.engine.generator)."""
         self.lost = set()
         self.paused = pause
-        self._each(lambda client, _: (pause and client.pause_generation(mode="in_place"),
+        self._each(lambda client, _: (pause and client.pause_generation(mode=PAUSE_MODE),
                                       client.begin_weight_update()))
 
     def end_session(self) -> None:
