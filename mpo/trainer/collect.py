@@ -196,7 +196,8 @@ class Collector:
                           reward=rewards[i], advantage=advantages[i],
                           rollout_logprobs=r.output_logprobs, routes=r.routed_experts,
                           loss_mask=r.meta.get("loss_mask"),
-                          # unknown (-1) or unstamped (SGLang): the version at submission, the oldest possible
+                          # per token from the engine (SGLang: its weight_versions spans); unknown (-1) or missing: the
+                          # version at submission, the oldest possible
                           versions=token_versions(r.meta.get("output_token_weight_versions"), version,
                                                   len(r.output_ids)))
                    for i, r in enumerate(results) if keep[i] and r.output_ids]  # an episode failed at reset has none
