@@ -120,7 +120,8 @@ class Publisher:
                 dist.barrier()
             push = (lambda named: sync.push_bucket(named, version, wait=False)) if sync is not None else None
             # shm: the engines read strided views of the slots, no conversion copies
-            result = streamer.stream(push, sequential=info["transport"] == "distributed", digest=digest,
+            # every stage pushes at once (distributed: a group per engine keeps that deadlock-free, transports.py)
+            result = streamer.stream(push, sequential=False, digest=digest,
                                      hf_views=info["transport"] == "shm")
             if not one_rank():
                 dist.barrier()
