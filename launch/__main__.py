@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from mpo.memory_plan import sync_shape
+
         print(plan.format())
+        print(sync_shape(config).format(), file=sys.stderr)  # stdout stays the commands, exactly
         return 0
     if node_rank is None or not 0 <= node_rank < len(plan.nodes):
         print(f"launch: error: this node's rank is unknown or out of range ({node_rank}); pass --node-rank",

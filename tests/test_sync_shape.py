@@ -112,3 +112,47 @@ def test_shape_bench_pp2_ep2_last_line(tmp_path):
     assert match, last
     x, y, z = (float(v) for v in match.groups())
     assert x <= 1.5 and y > 0 and (z != z or 0 < z < 1), last
+
+
+def _plan_lines(recipe: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "mpo.cli", "plan", "--config", str(REPO / "mpo/recipes" / recipe)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode in (0, 2), out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("weight sync (sync.transport="))
+    return lines[start: start + 4]
+
+
+def test_shape_stated_by_mpo_plan():
+    """`mpo plan` states the sync's shape: DeepSeek-V3's PP16 into 2 SGLang engines pushes all 16 stages at once
+    (a group per sender and engine: 16 per engine GPU, one collective per bucket per engine), Qwen3-30B-A3B's single
+    sender into 4 engines one broadcast per bucket; bytes per stage add up to the model's HF tensors in the trainer's
+    dtype, and the estimated time is the busiest stage's link bytes at the stated bandwidth plus its calls."""
+    import math
+
+    from mpo.config import load_config, model_config
+    from mpo.models.hf_mapping import mapping_for
+
+    for recipe, senders, engines, at_once in (("deepseek_v3_gspo.yaml", 16, 2, True),
+                                              ("qwen3_30b_a3b_gspo.yaml", 1, 4, False)):
+        head, groups, per_sync, estimate = _plan_lines(recipe)
+        assert head.startswith(f"weight sync (sync.transport=distributed): {senders} sender(s)"), head
+        assert ("pushing at once" in head) == at_once and f"to {engines} engine(s)" in head, head
+        assert groups == f"  groups per engine GPU: {senders} (one per sender)"
+        found = re.fullmatch(r"  per sync: (\d+) buckets, (\d+) collectives; GiB per stage: (.*)", per_sync)
+        assert found, per_sync
+        buckets, collectives = int(found[1]), int(found[2])
+        assert collectives == buckets * (engines if at_once else 1)
+        stage_gib = [float(v) for v in found[3].split(", ")]
+        assert len(stage_gib) == senders
+        config = load_config(REPO / "mpo/recipes" / recipe)
+        itemsize = 2 if config.model.dtype == "bf16" else 4
+        total = sum(math.prod(s) for u in mapping_for(model_config(config), spec="local").units()
+                    for s in u.rule.hf_shapes) * itemsize / 2**30
+        assert abs(sum(stage_gib) - total) < 0.01 * senders + 1e-6, (sum(stage_gib), total)
+        found = re.fullmatch(r"  estimated sync time: (\S+) s at 25 GB/s per sender link \((\S+) GiB on the busiest "
+                             r"sender link, 0.1 ms per call\)", estimate)
+        assert found, estimate
+        link_gib = max(stage_gib) * (engines if at_once else 1)
+        assert abs(float(found[2]) - link_gib) < 0.02 * (engines if at_once else 1), (found[2], link_gib)
+        assert float(found[1]) >= link_gib * 2**30 / 25e9 * 0.99

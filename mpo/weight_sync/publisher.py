@@ -88,6 +88,7 @@ class Publisher:
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
+        from mpo.weight_sync.transports import stages_at_once
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
         started = time.perf_counter()
@@ -104,6 +105,9 @@ class Publisher:
         if info is None:  # no engines: nothing to push
             return {}
         sync = self._sender_sync(info) if streamer.is_sender else None
+        at_once = stages_at_once(info["transport"], len(streamer.senders), len(info["urls"]))
+        if sync is not None and not sync.groups:  # decided before its groups exist (transports.stages_at_once)
+            sync.group_per_engine = at_once
         digest = None
         if r.engine == "mpo":
             engine_dtype = torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32
@@ -120,8 +124,7 @@ class Publisher:
                 dist.barrier()
             push = (lambda named: sync.push_bucket(named, version, wait=False)) if sync is not None else None
             # shm: the engines read strided views of the slots, no conversion copies
-            # every stage pushes at once (distributed: a group per engine keeps that deadlock-free, transports.py)
-            result = streamer.stream(push, sequential=False, digest=digest,
+            result = streamer.stream(push, sequential=not at_once, digest=digest,
                                      hf_views=info["transport"] == "shm")
             if not one_rank():
                 dist.barrier()

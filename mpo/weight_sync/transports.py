@@ -40,7 +40,8 @@ class Transport:
 TRANSPORTS: dict[str, Transport] = {
     # each bucket in the HTTP body of /update_weights_from_tensor (mpo: safetensors; SGLang: a flattened bucket)
     "tensor": Transport("the HTTP-body path", ("mpo", "sglang"), same_host=("sglang",)),
-    # a process group per (sender, engine); each bucket ONE broadcast of its flattened buffer (NCCL / gloo)
+    # a process group per sender with every engine rank (or per sender and engine: stages at once); each bucket ONE
+    # broadcast of its flattened buffer (NCCL / gloo)
     "distributed": Transport("the process-group path", ("mpo", "sglang")),
     # SGLang engines on the trainer's own GPUs map each bucket through a CUDA IPC handle (GPU only)
     "cuda_ipc": Transport("SGLang's colocated GPU path", ("sglang",), same_host=("sglang",)),
@@ -76,6 +77,14 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
     if off_host is not None and engine in spec.same_host:
         raise ValueError(f"sync.transport={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
                          f"sync.transport='distributed'")
+
+
+def stages_at_once(transport: str, senders: int, engines: int) -> bool:
+    """Whether the pipeline stages' senders push at once (else they take turns). Every transport but "distributed"
+    always does. "distributed" does with a group per engine (WeightSync.group_per_engine), each sender's link then
+    carrying every bucket once per engine: at once costs stage bytes x engines per link, in turns the model's bytes
+    once (one broadcast tree per bucket), so at once wins while engines <= senders (PP16 into 2 engines: 8x less)."""
+    return transport != "distributed" or engines <= senders
 
 
 NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
@@ -188,14 +197,18 @@ class WeightSync:
             raise ValueError(f"{len(self.tp_sizes)} tp_sizes for {len(self.clients)} engines")
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.timeout_s = master_address, timeout_s
-        # distributed: one group per engine (URL -> group), this sender as rank 0 and that engine's TP ranks. A group
-        # spanning every engine would make one stage's broadcast wait for every engine at once; an engine serves one
-        # collective at a time, so two stages pushing concurrently could each hold one engine the other needs
-        # (deadlock). With a group per engine each collective needs one engine only, and every sender pushes a bucket
-        # to the engines in the same order, so the lowest engine with work always progresses: stages push
-        # concurrently. The bound: groups per engine GPU = senders (pipeline stages); the cost: a sender sends each
-        # bucket once per engine (not once for all, as a multi-engine broadcast tree would).
-        self.groups: dict[str, torch.distributed.ProcessGroup] = {}
+        # distributed: the groups, each (its engines, the group, its name), this sender rank 0 in each.
+        # group_per_engine=False (the default): ONE group with every engine's ranks, so a bucket is one broadcast
+        # for all engines (NCCL's tree/ring: the sender's link carries it about once); right for a single sender,
+        # or senders taking turns. An engine serves one collective at a time, so two senders pushing at once over
+        # such groups could each hold an engine the other's broadcast needs (deadlock).
+        # group_per_engine=True: a group per engine; each collective then needs one engine only, and every sender
+        # pushes a bucket to the engines in the same order, so the lowest engine with work always progresses:
+        # senders (pipeline stages) push at once. The cost: the sender's link carries each bucket once per engine.
+        # Either way an engine GPU is in one group per sender (mpo.memory_plan.sync_shape states which is cheaper;
+        # mpo.weight_sync.publisher picks the same).
+        self.group_per_engine = False
+        self.groups: list[tuple[list[EngineClient], torch.distributed.ProcessGroup, str]] = []
         self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
         self.collectives = 0  # collectives (broadcasts) this WeightSync issued: the sync's shape, for benches/tests
         self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
@@ -341,9 +354,6 @@ class WeightSync:
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
-    def _engine_group_name(self, url: str) -> str:
-        return f"{self.group_name}_e{[c.url for c in self.clients].index(url)}"
-
     def _push_distributed(self, bucket: NamedTensors, version: str) -> None:
         """The bucket packed into one buffer (wire.pack_bucket) and broadcast ONCE per engine group; the engine
         receives it with load_format="flattened_bucket" (SGLang 0.5.23 allocates FlattenedTensorBucket.empty(names,
@@ -352,18 +362,20 @@ class WeightSync:
         names = [m.name for m in manifest]
         dtypes = [dtype_name(m.dtype) for m in manifest]
         shapes = [list(m.shape) for m in manifest]
-        clients = [c for c in self.clients if c.url in self.groups]  # the same order on every sender (see __init__)
-        calls = _Calls(clients, lambda c: c.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=self._engine_group_name(c.url),
-            load_format=SGLANG_FORMAT, weight_version=version))
-        works = [torch.distributed.broadcast(flat, src=0, group=self.groups[c.url], async_op=True) for c in clients]
+        name_of = {c.url: name for members, _, name in self.groups for c in members}
+        calls = _Calls([c for members, _, _ in self.groups for c in members],
+                       lambda c: c.update_weights_from_distributed(
+                           names=names, dtypes=dtypes, shapes=shapes, group_name=name_of[c.url],
+                           load_format=SGLANG_FORMAT, weight_version=version))
+        # in engine order on every sender (see __init__)
+        works = [torch.distributed.broadcast(flat, src=0, group=group, async_op=True) for _, group, _ in self.groups]
         self.collectives += len(works)
         # An engine that refuses before receiving (e.g. an unknown group) would leave the broadcasts waiting:
         # poll both, and fail with the engine's own error as soon as one comes back.
         deadline = time.monotonic() + self.timeout_s
         while not (calls.done() and all(w.is_completed() for w in works)):
             if calls.errors and not all(w.is_completed() for w in works):
-                self.groups = {}  # the groups are out of step now; the next push makes new ones
+                self.groups = []  # the groups are out of step now; the next push makes new ones
                 calls.raise_first()
             if time.monotonic() > deadline:
                 raise EngineError(self.clients[0].url, "/update_weights_from_distributed",
@@ -373,18 +385,22 @@ class WeightSync:
 
     # -- the process group (distributed transport) ----------------------------------------------------------------
     def connect(self) -> None:
-        """Create the weight-update groups, one per engine (see __init__): this sender as rank 0 plus that engine's TP
-        ranks (rank_offset 1)."""
-        self.groups = {}
-        for client, tp in zip(self.clients, self.tp_sizes):
-            self.groups[client.url] = self._join(client, tp)
+        """Create the weight-update group(s) (see __init__): this sender as rank 0 plus every engine's TP ranks
+        (engine i from its rank offset), or one group per engine."""
+        if self.group_per_engine:
+            self.groups = [([c], self._join([c], [tp], f"{self.group_name}_e{i}"), f"{self.group_name}_e{i}")
+                           for i, (c, tp) in enumerate(zip(self.clients, self.tp_sizes))]
+        else:
+            self.groups = [(list(self.clients), self._join(self.clients, self.tp_sizes, self.group_name),
+                            self.group_name)]
 
-    def _join(self, client: EngineClient, tp: int) -> torch.distributed.ProcessGroup:
+    def _join(self, clients: Sequence[EngineClient], tp_sizes: Sequence[int], name: str
+              ) -> torch.distributed.ProcessGroup:
         port = free_port()
-        world_size, offsets = group_layout([tp])
-        name = self._engine_group_name(client.url)
-        calls = _Calls([client], lambda c: c.init_weights_update_group(
-            master_address=self.master_address, master_port=port, rank_offset=offsets[0], world_size=world_size,
+        world_size, offsets = group_layout(tp_sizes)
+        by_url = dict(zip((c.url for c in clients), offsets))
+        calls = _Calls(clients, lambda c: c.init_weights_update_group(
+            master_address=self.master_address, master_port=port, rank_offset=by_url[c.url], world_size=world_size,
             group_name=name, backend=self.backend))
         joined: dict[str, Any] = {}
 
@@ -416,13 +432,13 @@ class WeightSync:
         if self._spill is not None:
             self._spill.close()
             self._spill = None
-        groups, self.groups = self.groups, {}
+        groups, self.groups = self.groups, []
         try:
-            for client in self.clients:
-                if client.url in groups:
-                    client.call("/destroy_weights_update_group", {"group_name": self._engine_group_name(client.url)})
+            for members, _, name in groups:
+                for client in members:
+                    client.call("/destroy_weights_update_group", {"group_name": name})
         finally:
-            for group in groups.values():
+            for _, group, _ in groups:
                 torch.distributed.destroy_process_group(group)
 
 
