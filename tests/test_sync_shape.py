@@ -156,3 +156,16 @@ def test_shape_stated_by_mpo_plan():
         link_gib = max(stage_gib) * (engines if at_once else 1)
         assert abs(float(found[2]) - link_gib) < 0.02 * (engines if at_once else 1), (found[2], link_gib)
         assert float(found[1]) >= link_gib * 2**30 / 25e9 * 0.99
+
+
+def test_flat_manifest_refuses_a_misaligned_order():
+    """sglang's receive buffer allows no padding, so a tensor must start at a multiple of its dtype size: the packed
+    order (largest dtype first) always does, and a manifest in another order is refused in one line naming the fix
+    (mpo's engine answers it as a 400 before any broadcast)."""
+    from mpo.weight_sync.wire import manifest_of, pack_bucket
+
+    bad = [("a", torch.bfloat16, (3,)), ("b", torch.float32, (2,))]
+    with pytest.raises(ValueError, match=r"tensor 'b' \(float32\) would start at byte 6.*largest first"):
+        manifest_of(bad)
+    flat, manifest = pack_bucket([("a", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.ones(2))])
+    assert [(m.name, m.start_idx) for m in manifest] == [("b", 0), ("a", 8)] and flat.numel() == 14

@@ -19,6 +19,14 @@ The tensors carry the engine model's HF names and shapes (random values), so the
 real sync. Each path runs `--rounds` times; the table shows the median and best bytes/s. The memcpy line is the upper
 bound for moving those bytes once in memory; the ratio shows what serialisation, HTTP (or the gloo collective), and
 the engine's staging/apply cost on top.
+
+`--shape`: the sync's shape (issue #50) at PP2 x EP2 (`--layout 1,2,2`) of preset sync_shape_bench (1536 expert
+tensors of 8 x 16, the shape of Qwen3-30B-A3B's ~18k at a size two CPU cores sync in seconds) over the distributed
+transport into one local mpo engine, every round once with the stages taking turns and once all at once. The last
+line is `sync-shape collectives_per_sync_vs_buckets=<x> stage_overlap=<y> fp8_bytes_vs_bf16=<z>`: collectives
+issued per bucket, the stages' wall time at once over the sum of their turns alone (median of rounds), and the
+bytes of the model's tensors in fp8_block over bf16 (mpo.weight_sync.fp8; nan where that module is absent). On a
+host whose cores are shared the stages compete for CPU, not links: y there says little about a cluster.
 """
 
 from __future__ import annotations
@@ -376,8 +384,8 @@ def shape(args) -> int:
     print(f"  stages alone: {', '.join(f'stage {s} {t:.2f} s' for s, t in sorted(turns.items()))} "
           f"(sum {alone:.2f} s); all stages at once: {together:.2f} s")
     fp8 = _fp8_ratio(args.preset)
-    print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} stage_overlap={together / alone:.3f} "
-          f"fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")
+    print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
+          f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")
     return 0
 
 

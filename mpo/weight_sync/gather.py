@@ -180,9 +180,9 @@ class WeightStreamer:
         push(bucket) (None: gather and convert only, e.g. a sender with no engines). push may return an object
         with wait() (WeightSync.push_bucket(wait=False)): the bucket's slot is reused only after it returned, so the
         sender places the next bucket while the engines read this one. sequential: stages take turns (each stage
-        pushing alone, timed in result.turn_s: what a bench compares the concurrent push with), else every stage
-        pushes at once (what the publisher does, every transport). digest(name, tensor): per-tensor digests to
-        collect (mpo engine verification). hf_views: push gets views of the slot with no conversion copies (ModelMapping.to_hf(views=
+        pushing alone, timed in result.turn_s), else every stage pushes at once (the publisher picks:
+        mpo.weight_sync.transports.stages_at_once). digest(name, tensor): per-tensor digests to collect (mpo engine
+        verification). hf_views: push gets views of the slot with no conversion copies (ModelMapping.to_hf(views=
         True): q/k/v keep their head-group axis), for a push that reads strided memory (the shm transport)."""
         started = time.perf_counter()
         key = self._params_key()
