@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from mpo.memory_plan import sync_shape
+
         print(plan.format())
+        print(sync_shape(config).format(), file=sys.stderr)  # stdout stays the commands, exactly
         return 0
     if config.rollout.engine == "sglang" and not config.rollout.urls and config.sync.transport == "distributed":
         from mpo.prestart import check_one_nccl

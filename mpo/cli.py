@@ -121,7 +121,7 @@ def memory_plan(config, *, gpu_mem_gib: float, seq_len: int | None = None,
     """Print the memory plan (mpo.memory_plan) and the GPUs it takes; 0 when every role fits (a tight one is said on
     stderr), 2 when one does not."""
     from mpo.config import ConfigError
-    from mpo.memory_plan import PlanInputs, format_plan, gpu_totals, longest_trainer_row, plan_memory
+    from mpo.memory_plan import PlanInputs, format_plan, gpu_totals, longest_trainer_row, plan_memory, sync_shape
 
     for name, value, ok in (("--gpu-mem-gib", gpu_mem_gib, gpu_mem_gib > 0), ("--seq-len", seq_len,
                             seq_len is None or seq_len > 0), ("--gpus-per-node", gpus_per_node, gpus_per_node > 0),
@@ -135,6 +135,7 @@ def memory_plan(config, *, gpu_mem_gib: float, seq_len: int | None = None,
     longest = longest_trainer_row(config, PlanInputs(gpu_mem_gib=gpu_mem_gib))
     print(f"longest training row that fits the trainer: {longest:,} tokens", file=out or sys.stdout)
     print(gpu_totals(config, gpus_per_node), file=out or sys.stdout)
+    print(sync_shape(config).format(), file=out or sys.stdout)
     misfits = [role.role for role in roles if not role.fits]
     if misfits:
         print(f"mpo: memory plan: {', '.join(misfits)} does not fit in {gpu_mem_gib:g} GiB", file=sys.stderr)

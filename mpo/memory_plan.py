@@ -487,3 +487,103 @@ def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | N
                           f"{per_rank / GIB:,.1f} GiB (parameters, gradients, optimizer state) + {engines} engines x "
                           f"{per_engine / GIB:,.1f} GiB (weights) = {need / GIB:,.1f} GiB, the host has "
                           f"{capacity / GIB:,.1f} GiB ({shape})")
+
+
+SYNC_LINK_GB_S = 25.0  # the stated link: one 200 Gb/s NIC per sender (H100 / H200 nodes' InfiniBand per GPU)
+SYNC_CALL_S = 1e-4  # fixed cost of one collective / IPC handle / HTTP payload on the engine side (latency, launch)
+
+
+@dataclass
+class SyncShape:
+    """The shape of one weight sync (mpo.weight_sync), from the model's HF tensors and the config alone.
+
+    Attributes:
+        transport: the resolved sync.transport.
+        senders: senders, one per pipeline stage (EP owners hand their experts to their stage's).
+        at_once: whether the senders push at once (mpo.weight_sync.transports.stages_at_once) or take turns.
+        engines, engine_tp: the engines and their TP ranks.
+        groups_per_engine_gpu: distributed: one group per sender (with every engine, or with one engine when
+            stages push at once), so each engine GPU is in `senders` groups; 0 for the other transports.
+        stage_bytes: HF bytes each stage's sender pushes (the trainer's dtype), per stage.
+        stage_buckets: buckets per stage (consecutive units up to sync.bucket_mb, as mpo.weight_sync.plan cuts them).
+        calls_per_sync: collectives (distributed), IPC handles (cuda_ipc), locator messages (shm) or HTTP payloads
+            (tensor) in one sync, over every sender and engine: one per bucket per engine (distributed in turns: one
+            per bucket, its broadcast reaching every engine), whatever the number of tensors.
+        link_bytes: bytes on the busiest sender link over the sync (at once: its stage's bytes x engines; in
+            turns: the stage's bytes once; tensor transport: x engines x TP x 4/3 base64; 0 for cuda_ipc/shm,
+            which copy nothing over a link).
+        estimate_s: the sync's time at `link_gb_s` per sender link plus SYNC_CALL_S per call: the busiest stage
+            when stages push at once, the sum of the stages in turns.
+    """
+
+    transport: str
+    senders: int
+    at_once: bool
+    engines: int
+    engine_tp: int
+    groups_per_engine_gpu: int
+    stage_bytes: list[int]
+    stage_buckets: list[int]
+    calls_per_sync: int
+    link_bytes: int
+    estimate_s: float
+    link_gb_s: float
+
+    def format(self) -> str:
+        stages = ", ".join(f"{b / GIB:.2f}" for b in self.stage_bytes)
+        calls = {"distributed": "collectives", "cuda_ipc": "IPC handles", "shm": "locator messages"}.get(
+            self.transport, "HTTP payloads")
+        return "\n".join([
+            f"weight sync (sync.transport={self.transport}): {self.senders} sender(s), one per pipeline stage, "
+            f"{'alone' if self.senders == 1 else 'pushing at once' if self.at_once else 'taking turns'}, to "
+            f"{self.engines} engine(s) of "
+            f"TP{self.engine_tp}",
+            f"  groups per engine GPU: {self.groups_per_engine_gpu}"
+            + (" (one per sender)" if self.transport == "distributed" else " (no process group)"),
+            f"  per sync: {sum(self.stage_buckets)} buckets, {self.calls_per_sync} {calls}; GiB per stage: {stages}",
+            f"  estimated sync time: {self.estimate_s:.2f} s at {self.link_gb_s:g} GB/s per sender link "
+            f"({self.link_bytes / GIB:.2f} GiB on the busiest sender link, {SYNC_CALL_S * 1e3:g} ms per call)"])
+
+
+def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
+    """The sync's shape for `config` (see SyncShape). Walks the HF mapping's units once (names and shapes only)."""
+    import math
+    import re
+
+    from mpo.config import model_config
+    from mpo.models.hf_mapping import mapping_for
+    from mpo.weight_sync.transports import resolve_transport, stages_at_once
+
+    m, par, r = model_config(config), config.parallel, config.rollout
+    stage_of_layer = {layer: stage for stage, chunks in enumerate(par.stage_layers(m.num_layers))
+                      for chunk in chunks for layer in chunk}
+    pp = par.pipeline_parallel
+    itemsize = 2 if config.model.dtype == "bf16" else 4
+    bucket_bytes = config.sync.bucket_mb << 20
+    stage_bytes, stage_buckets, open_bytes = [0] * pp, [0] * pp, [None] * pp
+    layer_of = re.compile(r"\.layers\.(\d+)\.")
+    for unit in mapping_for(m, spec="local").units():
+        found = layer_of.search(unit.hf_names[0])
+        # the embedding lives on the first stage, the final norm and LM head on the last
+        stage = stage_of_layer[int(found.group(1))] if found else 0 if "embed" in unit.hf_names[0] else pp - 1
+        nbytes = sum(math.prod(shape) for shape in unit.rule.hf_shapes) * itemsize
+        stage_bytes[stage] += nbytes
+        if open_bytes[stage] is None or open_bytes[stage] + nbytes > bucket_bytes:
+            stage_buckets[stage] += 1
+            open_bytes[stage] = 0
+        open_bytes[stage] += nbytes
+    transport = resolve_transport(config.sync.transport, r.engine, started_here=not r.urls,
+                                  is_gpu=r.engine == "sglang", shared_memory=config.sync.host_shared_memory)
+    engines = len(r.urls) or r.num_engines
+    tp = r.tensor_parallel if r.engine == "sglang" else 1
+    at_once = stages_at_once(transport, pp, engines)
+    # per stage: bytes on the sender's link, calls, seconds
+    copies = {"distributed": engines if at_once else 1, "tensor": engines * tp * 4 / 3}.get(transport, 0)
+    calls = [b * (engines if transport != "distributed" or at_once else 1) for b in stage_buckets]
+    seconds = [stage_bytes[s] * copies / (link_gb_s * 1e9) + SYNC_CALL_S * calls[s] for s in range(pp)]
+    busiest = max(range(pp), key=lambda s: seconds[s])
+    return SyncShape(transport=transport, senders=pp, at_once=at_once, engines=engines, engine_tp=tp,
+                     groups_per_engine_gpu=pp if transport == "distributed" else 0, stage_bytes=stage_bytes,
+                     stage_buckets=stage_buckets, calls_per_sync=sum(calls),
+                     link_bytes=int(stage_bytes[busiest] * copies),
+                     estimate_s=max(seconds) if at_once else sum(seconds), link_gb_s=link_gb_s)

@@ -184,6 +184,10 @@ def test_cuda_ipc_payload_builds_and_loads_back():
     from mpo.weight_sync.wire import cuda_ipc_payload
 
     named = [("a.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b.bias", torch.ones(4))]
+    from mpo.weight_sync.wire import unpack_bucket
+
     flat = ForkingPickler.loads(base64.b64decode(cuda_ipc_payload(named)))
     assert [m.name for m in flat["metadata"]] == ["a.weight", "b.bias"]
-    assert flat["flattened_tensor"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0]
+    assert flat["flattened_tensor"].dtype == torch.uint8  # one buffer (one handle) for every dtype of the bucket
+    got = unpack_bucket(flat["flattened_tensor"], flat["metadata"])
+    assert [t.tolist() for _, t in got] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [1.0, 1.0, 1.0, 1.0]]

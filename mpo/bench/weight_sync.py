@@ -19,6 +19,14 @@ The tensors carry the engine model's HF names and shapes (random values), so the
 real sync. Each path runs `--rounds` times; the table shows the median and best bytes/s. The memcpy line is the upper
 bound for moving those bytes once in memory; the ratio shows what serialisation, HTTP (or the gloo collective), and
 the engine's staging/apply cost on top.
+
+`--shape`: the sync's shape (issue #50) at PP2 x EP2 (`--layout 1,2,2`) of preset sync_shape_bench (1536 expert
+tensors of 8 x 16, the shape of Qwen3-30B-A3B's ~18k at a size two CPU cores sync in seconds) over the distributed
+transport into one local mpo engine, every round once with the stages taking turns and once all at once. The last
+line is `sync-shape collectives_per_sync_vs_buckets=<x> stage_overlap=<y> fp8_bytes_vs_bf16=<z>`: collectives
+issued per bucket, the stages' wall time at once over the sum of their turns alone (median of rounds), and the
+bytes of the model's tensors in fp8_block over bf16 (mpo.weight_sync.fp8; nan where that module is absent). On a
+host whose cores are shared the stages compete for CPU, not links: y there says little about a cluster.
 """
 
 from __future__ import annotations
@@ -224,9 +232,169 @@ def sweep(args) -> int:
     return 0
 
 
+def _shape_rank(rank: int, world: int, port: int, *args) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    shape_rank(*args)
+
+
+def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, layout: tuple[int, int, int]) -> None:
+    """One trainer rank of `--shape` (torchrun's environment: RANK, WORLD_SIZE, MASTER_*): the streaming sync over
+    the distributed transport (gloo, one group per sender and engine), per round once with the stages taking turns
+    (each stage alone, StreamResult.turn_s) and once with every stage pushing at once; counts the collectives each
+    sender issued, records when each sender pushed, and verifies the engine's checksum after the last concurrent
+    sync. Rank 0 writes every rank's records to `out` (JSON)."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.config import preset as get_preset
+    from mpo.models.hf_mapping import mapping_for
+    from mpo.parallel import ParallelConfig, initialize_parallel
+    from mpo.rollout.client import EngineClient
+    from mpo.weight_sync.gather import WeightStreamer
+    from mpo.weight_sync.transports import WeightSync, stages_at_once
+    from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
+
+    tp, ep, pp = layout
+    cfg = get_preset(preset)
+    ctx = initialize_parallel(ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp),
+                              rank=rank, world_size=world, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                              num_attention_heads=cfg.num_attention_heads)
+    gpt = unwrap(build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype="fp32"), seed=7))
+    streamer = WeightStreamer(gpt, mapping_for(cfg, spec="local"),
+                              stage=parallel_state.get_pipeline_model_parallel_rank(), bucket_bytes=bucket_bytes,
+                              device=ctx.device.device)
+    # rank 0 opens and closes the session; every sender pushes with its own WeightSync (as the publisher does)
+    sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport="distributed",
+                       bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender or rank == 0 else None)
+    if sync is not None and streamer.is_sender:
+        sync.group_per_engine = stages_at_once("distributed", len(streamer.senders), len(sync.clients))
+        sync.connect()  # group creation is once per run, not part of a sync
+
+    def one_sync(version: int, sequential: bool, verify: bool) -> dict:
+        window: list[float] = []  # wall-clock times of this sender's first push's start and last push's end
+
+        def push(named):
+            window[:1] = window[:1] or [time.time()]
+            sync.push_bucket(named, version)
+            window[1:] = [time.time()]
+
+        before = sync.collectives if sync is not None else 0
+        if rank == 0:
+            sync.begin_session(pause=False)
+        dist.barrier()
+        started = time.perf_counter()
+        result = streamer.stream(push if streamer.is_sender else None, sequential=sequential,
+                                 digest=(lambda name, t: tensor_digest(t)) if verify else None)
+        dist.barrier()
+        wall = time.perf_counter() - started
+        if rank == 0:
+            sync.end_session()
+        if verify:
+            parts = [None] * world if rank == 0 else None
+            dist.gather_object(result.digests, parts, dst=0)
+            if rank == 0:
+                verify_checksum(sync.clients, combine_digests(parts))  # raises if the engine got anything else
+        return {"wall_s": wall, "turn_s": result.turn_s, "buckets": result.buckets, "bytes": result.bytes,
+                "collectives": (sync.collectives if sync is not None else 0) - before, "push_window": window,
+                "verified": verify}
+
+    records = []
+    for k in range(rounds + 1):  # round 0 warms up (first touch of buffers on both sides)
+        alone = one_sync(2 * k, sequential=True, verify=False)
+        together = one_sync(2 * k + 1, sequential=False, verify=k == rounds)
+        if k:
+            records.append({"alone": alone, "together": together})
+    if sync is not None:
+        sync.close()
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, records)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ranks": per_rank, "senders": streamer.senders}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fp8_ratio(preset: str) -> float:
+    """Bytes of the model's HF tensors in fp8_block over bf16, through mpo.weight_sync.fp8.to_engine_format when it
+    exists (nan otherwise)."""
+    try:
+        from mpo.weight_sync.fp8 import to_engine_format
+    except ImportError:
+        return float("nan")
+    import torch
+
+    named = [(name, t.to(torch.bfloat16)) for name, t in _named_tensors(preset, seed=0)]
+    size = lambda fmt: sum(t.numel() * t.element_size() for _, t in to_engine_format(named, fmt))
+    return size("fp8_block") / size("bf16")
+
+
+def shape(args) -> int:
+    import json
+    import math
+
+    import torch.multiprocessing as mp
+
+    from mpo.parallel.ports import free_port
+    from mpo.rollout.local_engine import LocalEngineProcess
+
+    layout = tuple(int(x) for x in args.layout.split(","))
+    with tempfile.TemporaryDirectory(prefix="mpo-bench-shape-") as tmp:
+        out = Path(tmp) / "shape.json"
+        for attempt in range(2):  # the port picked free may be taken before the engine binds it (a shared host)
+            engine = LocalEngineProcess.mpo_engine(log_path=Path(tmp) / f"engine-{attempt}.log",
+                                                   extra_args=["--preset", args.preset, "--no-fp32-lm-head"])
+            engine.startup_timeout_s = 900
+            try:
+                engine.start()
+                break
+            except RuntimeError:
+                if attempt:
+                    raise
+        try:
+            mp.start_processes(_shape_rank, args=(4, free_port(), args.preset, engine.url,
+                                                  int(args.bucket_mb * 2**20), args.rounds, str(out), layout),
+                               nprocs=4, join=True, start_method="spawn")
+        finally:
+            engine.stop()
+        run = json.loads(out.read_text())
+    rounds = list(zip(*run["ranks"]))  # per round: every rank's record
+    buckets = sum(r["together"]["buckets"] for r in rounds[0])
+    collectives = sum(r["together"]["collectives"] for r in rounds[0])
+    together = statistics.median(max(r["together"]["wall_s"] for r in rnd) for rnd in rounds)
+    alone = statistics.median(sum(rnd[0]["alone"]["turn_s"].values()) for rnd in rounds)
+    turns = {stage: statistics.median(rnd[0]["alone"]["turn_s"][stage] for rnd in rounds)
+             for stage in rounds[0][0]["alone"]["turn_s"]}
+    nbytes = sum(r["together"]["bytes"] for r in rounds[0])
+    tensors = len(_named_tensors(args.preset, seed=0))
+    print(f"sync shape: preset {args.preset} ({tensors} HF tensors, {nbytes / 2**20:.1f} MiB fp32), 4 gloo ranks at "
+          f"TP,EP,PP={args.layout} ({len(run['senders'])} senders), transport distributed into one mpo engine, "
+          f"buckets of {args.bucket_mb:g} MiB, {args.rounds} rounds after one warm-up")
+    print(f"  per sync: {buckets} buckets, {collectives} collectives ({tensors} before buckets were flattened)")
+    print(f"  stages alone: {', '.join(f'stage {s} {t:.2f} s' for s, t in sorted(turns.items()))} "
+          f"(sum {alone:.2f} s); all stages at once: {together:.2f} s")
+    fp8 = _fp8_ratio(args.preset)
+    print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
+          f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpo.bench weight_sync", description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="the trainer's streaming sync at two model sizes")
+    parser.add_argument("--shape", action="store_true",
+                        help="the sync's shape at PP2 x EP2 with many small expert tensors: collectives per bucket, "
+                             "stage overlap, fp8 bytes")
     parser.add_argument("--transport", default="shm", help="--sweep: shm, tensor or distributed")
     parser.add_argument("--gloo-gather", action="store_true",
                         help="--sweep: pieces reach their sender over gloo, not through shared memory")
@@ -237,6 +405,11 @@ def main(argv: list[str]) -> int:
                         help="default 4 (--sweep: 16)")
     parser.add_argument("--transports", default="tensor,distributed")
     args = parser.parse_args(argv)
+    if args.shape:
+        args.preset = args.preset if args.preset != "tiny" else "sync_shape_bench"
+        args.layout = args.layout if args.layout != "2,2,1" else "1,2,2"
+        args.rounds, args.bucket_mb = args.rounds or 2, args.bucket_mb or 0.0625
+        return shape(args)
     if args.sweep:
         # 16 MiB, not the trainer's 64: the smaller model (138 MiB) must span many buckets for memory to be bounded
         # by them rather than by the model

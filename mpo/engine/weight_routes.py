@@ -9,7 +9,12 @@ The transports of mpo.weight_sync are served with SGLang's semantics:
 * distributed: /init_weights_update_group joins the trainer's group with the same rendezvous calls SGLang makes
   (mpo.weight_sync.wire.join_weight_update_group; this engine runs at TP1, so its rank is rank_offset),
   /update_weights_from_distributed receives one broadcast from rank 0 per tensor, in list order, into tensors of the
-  announced dtype and shape, and /destroy_weights_update_group leaves the group. Received tensors are checked (name,
+  announced dtype and shape, or, with `load_format="flattened_bucket"` (what mpo's trainer sends, as SGLang 0.5.23
+  takes it), ONE broadcast of the whole bucket into one uint8 buffer laid out as the trainer packed it
+  (mpo.weight_sync.wire.manifest_of: back to back in list order, byte offsets) and unpacked as views; and
+  /destroy_weights_update_group leaves the group. Collectives of one group run one at a time, in arrival order;
+  different groups (one per sender: pipeline stages push concurrently) run at once, and buckets are staged in any
+  order within the session. Received tensors are checked (name,
   shape) only after every broadcast of the request was received, so a bad request never leaves the group out of step.
 
 Block-FP8 weights (rollout.engine_weights=fp8_block, mpo.weight_sync.fp8): a weight that arrives in float8_e4m3fn
@@ -41,7 +46,8 @@ from mpo.engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
 from mpo.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, is_quantized, scale_name, scale_shape
 from mpo.weight_sync.shared_memory import WEIGHT_DTYPES
-from mpo.weight_sync.wire import MPO_FORMAT, SHM_FORMAT, dtype_from_name, join_weight_update_group
+from mpo.weight_sync.wire import (MPO_FORMAT, SGLANG_FORMAT, SHM_FORMAT, dtype_from_name, join_weight_update_group,
+                                  manifest_of, unpack_bucket)
 
 _WEIGHT_DTYPES = {getattr(torch, name) for name in WEIGHT_DTYPES}
 
@@ -115,8 +121,12 @@ class WeightRoutes:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._joining: set[str] = set()  # group names being joined right now
         self._names_lock = threading.Lock()  # guards groups and _joining
-        self._group_lock = threading.Lock()  # one collective at a time per engine
+        # one collective at a time per group (its broadcasts arrive in request order); groups are independent gloo
+        # communicators, so several senders' buckets are received at once
+        self._group_locks: dict[str, threading.Lock] = {}
+        self._stage_lock = threading.Lock()  # pending and the receive buffers, shared by concurrent requests
         self._buffers: dict[str, torch.Tensor] = {}  # receive buffers of the distributed path, reused every sync
+        self._flat_buffers: dict[tuple, torch.Tensor] = {}  # the same for flattened buckets, by (name, dtype, shape)s
         self._mapped: dict = {}  # shm transport: the sender's slots mapped once per session (dropped at its end)
         self._expected: dict[str, tuple[int, ...]] = runner.mapping.hf_shapes()
         # block-FP8 format: weight_scale_inv name -> its shape, for every weight FP8 checkpoints quantize
@@ -156,7 +166,8 @@ class WeightRoutes:
             if tuple(tensor.shape) != shape:
                 raise RequestError(f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}, the model "
                                    f"expects {shape}")
-        self.pending.update(tensors)
+        with self._stage_lock:
+            self.pending.update(tensors)
 
     def from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         self.app.require_weight_update_session("update_weights_from_tensor")
@@ -234,14 +245,16 @@ class WeightRoutes:
 
     def from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         self.app.require_weight_update_session("update_weights_from_distributed")
-        name = _group_name(body, "update_weights_from_distributed")
-        group = self.groups.get(name)
+        group_name = _group_name(body, "update_weights_from_distributed")
+        group = self.groups.get(group_name)
         if group is None:
-            raise RequestError(f"update_weights_from_distributed: no weight-update group {name!r} (call "
+            raise RequestError(f"update_weights_from_distributed: no weight-update group {group_name!r} (call "
                                f"/init_weights_update_group first)")
-        if body.get("load_format") not in (None, "direct"):
-            raise RequestError(f"update_weights_from_distributed: load_format {body['load_format']!r} is not "
-                               f"supported by mpo's engine (one broadcast per tensor)")
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", SGLANG_FORMAT):
+            raise RequestError(f"update_weights_from_distributed: load_format {load_format!r} is not supported by "
+                               f"mpo's engine (None or 'direct': one broadcast per tensor; {SGLANG_FORMAT!r}: one "
+                               f"per bucket)")
         version = _weight_version(body, "update_weights_from_distributed")  # checked before any broadcast
         names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
         if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
@@ -264,16 +277,41 @@ class WeightRoutes:
                 _check_dtype(name, specs[-1][1])
             except (ValueError, RequestError) as exc:
                 raise RequestError(f"update_weights_from_distributed: dtypes[{i}]: {exc}") from exc
+        if load_format == SGLANG_FORMAT:
+            if not specs:
+                raise RequestError("update_weights_from_distributed: a flattened bucket needs at least one tensor")
+            try:
+                manifest, total = manifest_of(specs)
+            except ValueError as exc:
+                raise RequestError(f"update_weights_from_distributed: {exc}") from exc
         received: dict[str, torch.Tensor] = {}
-        with self._group_lock:
-            for name, dtype, shape in specs:  # the sender broadcasts in this order
-                tensor = self._receive_buffer(name, dtype, shape)
-                dist.broadcast(tensor, src=0, group=group)
-                received[name] = tensor
+        with self._group_locks.setdefault(group_name, threading.Lock()):
+            if load_format == SGLANG_FORMAT:
+                # One buffer per bucket, the tensors views of it, staged as they are (apply copies them into the
+                # model); the buffer is kept for the same bucket next sync, as _receive_buffer keeps per-tensor ones
+                flat = self._flat_buffer(tuple(specs), total)
+                dist.broadcast(flat, src=0, group=group)
+                received = dict(unpack_bucket(flat, manifest))
+            else:
+                for tensor_name, dtype, shape in specs:  # the sender broadcasts in this order
+                    tensor = self._receive_buffer(tensor_name, dtype, shape)
+                    dist.broadcast(tensor, src=0, group=group)
+                    received[tensor_name] = tensor
         self._stage(received)
         self.pending_version = version or self.pending_version
         self.app.flush_after_update(body, "update_weights_from_distributed")
         return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _flat_buffer(self, key: tuple, nbytes: int) -> torch.Tensor:
+        """Where a flattened bucket lands: last sync's buffer for the same bucket (names, dtypes, shapes) unless one
+        of its tensors is still staged from it."""
+        with self._stage_lock:
+            buffer = self._flat_buffers.get(key)
+            if buffer is None or any(name in self.pending for name, _, _ in key):
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                if all(name in self._expected for name, _, _ in key):
+                    self._flat_buffers[key] = buffer
+            return buffer
 
     def _receive_buffer(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Where a broadcast tensor lands: last sync's buffer for that name when it fits (kept after apply), so a

@@ -361,6 +361,11 @@ PRESETS: dict[str, MoEModelConfig] = {
     "rollout_bench": MoEModelConfig(
         hidden_size=16, num_layers=48, num_attention_heads=2, num_query_groups=1, head_dim=8, moe_ffn_hidden_size=8,
         num_experts=128, router_topk=8, max_position_embeddings=4096),
+    # `python -m mpo.bench weight_sync --shape`: many small expert tensors (8 layers x 64 experts x 3 = 1536 of
+    # 8 x 16), the shape of a sync of Qwen3-30B-A3B's ~18k expert tensors at a size 2 CPU cores sync in seconds.
+    "sync_shape_bench": MoEModelConfig(
+        hidden_size=16, num_layers=8, num_attention_heads=2, num_query_groups=1, head_dim=8, moe_ffn_hidden_size=8,
+        ffn_hidden_size=32, num_experts=64, router_topk=2),
     "sync_bench_1l": MoEModelConfig(
         vocab_size=4096, hidden_size=1024, num_layers=1, num_attention_heads=8, num_query_groups=2, head_dim=128,
         ffn_hidden_size=2048, moe_ffn_hidden_size=512, num_experts=16, router_topk=2),

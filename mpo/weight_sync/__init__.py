@@ -26,14 +26,17 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
 * transports.py (WeightSync, the TRANSPORTS registry and the one compatibility check): how a bucket reaches the
   engines, all inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue):
   - "tensor": the bucket in the HTTP body of /update_weights_from_tensor (wire.py: mpo's engine takes
-    `mpo_safetensors`, SGLang a `flattened_bucket`, one dtype per bucket);
+    `mpo_safetensors`, SGLang a `flattened_bucket`, every dtype in one buffer);
   - "distributed": per sender, the sender (rank 0 of the group, hosting the rendezvous) and every engine rank join
     one process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before
-    it); per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes) in a thread while the
-    sender broadcasts each tensor, in order. Stages push one after the other: an engine serves one collective at a
-    time, and two stages' broadcasts interleaved differently on two engines would deadlock;
-  - "cuda_ipc" (GPU only): SGLang engines on the trainer's GPUs get a flattened bucket whose tensor is a CUDA IPC
-    handle; no bytes are copied;
+    it); per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes, load_format
+    "flattened_bucket") in a thread while the sender broadcasts the bucket packed into ONE buffer (wire.pack_bucket):
+    one collective per bucket, whatever its tensors. An engine serves one collective at a time, so two stages'
+    broadcasts over groups spanning several engines could deadlock: with such groups stages take turns; while
+    engines <= senders each sender instead makes one group per engine (transports.stages_at_once) and every stage
+    pushes at once, each engine applying the buckets in whatever order they arrive within the session;
+  - "cuda_ipc" (GPU only): SGLang engines on the trainer's GPUs get a flattened bucket whose tensor (one buffer per
+    bucket, every dtype) is a CUDA IPC handle: one handle per bucket;
   - "shm" (CPU, mpo engines on the trainer's host): a bucket in a shared slot travels as locators (`mpo_shm`); the
     engine copies the values out before it answers, so the sender may reuse the slot right after.
   Why every sender talks to the engines itself rather than forwarding to rank 0: at 32 GPUs with PP4 the stages'

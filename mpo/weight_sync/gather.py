@@ -105,6 +105,7 @@ class StreamResult:
     digests: dict[str, str] = field(default_factory=dict)
     gather_s: float = 0.0  # a sender's wait for its pieces (what double buffering did not hide)
     push_s: float = 0.0  # a sender's time in push() and waiting for the engines to finish reading its buckets
+    turn_s: dict[int, float] = field(default_factory=dict)  # sequential: each stage's turn, barrier to barrier
 
 
 class WeightStreamer:
@@ -178,8 +179,9 @@ class WeightStreamer:
         """Collective over the trainer world: every bucket to its sender, which converts it to HF names and calls
         push(bucket) (None: gather and convert only, e.g. a sender with no engines). push may return an object
         with wait() (WeightSync.push_bucket(wait=False)): the bucket's slot is reused only after it returned, so the
-        sender places the next bucket while the engines read this one. sequential: stages push one after the other
-        (distributed transport), else concurrently. digest(name, tensor): per-tensor digests to collect (mpo engine
+        sender places the next bucket while the engines read this one. sequential: stages take turns (each stage
+        pushing alone, timed in result.turn_s), else every stage pushes at once (the publisher picks:
+        mpo.weight_sync.transports.stages_at_once). digest(name, tensor): per-tensor digests to collect (mpo engine
         verification). hf_views: push gets views of the slot with no conversion copies (ModelMapping.to_hf(views=
         True): q/k/v keep their head-group axis), for a push that reads strided memory (the shm transport)."""
         started = time.perf_counter()
@@ -190,6 +192,7 @@ class WeightStreamer:
         result = StreamResult()
         order = sorted(set(self.stage_of_rank)) if sequential else [None]
         for turn in order:
+            began = time.perf_counter()
             if turn is None or turn == self.stage:
                 mine = [b for b in self.buckets if self.stage_of_rank[b.sender] == self.stage]
                 if self.is_sender:
@@ -198,6 +201,7 @@ class WeightStreamer:
                     self._hold_buckets(mine, local)
             if turn is not None and len(order) > 1:
                 dist.barrier()
+                result.turn_s[turn] = time.perf_counter() - began
         self.syncs += 1
         result.seconds = time.perf_counter() - started
         return result

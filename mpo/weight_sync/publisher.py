@@ -88,6 +88,7 @@ class Publisher:
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
+        from mpo.weight_sync.transports import stages_at_once
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
         started = time.perf_counter()
@@ -106,6 +107,9 @@ class Publisher:
         sync = self._sender_sync(info) if streamer.is_sender else None
         fp8 = r.engine_weights == "fp8_block"
         convert = _EngineFormat(r.engine_weights, keep=r.engine == "mpo")
+        at_once = stages_at_once(info["transport"], len(streamer.senders), len(info["urls"]))
+        if sync is not None and not sync.groups:  # decided before its groups exist (transports.stages_at_once)
+            sync.group_per_engine = at_once
         digest = None
         if r.engine == "mpo":
             engine_dtype = torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32
@@ -125,7 +129,7 @@ class Publisher:
             push = (lambda named: sync.push_bucket(convert(named), version, wait=False)) if sync is not None else None
             # shm: the engines read strided views of the slots, no conversion copies (block FP8 makes new tensors
             # anyway, from HF-shaped ones: views keep q/k/v's head-group axis)
-            result = streamer.stream(push, sequential=info["transport"] == "distributed", digest=digest,
+            result = streamer.stream(push, sequential=not at_once, digest=digest,
                                      hf_views=info["transport"] == "shm" and not fp8)
             if not one_rank():
                 dist.barrier()

@@ -21,7 +21,7 @@ from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient, EngineError
 from mpo.weight_sync.wire import (MPO_FORMAT, SGLANG_FORMAT, SHM_FORMAT, cuda_ipc_payload, dtype_name,
                                   encode_mpo_bucket, flattened_bucket_payload, group_layout, join_weight_update_group,
-                                  split_by_dtype)
+                                  pack_bucket)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 EngineKind = Literal["mpo", "sglang"]
@@ -40,7 +40,8 @@ class Transport:
 TRANSPORTS: dict[str, Transport] = {
     # each bucket in the HTTP body of /update_weights_from_tensor (mpo: safetensors; SGLang: a flattened bucket)
     "tensor": Transport("the HTTP-body path", ("mpo", "sglang"), same_host=("sglang",)),
-    # a process group per sender with every engine rank; each tensor broadcast from the sender (NCCL / gloo)
+    # a process group per sender with every engine rank (or per sender and engine: stages at once); each bucket ONE
+    # broadcast of its flattened buffer (NCCL / gloo)
     "distributed": Transport("the process-group path", ("mpo", "sglang")),
     # SGLang engines on the trainer's own GPUs map each bucket through a CUDA IPC handle (GPU only)
     "cuda_ipc": Transport("SGLang's colocated GPU path", ("sglang",), same_host=("sglang",)),
@@ -76,6 +77,14 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
     if off_host is not None and engine in spec.same_host:
         raise ValueError(f"sync.transport={transport!r} is for {engine} engines on the trainer's node; {off_host}: set "
                          f"sync.transport='distributed'")
+
+
+def stages_at_once(transport: str, senders: int, engines: int) -> bool:
+    """Whether the pipeline stages' senders push at once (else they take turns). Every transport but "distributed"
+    always does. "distributed" does with a group per engine (WeightSync.group_per_engine), each sender's link then
+    carrying every bucket once per engine: at once costs stage bytes x engines per link, in turns the model's bytes
+    once (one broadcast tree per bucket), so at once wins while engines <= senders (PP16 into 2 engines: 8x less)."""
+    return transport != "distributed" or engines <= senders
 
 
 NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
@@ -192,8 +201,20 @@ class WeightSync:
             raise ValueError(f"{len(self.tp_sizes)} tp_sizes for {len(self.clients)} engines")
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.timeout_s = master_address, timeout_s
-        self.group: torch.distributed.ProcessGroup | None = None
+        # distributed: the groups, each (its engines, the group, its name), this sender rank 0 in each.
+        # group_per_engine=False (the default): ONE group with every engine's ranks, so a bucket is one broadcast
+        # for all engines (NCCL's tree/ring: the sender's link carries it about once); right for a single sender,
+        # or senders taking turns. An engine serves one collective at a time, so two senders pushing at once over
+        # such groups could each hold an engine the other's broadcast needs (deadlock).
+        # group_per_engine=True: a group per engine; each collective then needs one engine only, and every sender
+        # pushes a bucket to the engines in the same order, so the lowest engine with work always progresses:
+        # senders (pipeline stages) push at once. The cost: the sender's link carries each bucket once per engine.
+        # Either way an engine GPU is in one group per sender (mpo.memory_plan.sync_shape states which is cheaper;
+        # mpo.weight_sync.publisher picks the same).
+        self.group_per_engine = False
+        self.groups: list[tuple[list[EngineClient], torch.distributed.ProcessGroup, str]] = []
         self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
+        self.collectives = 0  # collectives (broadcasts) this WeightSync issued: the sync's shape, for benches/tests
         self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
         # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
         # (EngineSet: a local engine whose process died; it is restarted after the session, and the publisher streams
@@ -263,7 +284,7 @@ class WeightSync:
         wait=False (shm transport; the others always wait): return once the engines were asked, with a PendingPush
         whose wait() returns when every engine has copied the bucket out; until then its memory must not change.
         The streaming sync uses this to place the next bucket while the engines read this one."""
-        if self.transport == "distributed" and self.group is None:
+        if self.transport == "distributed" and not self.groups:
             self.connect()
         version = str(version)
         if self.transport == "tensor":
@@ -277,13 +298,13 @@ class WeightSync:
         return None
 
     def _push_tensor(self, bucket: NamedTensors, version: str) -> None:
+        # One payload per bucket: a safetensors file (mpo) or one flattened buffer of every dtype (SGLang)
         if self.engine == "mpo":
-            payloads = [(MPO_FORMAT, encode_mpo_bucket(bucket))]
+            load_format, payload = MPO_FORMAT, encode_mpo_bucket(bucket)
         else:
-            payloads = [(SGLANG_FORMAT, flattened_bucket_payload(run)) for run in split_by_dtype(bucket)]
-        for load_format, payload in payloads:
-            self._each(lambda client, tp: client.update_weights_from_tensor([payload] * tp, load_format=load_format,
-                                                                            weight_version=version))
+            load_format, payload = SGLANG_FORMAT, flattened_bucket_payload(bucket)
+        self._each(lambda client, tp: client.update_weights_from_tensor([payload] * tp, load_format=load_format,
+                                                                        weight_version=version))
 
     def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
         """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles
@@ -295,12 +316,13 @@ class WeightSync:
                               "sync.transport='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
                               retryable=False)
         device = torch.device("cuda", torch.cuda.current_device())
-        for run in split_by_dtype(bucket):
-            on_device = [(name, t.detach().to(device).contiguous()) for name, t in run]
-            payload = cuda_ipc_payload(on_device)
-            for client, tp in zip(self.clients, self.tp_sizes):
-                client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
-            torch.cuda.synchronize(device)
+        # One buffer (every dtype) per bucket: one IPC handle, one mapping on the engine side
+        on_device = [(name, t.detach().to(device)) for name, t in bucket]
+        payload = cuda_ipc_payload(on_device)
+        torch.cuda.synchronize(device)  # the packed buffer is written before the engines map it
+        for client, tp in zip(self.clients, self.tp_sizes):
+            client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
+        torch.cuda.synchronize(device)
 
     def _push_shm(self, bucket: NamedTensors, version: str, wait: bool) -> "PendingPush | None":
         """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot (strided
@@ -346,20 +368,27 @@ class WeightSync:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def _push_distributed(self, bucket: NamedTensors, version: str) -> None:
-        names = [name for name, _ in bucket]
-        dtypes = [dtype_name(t.dtype) for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        calls = _Calls(self.clients, lambda c: c.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, weight_version=version))
-        device = self._device()
-        sent = [t.detach().to(device).contiguous() for _, t in bucket]  # alive until every broadcast completed
-        works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in sent]
+        """The bucket packed into one buffer (wire.pack_bucket) and broadcast ONCE per engine group; the engine
+        receives it with load_format="flattened_bucket" (SGLang 0.5.23 allocates FlattenedTensorBucket.empty(names,
+        dtypes, shapes) and takes one broadcast; mpo's engine the same), whatever the number of tensors."""
+        flat, manifest = pack_bucket(bucket, device=self._device())  # alive until every broadcast completed
+        names = [m.name for m in manifest]
+        dtypes = [dtype_name(m.dtype) for m in manifest]
+        shapes = [list(m.shape) for m in manifest]
+        name_of = {c.url: name for members, _, name in self.groups for c in members}
+        calls = _Calls([c for members, _, _ in self.groups for c in members],
+                       lambda c: c.update_weights_from_distributed(
+                           names=names, dtypes=dtypes, shapes=shapes, group_name=name_of[c.url],
+                           load_format=SGLANG_FORMAT, weight_version=version))
+        # in engine order on every sender (see __init__)
+        works = [torch.distributed.broadcast(flat, src=0, group=group, async_op=True) for _, group, _ in self.groups]
+        self.collectives += len(works)
         # An engine that refuses before receiving (e.g. an unknown group) would leave the broadcasts waiting:
         # poll both, and fail with the engine's own error as soon as one comes back.
         deadline = time.monotonic() + self.timeout_s
         while not (calls.done() and all(w.is_completed() for w in works)):
             if calls.errors and not all(w.is_completed() for w in works):
-                self.group = None  # the group is out of step now; the next push makes a new one
+                self.groups = []  # the groups are out of step now; the next push makes new ones
                 calls.raise_first()
             if time.monotonic() > deadline:
                 raise EngineError(self.clients[0].url, "/update_weights_from_distributed",
@@ -369,18 +398,28 @@ class WeightSync:
 
     # -- the process group (distributed transport) ----------------------------------------------------------------
     def connect(self) -> None:
-        """Create the weight-update group: trainer rank 0 plus every engine rank (engine i from rank_offset)."""
+        """Create the weight-update group(s) (see __init__): this sender as rank 0 plus every engine's TP ranks
+        (engine i from its rank offset), or one group per engine."""
+        if self.group_per_engine:
+            self.groups = [([c], self._join([c], [tp], f"{self.group_name}_e{i}"), f"{self.group_name}_e{i}")
+                           for i, (c, tp) in enumerate(zip(self.clients, self.tp_sizes))]
+        else:
+            self.groups = [(list(self.clients), self._join(self.clients, self.tp_sizes, self.group_name),
+                            self.group_name)]
+
+    def _join(self, clients: Sequence[EngineClient], tp_sizes: Sequence[int], name: str
+              ) -> torch.distributed.ProcessGroup:
         port = free_port()
-        world_size, offsets = group_layout(self.tp_sizes)
-        by_url = dict(zip((c.url for c in self.clients), offsets))
-        calls = _Calls(self.clients, lambda c: c.init_weights_update_group(
+        world_size, offsets = group_layout(tp_sizes)
+        by_url = dict(zip((c.url for c in clients), offsets))
+        calls = _Calls(clients, lambda c: c.init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=by_url[c.url], world_size=world_size,
-            group_name=self.group_name, backend=self.backend))
+            group_name=name, backend=self.backend))
         joined: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                joined["group"] = join_weight_update_group(self.master_address, port, world_size, self.group_name,
+                joined["group"] = join_weight_update_group(self.master_address, port, world_size, name,
                                                            backend=self.backend, rank=0,
                                                            timeout=timedelta(seconds=self.timeout_s))
             except BaseException as exc:  # noqa: BLE001
@@ -393,27 +432,27 @@ class WeightSync:
             if calls.errors:
                 calls.raise_first()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weight-update group {self.group_name}: not all of {world_size} ranks joined "
+                raise TimeoutError(f"weight-update group {name}: not all of {world_size} ranks joined "
                                    f"within {self.timeout_s:.0f} s")
             time.sleep(0.01)
         calls.raise_first()
         if "error" in joined:
             raise joined["error"]
-        self.group = joined["group"]
+        return joined["group"]
 
     def close(self) -> None:
-        """Tear the weight-update group down on the engines and here (distributed transport); free the shm spill."""
+        """Tear the weight-update groups down on the engines and here (distributed transport); free the shm spill."""
         if self._spill is not None:
             self._spill.close()
             self._spill = None
-        if self.group is None:
-            return
+        groups, self.groups = self.groups, []
         try:
-            for client in self.clients:
-                client.call("/destroy_weights_update_group", {"group_name": self.group_name})
+            for members, _, name in groups:
+                for client in members:
+                    client.call("/destroy_weights_update_group", {"group_name": name})
         finally:
-            torch.distributed.destroy_process_group(self.group)
-            self.group = None
+            for _, group, _ in groups:
+                torch.distributed.destroy_process_group(group)
 
 
 def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:

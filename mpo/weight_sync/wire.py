@@ -19,6 +19,14 @@ wire, written without importing sglang (the trainer's venv has none):
   (Pickling a reference to the real class is not possible without sglang: pickle must import a class to save it.)
 * `dtype_name`: the dtype strings `/update_weights_from_distributed` resolves with `getattr(torch, name)`.
 * `cuda_ipc_payload`: the flattened bucket with its tensor as a CUDA IPC handle (GPU only).
+* `pack_bucket` / `unpack_bucket`: a whole bucket as ONE contiguous uint8 buffer plus a manifest (name, shape, dtype,
+  byte offsets), the layout of sglang 0.5.23's multi-dtype `FlattenedTensorBucket` (`supports_multi_dtypes`: each
+  tensor's bytes back to back in manifest order, offsets in bytes, every offset a multiple of its dtype's size).
+  One bucket then costs one collective (`/update_weights_from_distributed` with `load_format="flattened_bucket"`:
+  sglang allocates `FlattenedTensorBucket.empty(names, dtypes, shapes)` and receives ONE broadcast into it), one
+  CUDA IPC handle, or one HTTP payload, whatever the number of tensors (Qwen3-30B-A3B: ~18k expert tensors per
+  sync, each a latency-bound call before). The manifest orders tensors by dtype size, largest first, so every
+  offset is aligned without padding (sglang's receive side allows none).
 """
 
 from __future__ import annotations
@@ -148,9 +156,54 @@ def serialize_for_sglang(obj: object) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def packed_order(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """The bucket in manifest order: by dtype size, largest first (stable), so that in the back-to-back byte layout
+    every tensor starts at a multiple of its own dtype size (sizes are powers of two)."""
+    return sorted(named_tensors, key=lambda item: -item[1].element_size())
+
+
+def manifest_of(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[list[SimpleNamespace], int]:
+    """(manifest, total bytes) of tensors laid back to back in the given order: one SimpleNamespace per tensor with
+    the fields of sglang's FlattenedTensorMetadata, offsets in bytes. ValueError for a misaligned offset (the order
+    must be packed_order's)."""
+    manifest, offset = [], 0
+    for name, dtype, shape in specs:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            raise ValueError(f"tensor {name!r} ({dtype_name(dtype)}) would start at byte {offset}, not a multiple of "
+                             f"{itemsize}: order a flattened bucket by dtype size, largest first")
+        nbytes = torch.Size(shape).numel() * itemsize
+        manifest.append(SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=offset,
+                                        end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    return manifest, offset
+
+
+def pack_bucket(named_tensors: NamedTensors, device: torch.device | str | None = None
+                ) -> tuple[torch.Tensor, list[SimpleNamespace]]:
+    """ONE contiguous uint8 buffer (on `device`, default the first tensor's) holding every tensor of the bucket, and
+    its manifest (manifest_of), in packed_order. Strided views (a streaming bucket's q/k/v) are copied into place
+    once; nothing else is allocated."""
+    ordered = packed_order(named_tensors)
+    if not ordered:
+        raise ValueError("a flattened bucket needs at least one tensor")
+    manifest, total = manifest_of([(name, t.dtype, tuple(t.shape)) for name, t in ordered])
+    flat = torch.empty(total, dtype=torch.uint8, device=device if device is not None else ordered[0][1].device)
+    for meta, (_, tensor) in zip(manifest, ordered):
+        if meta.numel:
+            flat[meta.start_idx: meta.end_idx].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+    return flat, manifest
+
+
+def unpack_bucket(flat: torch.Tensor, manifest: Sequence[SimpleNamespace]) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a packed bucket: views of `flat` (no copy), as sglang's reconstruct_tensors makes."""
+    return [(meta.name, flat[meta.start_idx: meta.end_idx].view(meta.dtype).view(meta.shape)) for meta in manifest]
+
+
 def flattened_bucket_payload(named_tensors: NamedTensors) -> str:
-    """The serialized `flattened_bucket` payload of one single-dtype bucket."""
-    return serialize_for_sglang(flatten_bucket(named_tensors))
+    """The serialized `flattened_bucket` payload of one bucket, every dtype in one buffer (pack_bucket)."""
+    flat, manifest = pack_bucket(named_tensors, device="cpu")
+    return serialize_for_sglang({"flattened_tensor": flat, "metadata": manifest})
 
 
 def cuda_ipc_payload(named_tensors: NamedTensors) -> str:
@@ -162,7 +215,7 @@ def cuda_ipc_payload(named_tensors: NamedTensors) -> str:
     from torch.multiprocessing.reductions import init_reductions
 
     init_reductions()
-    flat = flatten_bucket(named_tensors, device=named_tensors[0][1].device)
+    flat, manifest = pack_bucket(named_tensors)  # one buffer on the tensors' GPU: one IPC handle per bucket
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(flat)
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump({"flattened_tensor": flat, "metadata": manifest})
     return base64.b64encode(buf.getvalue()).decode("ascii")
