@@ -134,8 +134,8 @@ def memory_plan(config, *, gpu_mem_gib: float, seq_len: int | None = None,
     print(format_plan(roles), file=out or sys.stdout)
     longest = longest_trainer_row(config, PlanInputs(gpu_mem_gib=gpu_mem_gib))
     print(f"longest training row that fits the trainer: {longest:,} tokens", file=out or sys.stdout)
-    print(gpu_totals(config, gpus_per_node), file=out or sys.stdout)
     print(sync_shape(config).format(), file=out or sys.stdout)
+    print(gpu_totals(config, gpus_per_node), file=out or sys.stdout)  # last: what the run takes
     misfits = [role.role for role in roles if not role.fits]
     if misfits:
         print(f"mpo: memory plan: {', '.join(misfits)} does not fit in {gpu_mem_gib:g} GiB", file=sys.stderr)
