@@ -40,3 +40,19 @@ def push_whole(sync, named: list, version) -> SimpleNamespace:
         sync.end_session()
     seconds, nbytes = time.perf_counter() - started, sum(t.numel() * t.element_size() for _, t in named)
     return SimpleNamespace(seconds=seconds, bytes=nbytes, buckets=len(buckets), bytes_per_s=nbytes / max(seconds, 1e-9))
+
+
+def in_fresh_processes(target, names: tuple[str, ...], *args) -> dict:
+    """target(name, *args, queue) in a fresh spawned process per name, one after another (peak-memory measurements
+    need a process each); returns {name: what target put on the queue} (plain data: the child exits)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = {}
+    for name in names:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=target, args=(name, *args, queue))
+        proc.start()
+        results[name] = queue.get()
+        proc.join()
+    return results

@@ -7,7 +7,6 @@ memory is the process's peak RSS minus its RSS after the logits were created. Bo
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import resource
 import time
 
@@ -47,14 +46,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     args = parser.parse_args(argv)
 
-    ctx = mp.get_context("spawn")
-    results = {}
-    for name in ("full_fp32", "chunked"):
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_variant, args=(name, args.tokens, args.vocab, args.chunk_tokens, queue))
-        proc.start()
-        results[name] = queue.get()
-        proc.join()
+    from mpo.bench._util import in_fresh_processes
+
+    results = in_fresh_processes(_variant, ("full_fp32", "chunked"), args.tokens, args.vocab, args.chunk_tokens)
     logits_mb = args.tokens * args.vocab * 2 / 2**20
     print(f"log-prob + entropy fwd+bwd on {args.tokens} tokens x {args.vocab} vocab, bf16 logits ({logits_mb:.0f} MiB)")
     for name, (_, peak, elapsed) in results.items():

@@ -132,15 +132,10 @@ def main(argv: list[str]) -> int:
     whole_gib = args.tokens * args.vocab * 4 / 2**30
     print(f"one sequence of {args.tokens} tokens, vocabulary {args.vocab}, hidden {args.hidden}, FP32 head "
           f"(whole fp32 logits: {whole_gib:.1f} GiB, and as much again for their gradient)", flush=True)
-    ctx = mp.get_context("spawn")
-    results = {}
-    for name in ("whole_logits", "fused"):
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_variant, args=(name, args.tokens, args.vocab, args.hidden, queue))
-        proc.start()
-        results[name] = queue.get()
-        proc.join()
-        _, peak, elapsed, _, grad_norm = results[name]
+    from mpo.bench._util import in_fresh_processes
+
+    results = in_fresh_processes(_variant, ("whole_logits", "fused"), args.tokens, args.vocab, args.hidden)
+    for name, (_, peak, elapsed, _, grad_norm) in results.items():
         print(f"  {name:12s} head peak {peak:9.0f} MiB   fwd+bwd {elapsed:7.1f} s   |grad head| {grad_norm:.6g}",
               flush=True)
     whole, fused = results["whole_logits"], results["fused"]

@@ -156,27 +156,34 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     dist.destroy_process_group()
 
 
+def _start_engine(log_stem: Path, extra_args: list[str]):
+    """A started local mpo engine for a benchmark (logs at `<log_stem>-<attempt>.log`), tried twice: the port picked
+    free may be taken before the engine binds it on a shared host."""
+    from mpo.rollout.local_engine import LocalEngineProcess
+
+    for attempt in range(2):
+        engine = LocalEngineProcess.mpo_engine(log_path=log_stem.with_name(f"{log_stem.name}-{attempt}.log"),
+                                               extra_args=extra_args)
+        engine.startup_timeout_s = 900
+        try:
+            engine.start()
+            return engine
+        except RuntimeError:
+            if attempt:
+                raise
+
+
 def _sweep_run(preset: str, args, tmp: Path) -> dict:
     import json
 
     import torch.multiprocessing as mp
 
     from mpo.parallel.ports import free_port
-    from mpo.rollout.local_engine import LocalEngineProcess
 
     layout = tuple(int(x) for x in args.layout.split(","))
     out = tmp / f"{preset}.json"
-    for attempt in range(2):  # the port picked free may be taken before the engine binds it (a shared host)
-        engine = LocalEngineProcess.mpo_engine(log_path=tmp / f"engine-{preset}-{attempt}.log",
-                                               extra_args=["--preset", preset, "--no-fp32-lm-head",
-                                                           "--max-body-mb", str(4 * args.bucket_mb + 64)])
-        engine.startup_timeout_s = 900
-        try:
-            engine.start()
-            break
-        except RuntimeError:
-            if attempt:
-                raise
+    engine = _start_engine(tmp / f"engine-{preset}", ["--preset", preset, "--no-fp32-lm-head",
+                                                      "--max-body-mb", str(4 * args.bucket_mb + 64)])
     try:
         mp.start_processes(_sweep_rank, args=(4, free_port(), preset, engine.url, args.transport,
                                               int(args.bucket_mb * 2**20), args.rounds, str(out), layout,
@@ -346,21 +353,11 @@ def shape(args) -> int:
     import torch.multiprocessing as mp
 
     from mpo.parallel.ports import free_port
-    from mpo.rollout.local_engine import LocalEngineProcess
 
     layout = tuple(int(x) for x in args.layout.split(","))
     with tempfile.TemporaryDirectory(prefix="mpo-bench-shape-") as tmp:
         out = Path(tmp) / "shape.json"
-        for attempt in range(2):  # the port picked free may be taken before the engine binds it (a shared host)
-            engine = LocalEngineProcess.mpo_engine(log_path=Path(tmp) / f"engine-{attempt}.log",
-                                                   extra_args=["--preset", args.preset, "--no-fp32-lm-head"])
-            engine.startup_timeout_s = 900
-            try:
-                engine.start()
-                break
-            except RuntimeError:
-                if attempt:
-                    raise
+        engine = _start_engine(Path(tmp) / "engine", ["--preset", args.preset, "--no-fp32-lm-head"])
         try:
             mp.start_processes(_shape_rank, args=(4, free_port(), args.preset, engine.url,
                                                   int(args.bucket_mb * 2**20), args.rounds, str(out), layout),
