@@ -699,10 +699,6 @@ def validate(config: TrainConfig) -> None:
         CorrectionConfig(a.rollout_correction, **a.rollout_correction_args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"algorithm: {exc}") from None
-    if config.parallel.context_parallel > 1:
-        raise ConfigError(f"parallel.context_parallel={config.parallel.context_parallel}: the RL loop does not support "
-                          "context parallelism yet (routing capture and the log-prob gather need megatron's zigzag "
-                          "sequence split); valid values: 1")
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")

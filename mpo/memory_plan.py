@@ -34,7 +34,10 @@ count 2 (PP - rank - 1) + (vpp - 1) PP + 1 chunk-micro-batches. The last stage's
 working set (4 fp32 buffers of CHUNK_ELEMENTS) and the backward's fp32 weight-gradient sum (4 V h / t), never the
 [s b, V / t] logits (those would be 2 x 4 x s b V / t: ~40 GB at 33k tokens and Qwen3's vocabulary). With sequence
 packing (schedule.max_tokens_per_microbatch) a micro-batch is one row of the token budget (s b = the budget; a sample
-longer than it runs alone). A fixed reserve covers the CUDA context, NCCL buffers and allocator fragmentation.
+longer than it runs alone). Context parallelism (parallel.context_parallel) divides every per-token term by CP: each CP
+rank holds 2 of 2 x CP chunks of each row (Transformer Engine's ring attention passes K/V blocks; the local spec's
+all-gathered K/V, a CPU proof, is not planned). A fixed reserve covers the CUDA context, NCCL buffers and allocator
+fragmentation.
 
 Routing bookkeeping (mpo.routing.capture; per rank of a stage with L MoE layers, top-K, the rank's DP share of a step's
 rows x seq_len tokens T; the records and engine routes live in (pinned) host memory between uses and move to the GPU one
@@ -177,7 +180,8 @@ def activation_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, 
                      micro_batch_size: int, num_microbatches: int, recompute: bool) -> int:
     """Peak activation bytes on one rank of stage `pp_rank` (formula and source: module docstring)."""
     t = parallel.tensor_parallel if parallel.use_sequence_parallel else 1
-    tokens = seq_len * micro_batch_size / t
+    cp = parallel.context_parallel  # each CP rank holds 2 of 2 x CP chunks of every row
+    tokens = seq_len * micro_batch_size / (t * cp)
     h = m.hidden_size
     v_dim = m.v_head_dim if m.multi_latent_attention else m.head_dim
     kv = m.num_attention_heads if m.multi_latent_attention else m.num_query_groups
@@ -207,7 +211,7 @@ def activation_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, 
         from mpo.models.logprobs import CHUNK_ELEMENTS
 
         vocab = padded_vocab_size(m.vocab_size, parallel.tensor_parallel) / parallel.tensor_parallel
-        tokens_mb = seq_len * micro_batch_size
+        tokens_mb = seq_len * micro_batch_size / cp
         total += 4 * tokens_mb * h + 12 * tokens_mb + 4 * 4 * CHUNK_ELEMENTS + 4 * vocab * h
     return int(total)
 
@@ -322,14 +326,16 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
     for rank in range(par.pipeline_parallel):
         items: dict[str, int] = {}
         policy = model_memory(stage_params(m, par, rank), bf16=bf16, fp32_head=config.model.fp32_lm_head,
-                              data_parallel=dp, expert_data_parallel=edp, distributed_optimizer=distributed)
+                              data_parallel=dp * par.context_parallel, expert_data_parallel=edp,
+                              distributed_optimizer=distributed)  # megatron shards dense state over DP x CP
         items.update({"policy params": policy.params, "policy grads": policy.grads,
                       "policy optimizer": policy.optimizer})
         if config.algorithm.kl_coef > 0:
             items["KL reference weights"] = policy.params
         if critic:
             value = model_memory(stage_params(m, par, rank, value_head=True), bf16=bf16, fp32_head=True,
-                                 data_parallel=dp, expert_data_parallel=edp, distributed_optimizer=distributed)
+                                 data_parallel=dp * par.context_parallel, expert_data_parallel=edp,
+                                 distributed_optimizer=distributed)  # megatron shards dense state over DP x CP
             items.update({"critic params": value.params, "critic grads": value.grads,
                           "critic optimizer": value.optimizer})
         items["activations"] = activation_bytes(m, par, rank, seq_len=act_seq, micro_batch_size=act_rows,
@@ -343,7 +349,7 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
                 recompute=config.model.recompute))
         routing = routing_parts(
             m, par, rank, step_tokens=-(-rows // dp) * seq, updates_per_step=s.updates_per_step,
-            microbatch_tokens=act_seq * act_rows, replay=config.algorithm.replay or "none",
+            microbatch_tokens=act_seq * act_rows // par.context_parallel, replay=config.algorithm.replay or "none",
             router_logprobs=router_logprobs)
         # records and engine routes stay on the host between uses (mpo.routing.records.host_copy); the device holds
         # the replay indices of the micro-batches in flight
@@ -352,7 +358,8 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
         items["reserve (CUDA, NCCL, fragmentation)"] = RESERVE_BYTES
         role = RoleMemory(f"trainer (pipeline stage {rank} of {par.pipeline_parallel})", items, capacity,
                           f"TP{par.tensor_parallel} PP{par.pipeline_parallel} EP{par.expert_parallel} "
-                          f"ETP{par.etp} DP{dp} expert-DP{edp}, distributed optimizer "
+                          f"ETP{par.etp}{f' CP{par.context_parallel}' if par.context_parallel > 1 else ''} DP{dp} "
+                          f"expert-DP{edp}, distributed optimizer "
                           f"{'on' if distributed else 'off'}, {shape}, "
                           f"recompute {'full' if config.model.recompute else 'off'}"
                           + (f"; routing records on the host: {host_routing / GIB:.2f} GiB" if host_routing else ""))

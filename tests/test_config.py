@@ -26,8 +26,6 @@ from mpo.config import ConfigError, load_config
     (["schedule.lr=fast"], "schedule.lr='fast': expected float"),
     (["algorithm.loss=grpo", "algorithm.loss_args={eps_low: -1}"], "eps_low"),
     (["data.task=toy:sort"], "valid toy tasks"),
-    (["parallel.context_parallel=2", "parallel.expert_parallel=1"],
-     "parallel.context_parallel=2: the RL loop does not support context parallelism yet"),
     (["algorithm.advantage=gae", "algorithm.advantage_args={lam: 2}"], "advantage_args.lam=2 must be in [0, 1]"),
     (["algorithm.advantage=gae", "algorithm.critic_lr=0"], "algorithm.critic_lr=0"),
     (["algorithm.advantage=grpo", "algorithm.advantage_args={beta: 0.9}"], "advantage_args ['beta']"),

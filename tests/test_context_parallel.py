@@ -51,3 +51,17 @@ def test_context_parallel_equals_cp1(references, tmp_path, layout, packed):
             assert (g - want).abs().max() < 1e-5 * max(1.0, want.abs().max().item()), name
             compared += 1
     assert compared > 0 or sharded == ("",)
+
+
+def test_context_parallel_checkpoint_resumes_at_cp1(tmp_path):
+    """CP is not part of the checkpoint's layout: a fully_reshardable save at CP2 (Adam sharded over DP x CP) resumed
+    at DP2 (CP1) gives the next losses of the CP2 run that went on (teacher-forced steps of the real Trainer)."""
+    import json
+
+    from helpers import state_worker
+
+    spawn_ranks(2, state_worker.context_parallel_resume, str(tmp_path), str(tmp_path / "ckpt"), 2, 2)
+    got = json.loads((tmp_path / "context_parallel.json").read_text())
+    assert got["resumed"]["start"] == 2 and len(got["reference"]) == 2
+    for resumed, reference in zip(got["resumed"]["losses"], got["reference"]):
+        assert abs(resumed - reference) <= 1e-5, got

@@ -42,3 +42,21 @@ def test_long_context_deepseek_v3_recipe_states_its_longest_row(capsys):
     code = main(["plan", "--config", str(DSV3)])
     out = capsys.readouterr().out
     assert code == 0 and f"longest training row that fits the trainer: {longest:,} tokens" in out
+
+
+def test_context_parallel_plan_divides_the_per_token_terms():
+    """CP2 holds half of every row on each rank: the activations' per-token growth halves and the longest row that
+    fits grows (the DP ranks halve too, so the optimizer's shards do not change: the distributed optimizer shards over
+    DP x CP)."""
+    growth = {}
+    for cp in (1, 2):
+        config = load_config(QWEN_32K, ["schedule.max_tokens_per_microbatch=null", f"parallel.context_parallel={cp}"])
+        act = {seq: plan_memory(config, PlanInputs(seq_len=seq))[0].items["activations"] for seq in (16384, 32768)}
+        growth[cp] = (act[32768] - act[16384]) / 16384
+    assert abs(growth[2] - growth[1] / 2) <= 1e-6 * growth[1], growth
+    longest = {cp: longest_trainer_row(load_config(QWEN_32K, [f"parallel.context_parallel={cp}"]), PlanInputs())
+               for cp in (1, 2)}
+    assert longest[2] > 1.5 * longest[1], longest
+    optimizer = {cp: plan_memory(load_config(QWEN_32K, [f"parallel.context_parallel={cp}"]), PlanInputs())[0]
+                 .items["policy optimizer"] for cp in (1, 2)}
+    assert optimizer[1] == optimizer[2], optimizer

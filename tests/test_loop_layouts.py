@@ -22,10 +22,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOL = 1e-5
 TWO_RANKS = {"dp2": [], "tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
              "ep2": ["parallel.expert_parallel=2"],
+             # context parallelism: every row split into 4 chunks over 2 ranks (mpo.models.context_parallel)
+             "cp2": ["parallel.context_parallel=2"],
              # dense weights split over TP2, experts over EP2 with no tensor split inside an expert (ETP1)
              "tp2_ep2_etp1": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2",
                               "parallel.expert_tensor_parallel=1"]}
-FOUR_RANKS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"]}
+FOUR_RANKS = {"tp2xep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
+              "cp2xep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"],
+              "cp2xtp2": ["parallel.context_parallel=2", "parallel.tensor_parallel=2"]}
 # Sequence packing (mpo.trainer.packing) on long-tailed rows (prompts 3..40, responses 1..200 tokens): each layout
 # packed against DP2 padded (packing off), R3 packed against R3 padded. 256 tokens hold one to four sequences.
 PACK = ["schedule.max_tokens_per_microbatch=256", "schedule.micro_batch_size=4"]
@@ -34,6 +38,10 @@ RSPO = ["algorithm.loss=rspo", "algorithm.replay=r2"]
 PACKED_TWO = {"packed-dp2-off": [], "packed-dp2": PACK, "packed-tp2": [*TWO_RANKS["tp2"], *PACK],
               "packed-pp2": [*TWO_RANKS["pp2"], *PACK], "packed-ep2": [*TWO_RANKS["ep2"], *PACK],
               "packed-r3-off": ["algorithm.replay=r3"], "packed-r3": ["algorithm.replay=r3", *PACK],
+              # context parallelism with packed rows, and with R3 replay (each CP rank replays its chunks)
+              "packed-cp2": ["parallel.context_parallel=2", *PACK],
+              "packed-cp2-r3": ["parallel.context_parallel=2", "algorithm.replay=r3", *PACK],
+              "packed-cp2-critic": ["parallel.context_parallel=2", *CRITIC, *PACK],
               # the reference pass (KL), the critic's values and update (GAE); RSPO's router-shift gammas under R2
               "packed-critic-off": CRITIC, "packed-critic": [*CRITIC, *PACK],
               "packed-rspo-off": RSPO, "packed-rspo": [*RSPO, *PACK]}
@@ -75,6 +83,28 @@ def _assert_same_step(ref: dict, got: dict) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "tp2_ep2_etp1", "tp2xep2"], ids=lambda k: f"loop-layout-{k}")
 def test_loop_layout_first_step_equals_dp2(layout_runs, layout):
     _assert_same_step(layout_runs["dp2"], layout_runs[layout])
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2xep2", "cp2xtp2"])
+def test_context_parallel_loop_first_step_equals_dp2(layout_runs, layout):
+    """Context parallelism through the whole step (every row split into 2 x CP chunks, the log-probs gathered back,
+    the loss of whole rows on every CP rank, gradients summed by megatron's DDP over DP x CP): DP2's step."""
+    _assert_same_step(layout_runs["dp2"], layout_runs[layout])
+
+
+@pytest.mark.parametrize("layout,reference", [("packed-cp2", "packed-dp2-off"), ("packed-cp2-r3", "packed-r3-off"),
+                                              ("packed-cp2-critic", "packed-critic-off")])
+def test_context_parallel_packed_r3_and_critic_equal_padded(layout_runs, layout, reference):
+    """CP2 with packed rows (the row's block-diagonal mask at global positions), with R3 replay (each CP rank
+    replays its chunks of the engine's routes; records gathered back), and with the critic and the KL reference:
+    the padded CP1 step, the critic's and KL metrics included (routing agreement metrics are per-DP-rank means, which
+    CP2's single DP rank and DP2's two do not share)."""
+    ref, got = layout_runs[reference], layout_runs[layout]
+    _assert_same_step(ref, got)
+    keys = [k for k in ref["metrics"] if k.startswith(("critic/", "kl")) and "time" not in k]
+    assert keys or "critic" not in layout, sorted(ref["metrics"])
+    for key in keys:
+        assert abs(got["metrics"][key] - ref["metrics"][key]) <= TOL * max(1.0, abs(ref["metrics"][key])), key
 
 
 def test_packed_reference_rows_are_long_tailed(layout_runs):

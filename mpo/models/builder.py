@@ -210,7 +210,7 @@ def _build_chunk(model: MoEModelConfig, parallel: ParallelConfig, device: Device
     spec = layer_spec(model, device, config, vp_stage)
     if parallel.context_parallel > 1 and device.layer_spec != "te":
         # TE brings ring attention for CP; the local spec gets attention over all-gathered K/V with the same result
-        from mpo.models.context_parallel import use_context_parallel_attention
+        from mpo.models.cp_attention import use_context_parallel_attention
 
         if model.multi_latent_attention or not use_context_parallel_attention(spec):
             raise ValueError("context parallelism on the local spec: standard attention only (not MLA)")

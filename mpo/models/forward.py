@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from mpo.models.fused_head import deferred_head
-from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, sequence_logprobs
+from mpo.models.context_parallel import gather_from_context_parallel, gather_with_grad, split_for_context_parallel
+from mpo.models.fused_head import deferred_head, fused_head_logprobs
+from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, sequence_logprobs, token_scores, vocab_parallel_logprobs
 from mpo.models.packed import PackedLayout
 
 
@@ -98,10 +99,11 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
     Other stages return an empty list. With `values` (a critic, mpo.models.value_head) the dict holds
     "values" ([b, s], aligned like the log-probs) and loss_fn is called as ``loss_fn(mb, values, None)``.
 
-    Loss scaling: megatron divides each micro-batch loss by the number of micro-batches, and its DDP divides reduced
-    gradients by the data-parallel size. mpo's losses are already normalised by global mini-batch denominators, so
-    the runner multiplies by both to cancel them: the gradient is exactly the sum over micro-batches and
-    data-parallel ranks of d(loss)/d(params).
+    Loss scaling: megatron divides each micro-batch loss by the number of micro-batches (and multiplies it by the
+    context-parallel size), and its DDP divides reduced gradients by the data x context parallel size. mpo's losses
+    are already normalised by global mini-batch denominators, so the runner cancels all three: the gradient is
+    exactly the sum over micro-batches and data-parallel ranks of d(loss)/d(params) (under CP every CP rank computes
+    the whole row's loss and back-propagates its own positions' share, which DDP sums).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -125,9 +127,14 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
     from mpo.models.ddp import is_ddp
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    cp_group, cp = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
     undo_scaling = num_microbatches
     if is_ddp(model):
         undo_scaling *= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    # megatron also multiplies each loss by the CP size (its CP ranks each hold a share of the loss, averaged by DDP
+    # over DP x CP); here every CP rank computes the whole row's loss (context_parallel_scores), so cancel that too
+    undo_scaling /= cp
     batch_size, seq_length = microbatches[0].input_ids.shape
 
     def scaled_loss(mb: MicroBatch, out: dict, scored: torch.Tensor, entropy: torch.Tensor | None):
@@ -144,6 +151,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
     def value_loss_func(mb: MicroBatch, output: torch.Tensor):
         from mpo.models.value_head import scored_values
 
+        if cp > 1:  # this rank's chunks -> the whole row, on every CP rank (mpo.models.context_parallel)
+            output = gather_with_grad(output, cp_group)
         scored = scored_values(output)
         if mb.packing is not None:  # a sequence's first value would read the previous sequence's last token
             scored = mb.packing.unpack(scored.masked_fill(mb.position_ids == 0, 0.0))
@@ -151,20 +160,43 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
 
     def loss_func(mb: MicroBatch, head_weight: torch.Tensor | None, output: torch.Tensor):
         """`output`: this rank's vocab slice of the logits, or with `head_weight` the LM head's input."""
-        logprobs, entropy = sequence_logprobs(output, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
-                                              position_ids=mb.position_ids, chunk_tokens=chunk_tokens,
-                                              head_weight=head_weight)
+        if cp > 1:
+            logprobs, entropy = context_parallel_scores(mb, head_weight, output)
+        else:
+            logprobs, entropy = sequence_logprobs(output, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
+                                                  position_ids=mb.position_ids, chunk_tokens=chunk_tokens,
+                                                  head_weight=head_weight)
         if mb.packing is not None:
             logprobs, entropy = mb.packing.unpack(logprobs), mb.packing.unpack(entropy)
         out = {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
         if keep_logits:
-            out["logits"] = output.detach()
+            out["logits"] = output.detach() if cp == 1 else gather_from_context_parallel(output.detach(), cp_group)
         return scaled_loss(mb, out, logprobs, entropy)
+
+    def context_parallel_scores(mb: MicroBatch, head_weight: torch.Tensor | None, output: torch.Tensor):
+        """Context parallelism: this rank scores the next token at its own positions (the labels shifted over the
+        whole row, so a chunk's last label comes from the next chunk), then every CP rank gathers the whole row's
+        scores and computes the same loss of it (gradients flow back to each rank's own positions)."""
+        labels = split_for_context_parallel(torch.nn.functional.pad(mb.input_ids[:, 1:], (0, 1)), cp_rank, cp)
+        if head_weight is not None:
+            next_logp, next_entropy = fused_head_logprobs(output, head_weight, labels, vocab_size=vocab_size,
+                                                          tp_group=tp_group, chunk_tokens=chunk_tokens)
+        else:
+            next_logp, next_entropy = vocab_parallel_logprobs(output, labels, vocab_size=vocab_size,
+                                                              tp_group=tp_group, chunk_tokens=chunk_tokens)
+        next_logp, next_entropy = gather_with_grad(next_logp, cp_group), gather_with_grad(next_entropy, cp_group)
+        return token_scores(next_logp, next_entropy, mb.positions())
 
     def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: torch.nn.Module):
         mb = next(data_iterator)
         attention = mb.packing.forward_kwargs(mb.input_ids.device) if mb.packing is not None else {}
-        output = model_chunk(mb.input_ids, mb.positions(), attention.pop("attention_mask", None), **attention)
+        ids, positions = mb.input_ids, mb.positions()
+        if cp > 1:  # megatron's split: this rank's 2 of 2 x CP chunks; a packed row's mask stays whole (global)
+            if attention.get("packed_seq_params") is not None:
+                raise ValueError("context parallelism with packed rows in Transformer Engine's THD format is not "
+                                 "supported yet; the local spec packs with an attention mask")
+            ids, positions = (split_for_context_parallel(x, cp_rank, cp) for x in (ids, positions))
+        output = model_chunk(ids, positions, attention.pop("attention_mask", None), **attention)
         if values:
             return output, partial(value_loss_func, mb)
         # the deferred head noted the weight its forward would have used (the FP32 head's upcast tied embedding)

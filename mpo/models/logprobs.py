@@ -151,8 +151,17 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_si
     else:
         logp, entropy = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size,
                                                 tp_group=tp_group, chunk_tokens=chunk_tokens)
-    zero = logp.new_zeros(logp.shape[0], 1)
-    logp, entropy = torch.cat([zero, logp], 1), torch.cat([zero, entropy], 1)
+    return token_scores(logp, entropy, position_ids)
+
+
+def token_scores(next_logp: torch.Tensor, next_entropy: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the next token at each position ([b, s - 1], or [b, s] whose last column is dropped) -> scores of
+    each token [b, s]: out[:, t] from position t - 1, 0 at t = 0 and where a packed sequence starts."""
+    width = position_ids.shape[1] if position_ids is not None else next_logp.shape[1] + 1
+    next_logp, next_entropy = next_logp[:, :width - 1], next_entropy[:, :width - 1]
+    zero = next_logp.new_zeros(next_logp.shape[0], 1)
+    logp, entropy = torch.cat([zero, next_logp], 1), torch.cat([zero, next_entropy], 1)
     if position_ids is not None:
         starts = position_ids == 0
         logp, entropy = logp.masked_fill(starts, 0.0), entropy.masked_fill(starts, 0.0)

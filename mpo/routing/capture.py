@@ -29,7 +29,8 @@ Activation recompute: the recomputed forward runs inside autograd's backward (``
 
 Fused routing (``moe_router_fusion=True``) calls Transformer Engine's fused kernel and never reaches the slot; attaching
 refuses such models, and each session asserts that every local router ran through the tap once per micro-batch.
-Context parallelism (zigzag sequence split) is not supported: attaching refuses ``context_parallel > 1``.
+Context parallelism (megatron's split of each row into 2 x CP chunks): replay reads each CP rank's chunks of the whole-row
+records; captures are gathered over CP back into whole rows (as over TP under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from mpo.models.context_parallel import chunk_positions, gather_from_context_parallel
 from mpo.routing.records import MicroBatchRouting, host_copies_landed, host_copy, index_dtype
 
 
@@ -127,6 +129,9 @@ class _Session:
             raise RuntimeError(f"routing: {kind} has {len(source)} micro-batches, forward {self.microbatch} asked")
         rec = source[self.microbatch]
         per_layer = rec.indices[:, :, rec.layer_slot(layer)]  # [b, s, K]
+        if self.hooks.cp_size > 1:  # this CP rank's chunks of the whole row, in the order its tokens run
+            per_layer = per_layer.index_select(1, chunk_positions(per_layer.shape[1], self.hooks.cp_rank,
+                                                                  self.hooks.cp_size))
         if per_layer.shape[0] != b:
             raise ValueError(f"routing: {kind} record has batch {per_layer.shape[0]}, router sees {b}")
         start = self.hooks.sequence_shard_start(s_local)
@@ -203,8 +208,11 @@ class RoutingHooks:
         config = gpt.config
         if config.moe_router_fusion:
             raise ValueError("routing: moe_router_fusion=True bypasses megatron's replay slot; disable it")
-        if config.context_parallel_size > 1:
-            raise ValueError("routing: context parallelism (zigzag sequence split) is not supported")
+        # Context parallelism: each CP rank routes its 2 of 2 x CP chunks of every row (mpo.models.context_parallel);
+        # replay reads those positions of the whole-row records, captures are gathered back over CP into whole rows
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.cp_group = parallel_state.get_context_parallel_group()
         self.gpt = gpt
         self.recompute = config.recompute_granularity == "full"
         self.num_experts = config.num_moe_experts
@@ -348,8 +356,17 @@ class RoutingHooks:
         return out
 
     def _gather_sequence(self, x: Tensor, config: CaptureConfig) -> Tensor:
-        if not (self.sequence_parallel and config.gather_sequence_parallel):
+        if not config.gather_sequence_parallel:
             return x
+        if self.sequence_parallel:
+            x = self._gather_tensor_parallel(x)
+        if self.cp_size > 1:  # the CP ranks' chunks -> whole rows, through the compute device as above
+            wire = x.to(self.device, torch.int32 if not x.is_floating_point() else x.dtype)  # gloo: no uint8
+            x = host_copy(gather_from_context_parallel(wire, self.cp_group).to(x.dtype))
+            host_copies_landed()
+        return x
+
+    def _gather_tensor_parallel(self, x: Tensor) -> Tensor:
         # one micro-batch's record through the compute device (NCCL gathers device tensors), back to the host
         wire = x.to(self.device, torch.int32 if not x.is_floating_point() else x.dtype)  # gloo: no uint8 everywhere
         parts = [torch.empty_like(wire) for _ in range(self.tp_size)]

@@ -93,7 +93,7 @@ def pack_pass(minis: list[list[Sample]], *, dp_rank: int, dp_size: int, max_toke
     Args:
         minis: the pass's mini-batches (all ranks hold the same lists).
         max_tokens / max_rows: the budget per micro-batch (schedule.max_tokens_per_microbatch / micro_batch_size).
-        tp: row lengths are multiples of it (sequence parallelism).
+        tp: row lengths are multiples of it (sequence parallelism; 2 x CP x TP under context parallelism).
         uniform: one row length for the whole pass (pipeline parallelism).
         multiple: micro-batches per mini-batch are a multiple of it (virtual pipeline stages).
         thd: the attention switch of mpo.models.packed (Transformer Engine's THD format).

@@ -169,12 +169,18 @@ class Trainer:
         return self.ps.is_pipeline_last_stage()
 
     # -- training ------------------------------------------------------------------------------------------------
+    def row_multiple(self) -> int:
+        """Row lengths are multiples of this: TP under sequence parallelism, and 2 x CP x TP under context
+        parallelism (megatron splits every row into 2 x CP chunks, each split again over TP)."""
+        tp, cp = self.ps.get_tensor_model_parallel_world_size(), self.ps.get_context_parallel_world_size()
+        return tp * (2 * cp if cp > 1 else 1)
+
     def uniform_seq_len(self, samples: list[Sample]) -> int | None:
-        """The one [b, s] shape every micro-batch of a pass needs under PP or TP (see rows.uniform_length)."""
-        tp = self.ps.get_tensor_model_parallel_world_size()
-        if self.ps.get_pipeline_model_parallel_world_size() == 1 and tp == 1:
+        """The one [b, s] shape every micro-batch of a pass needs under PP, TP or CP (see rows.uniform_length)."""
+        multiple = self.row_multiple()
+        if self.ps.get_pipeline_model_parallel_world_size() == 1 and multiple == 1:
             return None
-        return uniform_length(samples, tp)
+        return uniform_length(samples, multiple)
 
     def pass_microbatches(self, minis: list[list[Sample]]) -> list[list[MicroBatch]]:
         """This rank's micro-batches of every mini-batch of one pass: packed by schedule.max_tokens_per_microbatch
@@ -186,7 +192,7 @@ class Trainer:
             from mpo.trainer.packing import pack_pass
 
             return pack_pass(minis, dp_rank=dp_rank, dp_size=dp_size, max_tokens=schedule.max_tokens_per_microbatch,
-                             max_rows=schedule.micro_batch_size, tp=self.ps.get_tensor_model_parallel_world_size(),
+                             max_rows=schedule.micro_batch_size, tp=self.row_multiple(),
                              uniform=self.ps.get_pipeline_model_parallel_world_size() > 1,
                              multiple=_microbatch_multiple(), thd=self.ctx.device.layer_spec == "te",
                              device=self.device)

@@ -131,6 +131,17 @@ def scenario_ckpt_exchange() -> None:
     assert result[shard_id].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def scenario_cp_rope() -> None:
+    """Context parallelism's rotary embedding on 2 ranks: rank r keeps chunks r and 3 - r of 4."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+
+    rank = torch.distributed.get_rank()
+    emb = torch.arange(8.0).view(8, 1, 1, 1)
+    out = rope.get_pos_emb_on_this_cp_rank(emb, 0, torch.distributed.group.WORLD)
+    chunks = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert out.flatten().tolist() == chunks[rank] + chunks[3 - rank]
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")
 }

@@ -17,6 +17,7 @@ LAYOUTS = {  # name -> config overrides (on top of the demo recipe, one rank sin
     "ep2": ["parallel.expert_parallel=2"],
     "dp2": ["parallel.expert_parallel=1"],
     "pp2": ["parallel.pipeline_parallel=2", "parallel.expert_parallel=1"],
+    "cp2": ["parallel.context_parallel=2", "parallel.expert_parallel=1"],
 }
 PROMPTS_PER_STEP = 16
 
@@ -56,8 +57,10 @@ def train_step(trainer, step: int) -> float:
     trainer.optimizer.zero_grad()
     outs = run_microbatches(trainer.model, mbs, vocab_size=trainer.model_cfg.vocab_size, loss_fn=loss_fn)
     trainer.optimizer.step()
-    # The last stage's TP rank 0 of each DP rank holds that rank's share of the loss; the sum over ranks is the batch's.
-    mine = sum(float(o["loss"]) for o in outs) if outs and trainer.ps.get_tensor_model_parallel_rank() == 0 else 0.0
+    # The last stage's TP rank 0 of each DP rank holds that rank's share of the loss (every CP rank holds the whole
+    # share: CP rank 0 counts it); the sum over ranks is the batch's.
+    counts = trainer.ps.get_tensor_model_parallel_rank() == 0 and trainer.ps.get_context_parallel_rank() == 0
+    mine = sum(float(o["loss"]) for o in outs) if outs and counts else 0.0
     total_loss = torch.tensor([mine], dtype=torch.float64)
     dist.all_reduce(total_loss)
     return float(total_loss)
@@ -219,6 +222,25 @@ def two_ranks(out_dir: str, ckpt_dir: str, more: int, killed_dir: str) -> None:
     results.update(bad_checkpoints(out_dir, Path(killed_dir, "checkpoints", "step_1")))
     results["dp_reshardable"] = dp_reshardable(out_dir, 2, more)
     _write(out_dir, "two_ranks.json", results)
+    dist.destroy_process_group()
+
+
+def context_parallel_resume(out_dir: str, ckpt_dir: str, save_at: int, more: int) -> None:
+    """CP2 (the distributed optimizer sharded over DP x CP): `save_at` steps, a fully_reshardable save, `more` steps
+    (the reference); then the checkpoint resumed at DP2 (CP1) for `more` steps."""
+    trainer = make_trainer(ckpt_dir, "cp2", distributed_optimizer=True,
+                           extra=["logging.checkpoint_format=fully_reshardable"])
+    for step in range(save_at):
+        train_step(trainer, step)
+    trainer.save(save_at)
+    trainer.checkpoints.wait()
+    results = {"reference": [train_step(trainer, s) for s in range(save_at, save_at + more)]}
+    del trainer
+    gc.collect()
+    trainer = make_trainer(ckpt_dir, "dp2", distributed_optimizer=True)
+    start = trainer.resume()
+    results["resumed"] = {"start": start, "losses": [train_step(trainer, s) for s in range(start, start + more)]}
+    _write(out_dir, "context_parallel.json", results)
     dist.destroy_process_group()
 
 
