@@ -22,6 +22,22 @@ import torch
 from torch import Tensor
 
 
+def row_multiple() -> int:
+    """Row lengths a forward needs to be a multiple of under context parallelism: 2 x CP chunks, each split over TP
+    (sequence parallelism); 1 without CP (or before megatron's parallel state exists)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return 1
+    return 2 * ps.get_context_parallel_world_size() * ps.get_tensor_model_parallel_world_size()
+
+
+def padded_width(length: int) -> int:
+    """`length` rounded up to row_multiple(): where a caller pads a one-off batch (probes) with trailing tokens."""
+    multiple = row_multiple()
+    return -(-length // multiple) * multiple
+
+
 def chunk_positions(seq_len: int, rank: int, size: int, device: torch.device | str = "cpu") -> Tensor:
     """Global positions of CP rank `rank`'s tokens: chunks `rank` and 2 size - 1 - rank of 2 size equal chunks."""
     if seq_len % (2 * size):

@@ -31,14 +31,18 @@ def _trainer_probe_logprobs(trainer: Trainer, probes: list[list[int]]) -> list[l
     by_length: dict[int, list[int]] = {}
     for j, probe in enumerate(probes):
         by_length.setdefault(len(probe), []).append(j)
+    from mpo.models.context_parallel import padded_width
+
     scored: list[list[float] | None] = [None] * len(probes)
     with torch.no_grad():
-        for rows in by_length.values():
-            batch = MicroBatch(torch.tensor([probes[j] for j in rows], device=trainer.device))
+        for length, rows in by_length.items():
+            # trailing tokens up to a length context parallelism can split (causal: the probe's scores unchanged)
+            width = padded_width(length)
+            batch = MicroBatch(torch.tensor([probes[j] + [0] * (width - length) for j in rows], device=trainer.device))
             outs = run_microbatches(trainer.model, [batch],
                                     vocab_size=trainer.model_cfg.vocab_size, forward_only=True)
             for row, j in enumerate(rows if outs else []):
-                scored[j] = outs[0]["logprobs"][row].tolist()
+                scored[j] = outs[0]["logprobs"][row, :length].tolist()
     # the last global rank is on the last stage
     return _broadcast_object(scored, src=dist.get_world_size() - 1, group=trainer.ctx.object_group)
 

@@ -171,9 +171,10 @@ class Trainer:
     # -- training ------------------------------------------------------------------------------------------------
     def row_multiple(self) -> int:
         """Row lengths are multiples of this: TP under sequence parallelism, and 2 x CP x TP under context
-        parallelism (megatron splits every row into 2 x CP chunks, each split again over TP)."""
-        tp, cp = self.ps.get_tensor_model_parallel_world_size(), self.ps.get_context_parallel_world_size()
-        return tp * (2 * cp if cp > 1 else 1)
+        parallelism (mpo.models.context_parallel.row_multiple: every row in 2 x CP chunks, each split over TP)."""
+        from mpo.models.context_parallel import row_multiple
+
+        return max(self.ps.get_tensor_model_parallel_world_size(), row_multiple())
 
     def uniform_seq_len(self, samples: list[Sample]) -> int | None:
         """The one [b, s] shape every micro-batch of a pass needs under PP, TP or CP (see rows.uniform_length)."""

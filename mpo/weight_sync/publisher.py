@@ -205,8 +205,12 @@ class Publisher:
         for j, probe in enumerate(probes):
             by_length.setdefault(len(probe), []).append(j)
         records = []
+        from mpo.models.context_parallel import padded_width
+
         for length, rows in by_length.items():
-            indices = torch.full((len(rows), length, len(slots), cfg.router_topk), -1, dtype=torch.int32)
+            # as wide as the scorer's padded batch (context parallelism); the padding routes naturally (-1)
+            indices = torch.full((len(rows), padded_width(length), len(slots), cfg.router_topk), -1,
+                                 dtype=torch.int32)
             for b, j in enumerate(rows):  # the engine's routes of input positions 0..n-2; the last routes naturally
                 indices[b, :length - 1] = torch.from_numpy(routes[j][:, slots].astype("int32"))
             records.append(MicroBatchRouting(tuple(hooks.layers), indices))
