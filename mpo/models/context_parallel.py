@@ -17,7 +17,6 @@ the attention is mpo.models.cp_attention.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
@@ -64,9 +63,8 @@ def gather_from_context_parallel(x: Tensor, group, dim: int = 1) -> Tensor:
     torch.distributed.all_gather(parts, x.contiguous(), group=group)
     seq = x.shape[dim] * size
     positions = torch.cat([chunk_positions(seq, r, size, x.device) for r in range(size)])
-    out = torch.empty_like(torch.cat(parts, dim=dim))
-    out.index_copy_(dim, positions, torch.cat(parts, dim=dim))
-    return out
+    ranks_order = torch.cat(parts, dim=dim)  # rank 0's chunks, rank 1's, ...: put each token at its position
+    return torch.empty_like(ranks_order).index_copy_(dim, positions, ranks_order)
 
 
 class _GatherFromContextParallel(torch.autograd.Function):

@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 import torch
 
 from mpo.models.context_parallel import gather_from_context_parallel, gather_with_grad, split_for_context_parallel
-from mpo.models.fused_head import deferred_head, fused_head_logprobs
-from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, sequence_logprobs, token_scores, vocab_parallel_logprobs
+from mpo.models.fused_head import deferred_head
+from mpo.models.logprobs import DEFAULT_CHUNK_TOKENS, next_token_logprobs, sequence_logprobs, token_scores
 from mpo.models.packed import PackedLayout
 
 
@@ -178,12 +178,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: list[MicroBatch], *, 
         whole row, so a chunk's last label comes from the next chunk), then every CP rank gathers the whole row's
         scores and computes the same loss of it (gradients flow back to each rank's own positions)."""
         labels = split_for_context_parallel(torch.nn.functional.pad(mb.input_ids[:, 1:], (0, 1)), cp_rank, cp)
-        if head_weight is not None:
-            next_logp, next_entropy = fused_head_logprobs(output, head_weight, labels, vocab_size=vocab_size,
-                                                          tp_group=tp_group, chunk_tokens=chunk_tokens)
-        else:
-            next_logp, next_entropy = vocab_parallel_logprobs(output, labels, vocab_size=vocab_size,
-                                                              tp_group=tp_group, chunk_tokens=chunk_tokens)
+        next_logp, next_entropy = next_token_logprobs(output, labels, vocab_size=vocab_size, tp_group=tp_group,
+                                                      chunk_tokens=chunk_tokens, head_weight=head_weight)
         next_logp, next_entropy = gather_with_grad(next_logp, cp_group), gather_with_grad(next_entropy, cp_group)
         return token_scores(next_logp, next_entropy, mb.positions())
 

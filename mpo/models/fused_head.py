@@ -106,9 +106,9 @@ def fused_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 def output_layer(chunk: torch.nn.Module) -> torch.nn.Module | None:
     """The megatron output layer of a model chunk on the last pipeline stage (through DDP / Float16Module), or None."""
-    gpt = chunk
-    while not hasattr(gpt, "output_layer") and hasattr(gpt, "module"):
-        gpt = gpt.module
+    from mpo.models.builder import unwrap
+
+    gpt = unwrap(chunk)
     if not getattr(gpt, "post_process", False):
         return None
     config = getattr(gpt, "config", None)

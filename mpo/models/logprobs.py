@@ -132,6 +132,21 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
     return _VocabParallelLogProbEntropy.apply(logits, labels, vocab_size, tp_group, chunk_tokens)
 
 
+def next_token_logprobs(output: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+                        tp_group: dist.ProcessGroup | None = None, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+                        head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(labels) and entropies at each position of `output`: this rank's vocab slice of the logits
+    [..., V_local], or with `head_weight` ([V_local, H]) the LM head's input [..., H], the head then applied chunk by
+    chunk inside the scoring (mpo.models.fused_head): no [tokens, vocab] tensor is ever whole."""
+    if head_weight is None:
+        return vocab_parallel_logprobs(output, labels, vocab_size=vocab_size, tp_group=tp_group,
+                                       chunk_tokens=chunk_tokens)
+    from mpo.models.fused_head import fused_head_logprobs
+
+    return fused_head_logprobs(output, head_weight, labels, vocab_size=vocab_size, tp_group=tp_group,
+                               chunk_tokens=chunk_tokens)
+
+
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int,
                       tp_group: dist.ProcessGroup | None = None, position_ids: torch.Tensor | None = None,
                       chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
@@ -140,17 +155,10 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_si
 
     out[:, t] scores token t with the logits at position t-1; out[:, 0] is 0. With packed rows, pass position_ids
     (they restart at 0 for each packed sequence): a sequence's first token has no prediction and also gets 0.
-    With `head_weight` ([V_local, H]), `logits` are the LM head's input [b, s, H] instead, and the head is applied
-    chunk by chunk inside the scoring (mpo.models.fused_head): no [tokens, vocab] tensor is ever whole.
+    With `head_weight`, `logits` are the LM head's input [b, s, H] instead (see next_token_logprobs).
     """
-    if head_weight is not None:
-        from mpo.models.fused_head import fused_head_logprobs
-
-        logp, entropy = fused_head_logprobs(logits[:, :-1], head_weight, input_ids[:, 1:], vocab_size=vocab_size,
-                                            tp_group=tp_group, chunk_tokens=chunk_tokens)
-    else:
-        logp, entropy = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size,
-                                                tp_group=tp_group, chunk_tokens=chunk_tokens)
+    logp, entropy = next_token_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size, tp_group=tp_group,
+                                        chunk_tokens=chunk_tokens, head_weight=head_weight)
     return token_scores(logp, entropy, position_ids)
 
 

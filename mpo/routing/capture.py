@@ -328,7 +328,8 @@ class RoutingHooks:
                 raise RuntimeError(f"routing: routings saved for recompute were never used: {left}")
 
     def _finalize(self, state: _Session) -> list[MicroBatchRouting]:
-        """Raw sequence-major captures -> batch-major MicroBatchRouting per micro-batch (TP-gathered under SP)."""
+        """Raw sequence-major captures -> batch-major MicroBatchRouting per micro-batch (gathered over TP under SP and
+        over CP)."""
         if not state.config.record:
             return []
         host_copies_landed()  # the captures' device-to-host copies (mpo.routing.records.host_copy)
@@ -353,27 +354,23 @@ class RoutingHooks:
                 return self._gather_sequence(x.contiguous(), state.config)
 
             out.append(MicroBatchRouting(self.layers, stack(0), stack(1), stack(2), stack(3)))
+        host_copies_landed()  # the gathered records' copies back to the host
         return out
 
     def _gather_sequence(self, x: Tensor, config: CaptureConfig) -> Tensor:
-        if not config.gather_sequence_parallel:
+        """One micro-batch's record [b, s_local, L, K] -> whole rows: all-gathered over TP under sequence parallelism,
+        then over CP (each rank's 2 of 2 x CP chunks back at their positions). Through the compute device (NCCL
+        gathers device tensors), back to the host once."""
+        if not config.gather_sequence_parallel or not (self.sequence_parallel or self.cp_size > 1):
             return x
-        if self.sequence_parallel:
-            x = self._gather_tensor_parallel(x)
-        if self.cp_size > 1:  # the CP ranks' chunks -> whole rows, through the compute device as above
-            wire = x.to(self.device, torch.int32 if not x.is_floating_point() else x.dtype)  # gloo: no uint8
-            x = host_copy(gather_from_context_parallel(wire, self.cp_group).to(x.dtype))
-            host_copies_landed()
-        return x
-
-    def _gather_tensor_parallel(self, x: Tensor) -> Tensor:
-        # one micro-batch's record through the compute device (NCCL gathers device tensors), back to the host
         wire = x.to(self.device, torch.int32 if not x.is_floating_point() else x.dtype)  # gloo: no uint8 everywhere
-        parts = [torch.empty_like(wire) for _ in range(self.tp_size)]
-        torch.distributed.all_gather(parts, wire, group=self.tp_group)
-        gathered = host_copy(torch.cat(parts, dim=1).to(x.dtype))
-        host_copies_landed()
-        return gathered
+        if self.sequence_parallel:
+            parts = [torch.empty_like(wire) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, wire, group=self.tp_group)
+            wire = torch.cat(parts, dim=1)
+        if self.cp_size > 1:
+            wire = gather_from_context_parallel(wire, self.cp_group)
+        return host_copy(wire.to(x.dtype))
 
 
 class SessionResult:

@@ -10,21 +10,16 @@ from torch import Tensor
 
 def host_copy(t: Tensor | None) -> Tensor | None:
     """`t` in host memory, for routing state kept across a pass or a step: records and engine routes would otherwise
-    hold 15-56 GiB of a GPU at 32k-token rows (Qwen3-30B-A3B, DeepSeek-V3). With CUDA the copy is pinned and made
-    without waiting (the per-micro-batch move back is then an asynchronous DMA); call `host_copies_landed()` before
-    reading it on the host. A host tensor is returned as it is."""
-    if t is None or t.device.type == "cpu":
+    hold 15-56 GiB of a GPU at 32k-token rows (Qwen3-30B-A3B, DeepSeek-V3). Where CUDA runs the host tensor is
+    page-locked (its moves back to the GPU are asynchronous DMAs) and a device tensor's copy is made without waiting:
+    call `host_copies_landed()` before reading it on the host. Without CUDA a host tensor is returned as it is."""
+    if t is None:
         return t
+    if t.device.type == "cpu":
+        return t.pin_memory() if torch.cuda.is_available() and not t.is_pinned() else t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
-
-
-def pinned(t: Tensor | None) -> Tensor | None:
-    """A host tensor in page-locked memory where CUDA runs (so its moves to the GPU overlap compute), else as it is."""
-    if t is None or not torch.cuda.is_available() or t.device.type != "cpu" or t.is_pinned():
-        return t
-    return t.pin_memory()
 
 
 def host_copies_landed() -> None:
@@ -89,10 +84,10 @@ class MicroBatchRouting:
         return MicroBatchRouting(tuple(layers), self.indices[:, :, slots], pick(self.logp), pick(self.logp_at),
                                  pick(self.natural))
 
-    def pinned(self) -> "MicroBatchRouting":
-        """This host record in page-locked memory where CUDA runs (see `pinned`)."""
-        return MicroBatchRouting(self.layers, pinned(self.indices), pinned(self.logp), pinned(self.logp_at),
-                                 pinned(self.natural))
+    def to_host(self) -> "MicroBatchRouting":
+        """This record in host memory, page-locked where CUDA runs (see `host_copy`)."""
+        return MicroBatchRouting(self.layers, host_copy(self.indices), host_copy(self.logp), host_copy(self.logp_at),
+                                 host_copy(self.natural))
 
     def to(self, device: torch.device | str) -> "MicroBatchRouting":
         move = (lambda x: None if x is None else x.to(device))  # noqa: E731

@@ -69,7 +69,7 @@ class PolicyUpdate:
             routes = self.engine_routes(mb)
             # placed on the host from the engine's arrays and kept there for the step (pinned where CUDA runs):
             # replay and the metrics move one micro-batch's layers at a time to the compute device
-            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers).pinned()
+            mb.extras["engine_routes"] = None if routes is None else routes.select(self.routing.layers).to_host()
         engine_routes = [mb.extras["engine_routes"] for mb in microbatches]
         replay = None
         if self.algorithm.replay == "r3":
