@@ -156,6 +156,7 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_sta
     )
 
     from mpo.models.lean_local import use_lean_modules
+    from mpo.models.sdpa_attention import local_fast_paths
 
     if model.multi_latent_attention or model.first_k_dense:
         if config is None:
@@ -168,14 +169,14 @@ def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_sta
             from mpo.models.mla_local import use_local_mla_core_attention
 
             use_local_mla_core_attention(block)
-        return use_lean_modules(block)
+        return local_fast_paths(use_lean_modules(block), device, config)
     if device.layer_spec == "te":
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts, moe_grouped_gemm=True, qk_layernorm=model.qk_layernorm)
     # The local spec's linears and experts without megatron's per-call plumbing (mpo.models.lean_local)
-    return use_lean_modules(get_gpt_layer_local_spec(
+    return local_fast_paths(use_lean_modules(get_gpt_layer_local_spec(
         num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm,
-        normalization="RMSNorm"))
+        normalization="RMSNorm")), device, config)
 
 
 def build_model(model: MoEModelConfig, parallel: ParallelConfig, device: DeviceProfile,

@@ -1,5 +1,7 @@
 """ContextParallelAttention: the local spec's core attention under context parallelism (see
-mpo.models.context_parallel for the split and why the result equals CP1's)."""
+mpo.models.context_parallel for the split and why the result equals CP1's). It gathers K/V over the CP group, builds
+the causal (or packed) mask at the chunks' global positions and calls the same kernel as the local spec's fused
+attention (mpo.models.sdpa_attention.attend: torch SDPA, no s x s scores tensor per head on its fused kernels)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,11 @@ import torch
 from torch import Tensor
 
 from mpo.models.context_parallel import chunk_positions
+from mpo.models.sdpa_attention import SdpaAttention, attend
 
 
-def _core_attention_base():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    return DotProductAttention
-
-
-class ContextParallelAttention(_core_attention_base()):
-    """megatron's local DotProductAttention with its sequence split over the CP group (module docstring)."""
+class ContextParallelAttention(SdpaAttention):
+    """The local spec's attention with its sequence split over the CP group (module docstring)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         # DotProductAttention refuses CP > 1 (TE only); everything it sets up is per-token and CP-independent.
@@ -48,25 +45,18 @@ class ContextParallelAttention(_core_attention_base()):
         blocked = k_pos[None, :] > q_pos[:, None]  # [sq, sk]: the future
         if attention_mask is not None:  # the whole row's mask (packed sequences), at these positions
             blocked = blocked | attention_mask[..., q_pos[:, None], k_pos[None, :]]
-        repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if repeat > 1:
-            key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
-        dtype = torch.float32 if self.config.attention_softmax_in_fp32 else query.dtype
-        scores = torch.einsum("qbnh,kbnh->bnqk", query.to(dtype), key.to(dtype)) * self.softmax_scale
-        probs = scores.masked_fill(blocked, float("-inf")).softmax(-1).to(value.dtype)
-        probs = self.attention_dropout(probs)
-        context = torch.einsum("bnqk,kbnh->qbnh", probs, value)
-        return context.reshape(context.shape[0], context.shape[1], self.hidden_size_per_partition)
+        return attend(query, key, value, scale=self.sdpa_scale, blocked=blocked)
 
 
 def use_context_parallel_attention(spec: Any) -> int:
-    """Swap the local DotProductAttention for ContextParallelAttention in a layer or block spec; returns how many."""
+    """Swap the local core attention (megatron's DotProductAttention or mpo's SdpaAttention) for
+    ContextParallelAttention in a layer or block spec; returns how many."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     swapped = 0
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = layer.submodules.self_attention
-        if attention.submodules.core_attention is DotProductAttention:
+        if attention.submodules.core_attention in (DotProductAttention, SdpaAttention):
             attention.submodules.core_attention = ContextParallelAttention
             swapped += 1
     return swapped

@@ -14,10 +14,14 @@ experts on top forward+backward 20.1 -> 17.4 ms.
   nothing but the matmul would happen: one rank in the layer's tensor-parallel group, no gradient-accumulation fusion
   (it writes into `main_grad` itself), no deferred embedding wgrad, no weight re-gathering, no CPU offloading.
 * `GroupedSequentialMLP` is megatron's SequentialMLP (the same per-expert parameters and checkpoint layout) whose
-  forward on the CPU runs all experts in two `torch._grouped_mm` calls over the expert weights stacked per call
-  (torch's CPU grouped matmul computes each group with the same matmul as the per-expert loop: outputs and gradients
-  are bit-identical), when its experts are plain: lean linears without bias, a (gated) activation megatron applies
-  unfused, no quantisation, rows whose byte strides torch's grouped matmul accepts (multiples of 16).
+  forward runs all experts in two `torch._grouped_mm` calls over the expert weights stacked per call, where torch's
+  grouped GEMM takes the device and dtype (mpo.parallel.device.grouped_mm_dtypes: the CPU in fp32/bf16, CUDA in bf16
+  on compute capability >= 8.0), when its experts are plain: lean linears without bias, a (gated) activation megatron
+  applies unfused, no quantisation, rows whose byte strides torch's grouped matmul accepts (multiples of 16). On the
+  CPU torch's grouped matmul computes each group with the same matmul as the per-expert loop (outputs and gradients
+  bit-identical); on CUDA it is one CUTLASS/cuBLAS grouped kernel instead of a matmul launch per expert, equal to the
+  loop within bf16 rounding (the offline GPU tier measures it). The stacked weights are a per-call copy of this
+  rank's experts (under expert parallelism its share, not the model's).
 
 Anything else runs megatron's own forward. `tests/test_lean_local.py` builds the same model from megatron's unmodified
 spec and checks logits and every gradient bit for bit. `use_lean_modules` puts the classes into a local layer or
@@ -37,6 +41,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
+
+from mpo.parallel.device import grouped_mm_dtypes
 
 
 def _matmul_only(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
@@ -86,7 +92,8 @@ class LeanRowParallelLinear(RowParallelLinear):
 
 
 class GroupedSequentialMLP(SequentialMLP):
-    """megatron's SequentialMLP; on the CPU, plain experts run as two grouped matmuls (see the module docstring)."""
+    """megatron's SequentialMLP; plain experts run as two grouped matmuls where torch has them for the device and
+    dtype (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -104,10 +111,11 @@ class GroupedSequentialMLP(SequentialMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         hidden = permuted_local_hidden_states
-        if not self.grouped or hidden.device.type != "cpu" or hidden.dtype != self.config.params_dtype:
+        if (not self.grouped or hidden.dtype != self.config.params_dtype
+                or hidden.dtype not in grouped_mm_dtypes(hidden.device)):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         # what each expert's MLP.forward computes (megatron's unfused branch), for all experts at once
-        ends = torch.cumsum(torch.as_tensor(tokens_per_expert), 0).to(torch.int32)
+        ends = torch.cumsum(torch.as_tensor(tokens_per_expert), 0).to(device=hidden.device, dtype=torch.int32)
         fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts]).transpose(1, 2)
         fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts]).transpose(1, 2)
         intermediate = torch._grouped_mm(hidden, fc1, offs=ends)

@@ -3,6 +3,14 @@
 The layer spec: Transformer Engine on GPU when it is importable, else megatron-core's local spec (torch modules; what
 the offline GPU tier runs, since TE cannot travel to a machine without network). `MPO_LAYER_SPEC=local|te` overrides
 the choice; `te` on a machine without CUDA or without an importable TE is an error, never a silent fallback.
+
+The local spec's two fast paths (docs/gpu_fast_paths.md):
+* attention (`DeviceProfile.attention`): "sdpa" (mpo.models.sdpa_attention: torch SDPA, flash / memory-efficient
+  kernels, no s x s scores per head) on a GPU, "local" (megatron's unfused DotProductAttention) on the CPU, where it
+  keeps the CPU path's numerics bit-identical to megatron's and its short-row softmax speed-up
+  (mpo.models.short_softmax); "te" under Transformer Engine. `MPO_ATTENTION=sdpa|local` overrides on the local spec.
+* experts (`grouped_mm_dtypes`): mpo.models.lean_local.GroupedSequentialMLP runs all experts as two
+  `torch._grouped_mm` calls where torch's grouped GEMM takes the device and dtype, else megatron's per-expert loop.
 """
 
 from __future__ import annotations
@@ -17,6 +25,13 @@ import torch
 
 log = logging.getLogger(__name__)
 LAYER_SPECS = ("te", "local")
+ATTENTIONS = ("sdpa", "local")
+# torch 2.14's grouped GEMM on CUDA (torch.nn.functional.grouped_mm's docstring and its meta checks): bf16 inputs on
+# compute capability >= 8.0 (fp16 only with cuBLASLt >= 13.3 on 9.x-11.x, not relied on); ROCm is not claimed.
+GROUPED_MM_MIN_CAPABILITY = (8, 0)
+ATTENTION_LINES = {"te": "attention: Transformer Engine (fused)",
+                   "sdpa": "attention: torch SDPA (flash / memory-efficient kernels)",
+                   "local": "attention: megatron local (unfused)"}
 
 
 @dataclass(frozen=True)
@@ -29,16 +44,65 @@ class DeviceProfile:
         layer_spec: megatron-core layer spec: "te" (Transformer Engine) on GPU when TE is importable, "local" (torch
             modules) on CPU and on a GPU without TE (see the module docstring, `MPO_LAYER_SPEC`).
         cpu_initialization: megatron `use_cpu_initialization`; required on CPU, where CUDA init paths do not exist.
+        attention: the core attention: "te" with the TE spec, else "sdpa" (torch SDPA) or "local" (megatron's
+            unfused DotProductAttention); None = `choose_attention` (module docstring, `MPO_ATTENTION`).
     """
 
     device: torch.device
     backend: Literal["nccl", "gloo"]
     layer_spec: Literal["te", "local"]
     cpu_initialization: bool
+    attention: Literal["te", "sdpa", "local"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention is None:
+            object.__setattr__(self, "attention", choose_attention(self.layer_spec, self.is_gpu))
 
     @property
     def is_gpu(self) -> bool:
         return self.device.type == "cuda"
+
+    def fast_path_lines(self, dtype: torch.dtype) -> tuple[str, str]:
+        """The two lines saying which attention and which expert computation run for parameters of `dtype`."""
+        if self.layer_spec == "te":
+            return ATTENTION_LINES["te"], "experts: Transformer Engine grouped GEMM"
+        if dtype in grouped_mm_dtypes(self.device):
+            experts = f"experts: torch grouped GEMM ({self.device.type} {str(dtype).removeprefix('torch.')})"
+        else:
+            experts = (f"experts: megatron per-expert loop (no torch grouped GEMM for "
+                       f"{str(dtype).removeprefix('torch.')} on {self.device})")
+        return ATTENTION_LINES[self.attention], experts
+
+
+def choose_attention(layer_spec: str, is_gpu: bool) -> Literal["te", "sdpa", "local"]:
+    """The core attention: TE's under the TE spec; on the local spec MPO_ATTENTION if set, else SDPA on a GPU and
+    megatron's on the CPU (module docstring)."""
+    wanted = os.environ.get("MPO_ATTENTION", "").strip().lower()
+    if wanted and wanted not in ATTENTIONS:
+        raise ValueError(f"MPO_ATTENTION={wanted!r}; valid values: {', '.join(ATTENTIONS)}")
+    if layer_spec == "te":
+        if wanted:
+            raise ValueError(f"MPO_ATTENTION={wanted} applies to the local layer spec; this process runs "
+                             "Transformer Engine's (set MPO_LAYER_SPEC=local as well, or unset MPO_ATTENTION)")
+        return "te"
+    return wanted or ("sdpa" if is_gpu else "local")  # type: ignore[return-value]
+
+
+def grouped_mm_dtypes(device: torch.device, capability: tuple[int, int] | None = None) -> frozenset[torch.dtype]:
+    """The parameter dtypes for which torch's grouped GEMM runs the experts on `device` (see GROUPED_MM_MIN_CAPABILITY;
+    on the CPU the dtypes mpo trains in). `capability`: the CUDA compute capability, else asked of the device."""
+    if device.type == "cpu":
+        return frozenset({torch.float32, torch.bfloat16})
+    if device.type != "cuda" or torch.version.hip is not None:
+        return frozenset()
+    if capability is None:
+        capability = _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+    return frozenset({torch.bfloat16}) if tuple(capability) >= GROUPED_MM_MIN_CAPABILITY else frozenset()
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def skip_torch_compile_without_gpu() -> None:
