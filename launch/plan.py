@@ -29,6 +29,7 @@ from pathlib import Path
 
 from mpo.config import TrainConfig
 from mpo.rollout.engine_command import REDACTED, SECRET_ENV, EngineSettings, engine_command
+from mpo.weight_sync.relay import NODE_HOST_ENV
 from mpo.weight_sync.transports import check_colocated, check_transport
 from mpo.weight_sync.wire import group_layout
 
@@ -280,9 +281,8 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                 if node >= trainer_nodes:
                     check_transport(config.sync.transport, r.engine,
                                     off_host=f"engine{i} is placed on rollout node {hosts[node]}")
-                elif node != 0:  # colocated on another trainer node than rank 0's: same-host transports miss it
-                    check_transport(config.sync.transport, r.engine,
-                                    off_host=f"engine{i} is colocated on trainer node {hosts[node]}, not rank 0's")
+                # colocated on a trainer node: a same-host transport reaches it from that node's leader rank
+                # (mpo.weight_sync.relay, told the node by MPO_NODE_HOST below)
             except ValueError as exc:
                 raise PlanError(str(exc)) from None
             local = len(engines[node])
@@ -322,7 +322,10 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                     "--master-port", str(master_port), "--max-restarts", "0",
                     "--log-dir", f"{log_dir}/ranks", "--redirects", "3", "--tee", "3",
                     "-m", "mpo.trainer", "--config", resolved_path)
-            procs.insert(0, Process(name="trainer", kind="trainer", argv=argv, env=dict(env),
+            # engines on several trainer nodes: the host their URLs name, by which a per-node sync routes buckets
+            # (mpo.weight_sync.relay; emulated nodes may share one machine, whose own names cannot tell them apart)
+            node_env = {**env, NODE_HOST_ENV: host} if placement == "colocated" and trainer_nodes > 1 else env
+            procs.insert(0, Process(name="trainer", kind="trainer", argv=argv, env=dict(node_env),
                                     log=f"{log_dir}/trainer.log"))
         roles = [role for role, present in (("trainer", k < trainer_nodes), ("rollout", bool(engines[k]))) if present]
         nodes.append(NodePlan(node_rank=k, host=host, role="+".join(roles) or "idle", processes=tuple(procs),
