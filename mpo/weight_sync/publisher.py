@@ -48,12 +48,12 @@ class Publisher:
         self.relayed = 0  # buckets this rank pushed for other nodes' senders in the current sync
 
     def _routes(self, info: dict):
-        """Per-node routes of this sync (collective), or None where the transport reaches engines from anywhere
-        or the trainer is one rank."""
+        """Per-node routes of this sync (collective), or None unless the run routes per node
+        (transports.per_node_sync: a same-host transport, the launcher's MPO_NODE_HOST) on several ranks."""
         from mpo.weight_sync.relay import engines_on_this_node, plan_routes
-        from mpo.weight_sync.transports import same_host
+        from mpo.weight_sync.transports import per_node_sync
 
-        if one_rank() or not same_host(info["transport"], info["engine"]):
+        if one_rank() or not per_node_sync(info["transport"], info["engine"]):
             return None
         key = tuple(info["urls"])
         if self._claims_key != key:  # engines moved (a restart on a new port): ask every rank again
@@ -103,7 +103,7 @@ class Publisher:
         engines rank 0 named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
-        from mpo.weight_sync.transports import WeightSync, engine_set_sync, same_host
+        from mpo.weight_sync.transports import WeightSync, engine_set_sync, per_node_sync
 
         r = self.config.rollout
         if self.engines is not None:
@@ -118,7 +118,7 @@ class Publisher:
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
                                     bucket_bytes=self.config.sync.bucket_mb << 20, tp_sizes=info["tp_sizes"],
                                     master_address=routable_address(host),
-                                    per_node=same_host(info["transport"], info["engine"]))
+                                    per_node=per_node_sync(info["transport"], info["engine"]))
             self._urls = key
         return self._sync
 

@@ -97,6 +97,17 @@ def same_host(transport: str, engine: str) -> bool:
     return spec is not None and engine in spec.same_host
 
 
+def per_node_sync(transport: str, engine: str) -> bool:
+    """Whether this rank's sync routes buckets per node (mpo.weight_sync.relay): a same-host transport in a run the
+    launcher placed on several trainer nodes with engines on them (it sets MPO_NODE_HOST exactly then). Elsewhere an
+    engine off this host is refused up front, as check_transport says."""
+    import os
+
+    from mpo.weight_sync.relay import NODE_HOST_ENV
+
+    return same_host(transport, engine) and bool(os.environ.get(NODE_HOST_ENV))
+
+
 def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
     """Raise ValueError (one line) when engines colocated on the trainer's GPUs cannot be synced: "distributed"
     would put a trainer GPU and an engine GPU that are the same device into one NCCL group (NCCL refuses a device
@@ -477,7 +488,7 @@ def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
         sync = WeightSync(engines.clients, engine=engines.engine, transport=engines.transport,
                           bucket_bytes=bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
                           master_address=engines.sync_master_address,
-                          per_node=same_host(engines.transport, engines.engine))
+                          per_node=per_node_sync(engines.transport, engines.engine))
         if engines.transport != "distributed":  # a dead member would leave the group's collectives hanging
             sync.expendable = engines.exited
         engines.sync = sync
