@@ -29,7 +29,8 @@ from pathlib import Path
 
 from mpo.config import TrainConfig
 from mpo.rollout.engine_command import REDACTED, SECRET_ENV, EngineSettings, engine_command
-from mpo.weight_sync.transports import check_colocated, check_transport
+from mpo.weight_sync.relay import NODE_HOST_ENV
+from mpo.weight_sync.transports import check_colocated, check_transport, same_host
 from mpo.weight_sync.wire import group_layout
 
 
@@ -160,6 +161,7 @@ class Plan:
     run_dir: str
     done_marker: str
     weight_sync: WeightSyncGroup | None = None
+    sync_per_node: tuple[str, ...] = ()
 
     def format(self) -> str:
         """Human-readable plan: per node, its role and the exact commands (what --dry-run prints)."""
@@ -169,6 +171,7 @@ class Plan:
             ws = self.weight_sync
             lines.append(f"weight-update group: master {ws.master_address}, world size {ws.world_size}, engine rank "
                          f"offsets {', '.join(map(str, ws.rank_offsets))}")
+        lines += self.sync_per_node
         for node in self.nodes:
             lines.append(f"node {node.node_rank} ({node.host}): {node.role}")
             for proc in node.processes:
@@ -280,9 +283,8 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                 if node >= trainer_nodes:
                     check_transport(config.sync.transport, r.engine,
                                     off_host=f"engine{i} is placed on rollout node {hosts[node]}")
-                elif node != 0:  # colocated on another trainer node than rank 0's: same-host transports miss it
-                    check_transport(config.sync.transport, r.engine,
-                                    off_host=f"engine{i} is colocated on trainer node {hosts[node]}, not rank 0's")
+                # colocated on a trainer node: a same-host transport reaches it from that node's leader rank
+                # (mpo.weight_sync.relay, told the node by MPO_NODE_HOST below)
             except ValueError as exc:
                 raise PlanError(str(exc)) from None
             local = len(engines[node])
@@ -322,12 +324,24 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
                     "--master-port", str(master_port), "--max-restarts", "0",
                     "--log-dir", f"{log_dir}/ranks", "--redirects", "3", "--tee", "3",
                     "-m", "mpo.trainer", "--config", resolved_path)
-            procs.insert(0, Process(name="trainer", kind="trainer", argv=argv, env=dict(env),
+            # engines on several trainer nodes: the host their URLs name, by which a per-node sync routes buckets
+            # (mpo.weight_sync.relay; emulated nodes may share one machine, whose own names cannot tell them apart)
+            node_env = {**env, NODE_HOST_ENV: host} if placement == "colocated" and trainer_nodes > 1 else env
+            procs.insert(0, Process(name="trainer", kind="trainer", argv=argv, env=dict(node_env),
                                     log=f"{log_dir}/trainer.log"))
         roles = [role for role, present in (("trainer", k < trainer_nodes), ("rollout", bool(engines[k]))) if present]
         nodes.append(NodePlan(node_rank=k, host=host, role="+".join(roles) or "idle", processes=tuple(procs),
                               log_dir=log_dir))
-    return Plan(nodes=tuple(nodes), placement=placement, engine_urls=tuple(urls),
+    per_node_lines: tuple[str, ...] = ()
+    if placement == "colocated" and trainer_nodes > 1 and same_host(config.sync.transport, r.engine):
+        # mpo.weight_sync.relay: a node's leader is its lowest rank (torchrun gives node k ranks k * per_node ...)
+        leaders = {k: k * per_node for k in range(trainer_nodes)}
+        per_node_lines = (f"weight sync per node (sync.transport={config.sync.transport}): each stage's sender pushes "
+                          f"to its own node's engines and hands each bucket to the other nodes' leaders, which push "
+                          f"it to theirs",) + tuple(
+            f"  node {k} ({hosts[k]}): leader rank {leaders[k]} -> {', '.join(p.name for p in engines[k])}"
+            for k in range(trainer_nodes) if engines[k])
+    return Plan(nodes=tuple(nodes), placement=placement, engine_urls=tuple(urls), sync_per_node=per_node_lines,
                 trainer_overrides=trainer_overrides, resolved_config=resolved_text,
                 resolved_config_path=resolved_path, run_dir=run_dir, done_marker=f"{run_dir}/trainer.exit",
                 weight_sync=weight_sync)

@@ -535,6 +535,7 @@ class SyncShape:
     link_bytes: int
     estimate_s: float
     link_gb_s: float
+    nodes: int = 1  # per-node routing (mpo.weight_sync.relay): trainer nodes whose leaders push to their own engines
 
     def format(self) -> str:
         stages = ", ".join(f"{b / GIB:.2f}" for b in self.stage_bytes)
@@ -549,6 +550,9 @@ class SyncShape:
             + (" (one per sender)" if self.transport == "distributed" else " (no process group)"),
             f"  per sync: {sum(self.stage_buckets)} buckets, {self.calls_per_sync} {calls}; GiB per stage: {stages}",
             # GiB as everywhere in the plan: 25 GB/s (a 200 Gb/s NIC) is 23.3 GiB/s
+            *([f"  per node: {self.nodes} trainer nodes, each node's leader rank pushes every bucket to its own "
+               f"engines over {self.transport}; each sender sends its buckets to the {self.nodes - 1} other "
+               f"leader(s), one packed buffer each"] if self.nodes > 1 else []),
             f"  estimated sync time: {self.estimate_s:.2f} s at {self.link_gb_s * 1e9 / GIB:.1f} GiB/s per sender link "
             f"({self.link_bytes / GIB:.2f} GiB on the busiest sender link, {SYNC_CALL_S * 1e3:g} ms per call)"])
 
@@ -560,7 +564,7 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
 
     from mpo.config import model_config
     from mpo.models.hf_mapping import mapping_for
-    from mpo.weight_sync.transports import resolve_transport, stages_at_once
+    from mpo.weight_sync.transports import NODE_GPUS, resolve_transport, same_host, stages_at_once
 
     m, par, r = model_config(config), config.parallel, config.rollout
     stage_of_layer = {layer: stage for stage, chunks in enumerate(par.stage_layers(m.num_layers))
@@ -587,6 +591,12 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
     at_once = stages_at_once(transport, pp, engines)
     # per stage: bytes on the sender's link, calls, seconds
     copies = {"distributed": engines if at_once else 1, "tensor": engines * tp * 4 / 3}.get(transport, 0)
+    # colocated SGLang over several GPU nodes: every other node's leader gets each bucket once from its sender
+    nodes = -(-config.world_size // NODE_GPUS) if r.colocate and r.engine == "sglang" else 1
+    if nodes > 1 and same_host(transport, r.engine):
+        copies = (copies / nodes if transport == "tensor" else copies) + nodes - 1
+    else:
+        nodes = 1
     calls = [b * (engines if transport != "distributed" or at_once else 1) for b in stage_buckets]
     seconds = [stage_bytes[s] * copies / (link_gb_s * 1e9) + SYNC_CALL_S * calls[s] for s in range(pp)]
     busiest = max(range(pp), key=lambda s: seconds[s])
@@ -594,4 +604,4 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
                      groups_per_engine_gpu=pp if transport == "distributed" else 0, stage_bytes=stage_bytes,
                      stage_buckets=stage_buckets, calls_per_sync=sum(calls),
                      link_bytes=int(stage_bytes[busiest] * copies),
-                     estimate_s=max(seconds) if at_once else sum(seconds), link_gb_s=link_gb_s)
+                     estimate_s=max(seconds) if at_once else sum(seconds), link_gb_s=link_gb_s, nodes=nodes)

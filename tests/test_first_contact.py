@@ -19,7 +19,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 # -- item 4: colocated layouts across nodes ----------------------------------------------------------------------
 
-COLOCATED_TWO_NODES = ["rollout.colocate=true", "schedule.mode=sync", "sync.transport=tensor"]  # world_size 16
+COLOCATED_TWO_NODES = ["rollout.colocate=true", "schedule.mode=sync", "sync.transport=distributed"]  # world 16
 
 
 @pytest.mark.parametrize("argv", [
@@ -29,22 +29,22 @@ COLOCATED_TWO_NODES = ["rollout.colocate=true", "schedule.mode=sync", "sync.tran
      *COLOCATED_TWO_NODES),
 ], ids=["check-config", "plan", "launch-dry-run"])
 def test_first_contact_colocated_multi_node_layout_is_refused_in_one_line(argv):
-    """Qwen3-30B-A3B's 16 trainer ranks on two 8-GPU nodes with SGLang colocated: 'tensor' reaches only the engines
-    on rank 0's node; the run must not start (it used to fail after full start-up)."""
+    """Qwen3-30B-A3B's 16 trainer ranks on two 8-GPU nodes with SGLang colocated: 'distributed' would hold each GPU
+    twice in NCCL; the run must not start (it used to fail after full start-up). The same-host transports reach
+    every node's engines from that node (tests/test_colocated_multinode.py)."""
     out = _cli(*argv)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "rollout.colocate=true with the trainer on 2 nodes" in lines[0], out.stderr
+    assert len(lines) == 1 and "NCCL cannot hold one device twice" in lines[0], out.stderr
 
 
 def test_first_contact_launch_refuses_engines_placed_on_trainer_gpus_of_two_nodes():
     """No node left for rollout (2 nodes, 16 ranks): the launcher colocates the engines on the trainer's nodes even
-    with rollout.colocate=false; every transport misses some engine or shares a GPU in NCCL."""
+    with rollout.colocate=false; 'distributed' would share a GPU in NCCL (the same-host ones route per node)."""
     from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
     from mpo.config import load_config
 
-    for transport, message in (("tensor", "on 2 nodes"), ("cuda_ipc", "on 2 nodes"),
-                               ("distributed", "NCCL cannot hold one device twice")):
+    for transport, message in (("distributed", "NCCL cannot hold one device twice"),):
         overrides = [f"sync.transport={transport}", "rollout.num_engines=2", "rollout.tensor_parallel=4"]
         config = load_config(str(REPO / GSPO), overrides)
         with pytest.raises(PlanError, match=message):

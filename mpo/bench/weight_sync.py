@@ -21,12 +21,15 @@ bound for moving those bytes once in memory; the ratio shows what serialisation,
 the engine's staging/apply cost on top.
 
 `--shape`: the sync's shape (issue #50) at PP2 x EP2 (`--layout 1,2,2`) of preset sync_shape_bench (1536 expert
-tensors of 8 x 16, the shape of Qwen3-30B-A3B's ~18k at a size two CPU cores sync in seconds) over the distributed
+tensors of 16 x 16, the shape of Qwen3-30B-A3B's ~18k at a size two CPU cores sync in seconds) over the distributed
 transport into one local mpo engine, every round once with the stages taking turns and once all at once. The last
 line is `sync-shape collectives_per_sync_vs_buckets=<x> stage_overlap=<y> fp8_bytes_vs_bf16=<z>`: collectives
 issued per bucket, the stages' wall time at once over the sum of their turns alone (median of rounds), and the
 bytes of the model's tensors in fp8_block over bf16 (mpo.weight_sync.fp8; nan where that module is absent). On a
-host whose cores are shared the stages compete for CPU, not links: y there says little about a cluster.
+host whose cores are shared the stages compete for CPU, not links: y there says little about a cluster. The line
+before it states the CPU seconds the ranks and the engine spent per sync and the cores that kept busy, in turns and
+at once, with the host's cores and load: once the stages in turns already keep the host's free cores busy, at once
+cannot be faster (y >= 1 on a loaded 2-core host).
 """
 
 from __future__ import annotations
@@ -247,12 +250,24 @@ def _shape_rank(rank: int, world: int, port: int, *args) -> None:
     shape_rank(*args)
 
 
-def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, layout: tuple[int, int, int]) -> None:
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system, every thread) of process `pid` so far; this process's for None."""
+    import os
+
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, layout: tuple[int, int, int],
+               engine_pid: int | None = None) -> None:
     """One trainer rank of `--shape` (torchrun's environment: RANK, WORLD_SIZE, MASTER_*): the streaming sync over
     the distributed transport (gloo, one group per sender and engine), per round once with the stages taking turns
     (each stage alone, StreamResult.turn_s) and once with every stage pushing at once; counts the collectives each
     sender issued, records when each sender pushed, and verifies the engine's checksum after the last concurrent
-    sync. Rank 0 writes every rank's records to `out` (JSON)."""
+    sync. Each rank records the CPU seconds it used per sync, rank 0 also the engine's (`engine_pid`, same host).
+    Rank 0 writes every rank's records to `out` (JSON)."""
     import json
     import os
 
@@ -300,11 +315,13 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
         if rank == 0:
             sync.begin_session(pause=False)
         dist.barrier()
+        cpu = _cpu_s(None), (_cpu_s(engine_pid) if rank == 0 and engine_pid else 0.0)
         started = time.perf_counter()
         result = streamer.stream(push if streamer.is_sender else None, sequential=sequential,
                                  digest=(lambda name, t: tensor_digest(t)) if verify else None)
         dist.barrier()
         wall = time.perf_counter() - started
+        cpu = _cpu_s(None) - cpu[0], (_cpu_s(engine_pid) - cpu[1] if rank == 0 and engine_pid else 0.0)
         if rank == 0:
             sync.end_session()
         if verify:
@@ -314,7 +331,7 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
                 verify_checksum(sync.clients, combine_digests(parts))  # raises if the engine got anything else
         return {"wall_s": wall, "turn_s": result.turn_s, "buckets": result.buckets, "bytes": result.bytes,
                 "collectives": (sync.collectives if sync is not None else 0) - before, "push_window": window,
-                "verified": verify}
+                "verified": verify, "cpu_s": cpu[0], "engine_cpu_s": cpu[1]}
 
     records = []
     for k in range(rounds + 1):  # round 0 warms up (first touch of buffers on both sides)
@@ -360,7 +377,8 @@ def shape(args) -> int:
         engine = _start_engine(Path(tmp) / "engine", ["--preset", args.preset, "--no-fp32-lm-head"])
         try:
             mp.start_processes(_shape_rank, args=(4, free_port(), args.preset, engine.url,
-                                                  int(args.bucket_mb * 2**20), args.rounds, str(out), layout),
+                                                  int(args.bucket_mb * 2**20), args.rounds, str(out), layout,
+                                                  engine.process.pid),
                                nprocs=4, join=True, start_method="spawn")
         finally:
             engine.stop()
@@ -380,6 +398,19 @@ def shape(args) -> int:
     print(f"  per sync: {buckets} buckets, {collectives} collectives ({tensors} before buckets were flattened)")
     print(f"  stages alone: {', '.join(f'stage {s} {t:.2f} s' for s, t in sorted(turns.items()))} "
           f"(sum {alone:.2f} s); all stages at once: {together:.2f} s")
+    # Where the stages' time goes: CPU seconds of the 4 ranks and the engine per sync over its wall time is the
+    # number of cores the sync kept busy. Stages can overlap only into cores the host has free.
+    import os
+
+    def busy(mode: str) -> tuple[float, float]:
+        cpu = statistics.median(sum(r[mode]["cpu_s"] + r[mode]["engine_cpu_s"] for r in rnd) for rnd in rounds)
+        wall = together if mode == "together" else alone
+        return cpu, cpu / max(wall, 1e-9)
+
+    (cpu_alone, cores_alone), (cpu_together, cores_together) = busy("alone"), busy("together")
+    print(f"  CPU (4 ranks + engine): stages in turns {cpu_alone:.2f} cpu-s ({cores_alone:.2f} cores busy), at once "
+          f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); this host: {os.cpu_count()} cores, load "
+          f"average {os.getloadavg()[0]:.1f}")
     fp8 = _fp8_ratio(args.preset)
     print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
           f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")

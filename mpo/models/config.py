@@ -363,8 +363,10 @@ PRESETS: dict[str, MoEModelConfig] = {
         num_experts=128, router_topk=8, max_position_embeddings=4096),
     # `python -m mpo.bench weight_sync --shape`: many small expert tensors (8 layers x 64 experts x 3 = 1536 of
     # 8 x 16), the shape of a sync of Qwen3-30B-A3B's ~18k expert tensors at a size 2 CPU cores sync in seconds.
+    # many small expert tensors (1536 of 16 x 16); moe_ffn 16, not 8: the router, kept bf16 by fp8_block, is 1/(3 x
+    # moe_ffn) of a layer's expert bytes (Qwen3-30B-A3B: 1/2304), and one scale per tiny tensor weighs 2x at 8 x 16
     "sync_shape_bench": MoEModelConfig(
-        hidden_size=16, num_layers=8, num_attention_heads=2, num_query_groups=1, head_dim=8, moe_ffn_hidden_size=8,
+        hidden_size=16, num_layers=8, num_attention_heads=2, num_query_groups=1, head_dim=8, moe_ffn_hidden_size=16,
         ffn_hidden_size=32, num_experts=64, router_topk=2),
     "sync_bench_1l": MoEModelConfig(
         vocab_size=4096, hidden_size=1024, num_layers=1, num_attention_heads=8, num_query_groups=2, head_dim=128,

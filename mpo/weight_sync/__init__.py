@@ -41,6 +41,11 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
     engine copies the values out before it answers, so the sender may reuse the slot right after.
   Why every sender talks to the engines itself rather than forwarding to rank 0: at 32 GPUs with PP4 the stages'
   bytes leave from four NICs instead of converging on one, and no rank holds more than its buckets.
+* relay.py (colocated on several trainer nodes, a same-host transport: "shm", "cuda_ipc", SGLang's "tensor"):
+  each node's leader (its lowest trainer rank) pushes to that node's engines; a sender pushes its buckets to its own
+  node's engines and hands each (one packed buffer) point to point to the other nodes' leaders, which receive it
+  (on CPU into a shared-memory file the engines read in place) and push it on. Trainer nodes are told apart by
+  MPO_NODE_HOST, which the launcher sets. "distributed" stays refused there (a GPU twice in one NCCL group).
 * fp8.py: `rollout.engine_weights: fp8_block` (engines serving a block-FP8 checkpoint, DeepSeek-V3 style): each
   sender converts its HF buckets into that parameter format before pushing (float8_e4m3fn linears, a float32
   `weight_scale_inv` per 128 x 128 block, embeddings / LM head / norms / routers as they are); mpo's engine

@@ -41,6 +41,44 @@ class Publisher:
         self._urls: tuple = ()
         self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
         self.version: int | None = None  # the version last published
+        # per-node routing (mpo.weight_sync.relay): every rank's engines on its node, for the URLs in _claims_key
+        self._claims: list[list[int]] = []
+        self._claims_key: tuple = ()
+        self._relay_group = None  # made once, on the first sync that relays
+        self.relayed = 0  # buckets this rank pushed for other nodes' senders in the current sync
+
+    def _routes(self, info: dict):
+        """Per-node routes of this sync (collective), or None unless the run routes per node
+        (transports.per_node_sync: a same-host transport, the launcher's MPO_NODE_HOST) on several ranks."""
+        from mpo.weight_sync.relay import engines_on_this_node, plan_routes
+        from mpo.weight_sync.transports import per_node_sync
+
+        if one_rank() or not per_node_sync(info["transport"], info["engine"]):
+            return None
+        key = tuple(info["urls"])
+        if self._claims_key != key:  # engines moved (a restart on a new port): ask every rank again
+            claims: list = [None] * dist.get_world_size()
+            dist.all_gather_object(claims, engines_on_this_node(info["urls"]))
+            self._claims, self._claims_key = claims, key
+        return plan_routes(self._claims, self.streamer.senders, len(info["urls"]))
+
+    def _relay(self, routes, rank: int, sync, version: int, info: dict):
+        """This rank's NodeRelay for one sync (collective: the relay group is made on first use)."""
+        from collections import Counter
+
+        from mpo.weight_sync.relay import RELAY_TIMEOUT_S, NodeRelay, relay_group
+
+        device = self.streamer.device
+        if self._relay_group is None:
+            self._relay_group = relay_group(RELAY_TIMEOUT_S, "gloo" if device.type == "cpu" else "nccl")
+        mine = self._claims[rank]
+        direct = ((lambda named: sync.push_bucket(named, version, wait=False))
+                  if sync is not None and mine and self.streamer.is_sender else None)
+        lead = sync is not None and rank in routes.node_of_engine
+        return NodeRelay(routes, rank=rank, buckets_of=dict(Counter(b.sender for b in self.streamer.buckets)),
+                         group=self._relay_group, device=device,
+                         direct=direct, leader_push=(lambda named: sync.push_bucket(named, version)) if lead else None,
+                         shared=device.type == "cpu" and info["transport"] == "shm")
 
     def publish(self, version: int) -> dict[str, float]:
         """Collective: stream the weights of `version` to every engine bucket by bucket and verify them (mpo engines
@@ -65,7 +103,7 @@ class Publisher:
         engines rank 0 named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
-        from mpo.weight_sync.transports import WeightSync, engine_set_sync
+        from mpo.weight_sync.transports import WeightSync, engine_set_sync, per_node_sync
 
         r = self.config.rollout
         if self.engines is not None:
@@ -79,7 +117,8 @@ class Publisher:
             host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
                                     bucket_bytes=self.config.sync.bucket_mb << 20, tp_sizes=info["tp_sizes"],
-                                    master_address=routable_address(host))
+                                    master_address=routable_address(host),
+                                    per_node=per_node_sync(info["transport"], info["engine"]))
             self._urls = key
         return self._sync
 
@@ -88,6 +127,7 @@ class Publisher:
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
+        from mpo.weight_sync.relay import RELAY_TIMEOUT_S
         from mpo.weight_sync.transports import stages_at_once
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
@@ -104,7 +144,12 @@ class Publisher:
         info = info[0]
         if info is None:  # no engines: nothing to push
             return {}
-        sync = self._sender_sync(info) if streamer.is_sender else None
+        routes = self._routes(info)
+        rank = dist.get_rank() if not one_rank() else 0
+        leader = routes is not None and rank in routes.node_of_engine
+        sync = self._sender_sync(info) if streamer.is_sender or leader else None
+        if sync is not None and routes is not None:  # this node's engines only (the other nodes' leaders push theirs)
+            sync.push_to = {info["urls"][i] for i in self._claims[rank]}
         fp8 = r.engine_weights == "fp8_block"
         convert = _EngineFormat(r.engine_weights, keep=r.engine == "mpo")
         at_once = stages_at_once(info["transport"], len(streamer.senders), len(info["urls"]))
@@ -127,10 +172,17 @@ class Publisher:
             if not one_rank():
                 dist.barrier()
             push = (lambda named: sync.push_bucket(convert(named), version, wait=False)) if sync is not None else None
+            relay = None
+            if routes is not None and routes.relayed:  # colocated on several nodes: each node's leader pushes there
+                relay = self._relay(routes, rank, sync, version, info)
+                push = (lambda named: relay.push(convert(named))) if streamer.is_sender else None
             # shm: the engines read strided views of the slots, no conversion copies (block FP8 makes new tensors
             # anyway, from HF-shaped ones: views keep q/k/v's head-group axis)
             result = streamer.stream(push, sequential=not at_once, digest=digest,
                                      hf_views=info["transport"] == "shm" and not fp8)
+            if relay is not None:
+                relay.finish(RELAY_TIMEOUT_S)
+                self.relayed = relay.relayed
             if not one_rank():
                 dist.barrier()
         finally:
@@ -138,7 +190,9 @@ class Publisher:
                 sync.end_session()
         # block FP8: the bytes pushed are the converted tensors' (fp8 + scales), not the trainer's
         pushed = float(convert.bytes) if fp8 else float(result.bytes)
-        totals = torch.tensor([pushed, float(result.buckets), *convert.squares], dtype=torch.float64)
+        totals = torch.tensor([pushed, float(result.buckets), *convert.squares, float(self.relayed)],
+                              dtype=torch.float64)
+        self.relayed = 0
         all_reduce_(totals)  # a host tensor: NCCL needs it on the GPU, all_reduce_ moves it there and back
         digests: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         if digest is not None and one_rank():
@@ -153,6 +207,13 @@ class Publisher:
         metrics = {"sync_time_s": seconds, "sync_bytes": totals[0].item(), "sync_buckets": totals[1].item(),
                    "sync_bytes_per_s": totals[0].item() / max(seconds, 1e-9),
                    "sync_senders": float(len(streamer.senders))}
+        if routes is not None and routes.relayed:  # buckets the nodes' leaders pushed for other nodes' senders
+            metrics["sync_relayed_buckets"] = totals[4].item()
+            metrics["sync_engine_nodes"] = float(len(set(routes.node_of_engine)))
+            if engines is not None:  # each engine's own word that it runs this version (one GET per engine)
+                metrics["sync_engines_at_version"] = float(sum(
+                    str(c.call("/get_model_info", method="GET").get("weight_version")) == str(version)
+                    for c in sync.live))
         if fp8:  # the weight error FP8 adds (on log-probs: train_rollout_logprob_absdiff, rollout_mismatch_*)
             metrics["sync_fp8_weight_rel_rmse"] = (totals[2].item() / max(totals[3].item(), 1e-300)) ** 0.5
         return metrics

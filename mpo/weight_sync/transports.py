@@ -90,24 +90,37 @@ def stages_at_once(transport: str, senders: int, engines: int) -> bool:
 NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
 
 
+def same_host(transport: str, engine: str) -> bool:
+    """Whether `transport` reaches `engine` engines only from their own node ("auto" as check_transport reads it):
+    such a sync is routed per node (mpo.weight_sync.relay)."""
+    spec = TRANSPORTS.get("tensor" if transport == "auto" else transport)
+    return spec is not None and engine in spec.same_host
+
+
+def per_node_sync(transport: str, engine: str) -> bool:
+    """Whether this rank's sync routes buckets per node (mpo.weight_sync.relay): a same-host transport in a run the
+    launcher placed on several trainer nodes with engines on them (it sets MPO_NODE_HOST exactly then). Elsewhere an
+    engine off this host is refused up front, as check_transport says."""
+    import os
+
+    from mpo.weight_sync.relay import NODE_HOST_ENV
+
+    return same_host(transport, engine) and bool(os.environ.get(NODE_HOST_ENV))
+
+
 def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
-    """Raise ValueError (one line) when engines colocated on the trainer's GPUs, over `trainer_nodes` nodes, cannot
-    be synced: "tensor", "cuda_ipc" (and "auto", which is "tensor" there) reach SGLang engines on rank 0's node only,
-    and "distributed" would put a trainer GPU and an engine GPU that are the same device into one NCCL group (NCCL
-    refuses a device twice in a communicator). mpo's engines (CPU, gloo) have no such limit beyond check_transport's.
-    Until colocated multi-node sync exists, such a layout is refused before anything starts."""
+    """Raise ValueError (one line) when engines colocated on the trainer's GPUs cannot be synced: "distributed"
+    would put a trainer GPU and an engine GPU that are the same device into one NCCL group (NCCL refuses a device
+    twice in a communicator). Over several trainer nodes (`trainer_nodes`) the same-host transports ("cuda_ipc",
+    "tensor", "auto") reach each node's engines from that node's leader (mpo.weight_sync.relay); mpo's engines
+    (CPU, gloo) have no limit beyond check_transport's."""
     if engine != "sglang":
         return
     if transport == "distributed":
         raise ValueError("sync.transport='distributed' with rollout.colocate=true: the engines' GPUs are trainer GPUs "
                          "and NCCL cannot hold one device twice in the weight-update group; use sync.transport="
-                         "'tensor' or 'cuda_ipc' (trainer on one node) or give the engines nodes of their own "
-                         "(rollout.colocate=false)")
-    if trainer_nodes > 1:
-        raise ValueError(f"rollout.colocate=true with the trainer on {trainer_nodes} nodes: sync.transport="
-                         f"{transport!r} reaches colocated SGLang engines on rank 0's node only (and 'distributed' "
-                         f"cannot share a GPU); run the trainer on one node or give the engines nodes of their own "
-                         f"(rollout.colocate=false and more nodes)")
+                         "'cuda_ipc' or 'tensor' (each node's engines are pushed to from that node) or give the "
+                         "engines nodes of their own (rollout.colocate=false)")
 
 
 log = logging.getLogger(__name__)
@@ -175,11 +188,14 @@ class WeightSync:
         backend: process-group backend for "distributed" (default: nccl when CUDA is available, else gloo).
         master_address: address the engines reach the trainer's rendezvous at.
         timeout_s: how long a collective step may take before the sync fails.
+        per_node: a same-host transport whose buckets reach each node's engines from that node (mpo.weight_sync.
+            relay): engines on other nodes are not refused here, and `push_to` (set by the publisher) limits the
+            pushes to this node's; sessions still open and close on every engine.
     """
 
     def __init__(self, clients: Sequence[EngineClient], *, engine: EngineKind = "mpo", transport: str = "tensor",
                  bucket_bytes: int = 64 << 20, tp_sizes: Sequence[int] | None = None, backend: str | None = None,
-                 master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+                 master_address: str = "127.0.0.1", timeout_s: float = 120.0, per_node: bool = False) -> None:
         from urllib.parse import urlsplit
 
         from mpo.parallel.ports import is_local_host, is_loopback
@@ -188,7 +204,8 @@ class WeightSync:
             raise ValueError(f"engine must be 'mpo' or 'sglang', got {engine!r}")
         hosts = {c.url: urlsplit(c.url).hostname or "" for c in clients}
         remote = next((url for url, host in hosts.items() if not is_local_host(host)), None)
-        check_transport(transport, engine, off_host=remote and f"engine {remote} is on another node")
+        check_transport(transport, engine,
+                        off_host=None if per_node else remote and f"engine {remote} is on another node")
         far = next((url for url, host in hosts.items() if not is_loopback(host)), None)
         if transport == "distributed" and far is not None and is_loopback(master_address):
             raise ValueError(f"sync.transport='distributed': engine {far} cannot reach trainer rank 0 at "
@@ -223,6 +240,8 @@ class WeightSync:
         self.expendable: Callable[[EngineClient], bool] | None = None
         self.lost: set[str] = set()  # URLs left out of the current session
         self.paused = True  # whether the current session paused generation (begin_session)
+        self.per_node = per_node
+        self.push_to: set[str] | None = None  # per_node: the URLs this rank pushes buckets to (None: every engine)
 
     # -- pushing ---------------------------------------------------------------------------------------------------
     def begin_session(self, *, pause: bool = True) -> None:
@@ -256,10 +275,14 @@ class WeightSync:
         """(client, TP size) of the engines still in the session."""
         return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
 
-    def _each(self, call: Callable[[EngineClient, int], Any]) -> None:
-        """call(client, TP size) on each engine still in the session, in turn; one that fails in transport and is
-        expendable is dropped from the session."""
-        for client, tp in self._live():
+    def _pushed(self) -> list[tuple[EngineClient, int]]:
+        """(client, TP size) of the engines still in the session that this rank pushes buckets to (push_to)."""
+        return [(c, tp) for c, tp in self._live() if self.push_to is None or c.url in self.push_to]
+
+    def _each(self, call: Callable[[EngineClient, int], Any], *, pushing: bool = False) -> None:
+        """call(client, TP size) on each engine still in the session (pushing: that this rank pushes to), in turn;
+        one that fails in transport and is expendable is dropped from the session."""
+        for client, tp in (self._pushed() if pushing else self._live()):
             try:
                 call(client, tp)
             except EngineError as exc:
@@ -304,7 +327,7 @@ class WeightSync:
         else:
             load_format, payload = SGLANG_FORMAT, flattened_bucket_payload(bucket)
         self._each(lambda client, tp: client.update_weights_from_tensor([payload] * tp, load_format=load_format,
-                                                                        weight_version=version))
+                                                                        weight_version=version), pushing=True)
 
     def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
         """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles
@@ -320,7 +343,7 @@ class WeightSync:
         on_device = [(name, t.detach().to(device)) for name, t in bucket]
         payload = cuda_ipc_payload(on_device)
         torch.cuda.synchronize(device)  # the packed buffer is written before the engines map it
-        for client, tp in zip(self.clients, self.tp_sizes):
+        for client, tp in self._pushed():
             client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
         torch.cuda.synchronize(device)
 
@@ -354,7 +377,7 @@ class WeightSync:
                 located.append(locate(name, view))
                 at += size
         payload = json.dumps([loc.to_json() for loc in located])
-        live = self._live()
+        live = self._pushed()
         tp_of = {id(c): tp for c, tp in live}
         pending = PendingPush(_Calls([c for c, _ in live], lambda client: client.update_weights_from_tensor(
             [payload] * tp_of[id(client)], load_format=SHM_FORMAT, weight_version=version)), self.timeout_s,
@@ -464,7 +487,8 @@ def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
                                               is_gpu=torch.cuda.is_available(), shared_memory=engines.shared_memory)
         sync = WeightSync(engines.clients, engine=engines.engine, transport=engines.transport,
                           bucket_bytes=bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
-                          master_address=engines.sync_master_address)
+                          master_address=engines.sync_master_address,
+                          per_node=per_node_sync(engines.transport, engines.engine))
         if engines.transport != "distributed":  # a dead member would leave the group's collectives hanging
             sync.expendable = engines.exited
         engines.sync = sync
