@@ -106,7 +106,7 @@ def _attention(m: MoEModelConfig, tp: int) -> tuple[int, int]:
         else:
             split += m.num_attention_heads * qk * h  # linear_q_proj
         return split // tp, replicated
-    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim * h
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim * (h + int(m.attention_bias))  # + biases
     proj = m.num_attention_heads * m.head_dim * h
     norms = h + (2 * m.head_dim if m.qk_layernorm else 0)
     return (qkv + proj) // tp, norms

@@ -120,3 +120,23 @@ def test_the_walk_sees_lazy_relative_and_type_only_imports():
               "def f():\n    from mpo.cli import main\nfrom ..config import TrainConfig\n")
     found = {t for _, t in _imports(ast.parse(source), "mpo.rollout.x", False)}
     assert found == {"typing", "mpo.cli", "mpo.config"}
+
+
+def test_family_modules_are_reached_only_through_the_family_registry():
+    """A model family (mpo.models.families.<name>) is one module registered by path in the registry: nothing outside
+    the families package imports one by name (call sites ask mpo.models.families), and the registry imports none of
+    its users (no product import at all: it loads the listed modules by path)."""
+    registry = ROOT / "mpo" / "models" / "families" / "__init__.py"
+    bad = []
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            module = _module_name(path)
+            for line, target in _imports(ast.parse(path.read_text()), module, path.name == "__init__.py"):
+                if path == registry and target.split(".")[0] in PRODUCT:
+                    bad.append(f"the registry imports {target} ({path.relative_to(ROOT)}:{line})")
+                elif target.startswith("mpo.models.families.") and not module.startswith("mpo.models.families"):
+                    bad.append(f"{module} -> {target} ({path.relative_to(ROOT)}:{line})")
+    assert not bad, "family modules imported around the registry:\n" + "\n".join(bad)
+    from mpo.models.families import BUILTIN_FAMILIES, families
+
+    assert len(families()) == len(BUILTIN_FAMILIES) >= 3

@@ -1,5 +1,5 @@
 """The engine's model: the mpo model as Hugging Face `transformers` builds it (the architecture's own modeling
-code: Qwen3-MoE or DeepSeek-V3), in the engine's own process.
+code: one per family of mpo.models.families), in the engine's own process.
 
 Why transformers and not the trainer's megatron-core GPTModel (the engine's model until issue #32): an engine is a
 separate implementation of the same network, as SGLang is on a GPU cluster, and megatron-core's modules are built for
@@ -30,9 +30,9 @@ def _hf_config(cfg: MoEModelConfig):
 
     from mpo.models.config import to_hf_config
 
+    # to_hf_config names the family's transformers model_type (mpo.models.families): the engine builds that model.
     fields = {k: v for k, v in to_hf_config(cfg).items() if k not in ("architectures", "torch_dtype")}
-    model_type = fields.pop("model_type", None) or {"DeepseekV3ForCausalLM": "deepseek_v3"}[cfg.architecture]
-    return AutoConfig.for_model(model_type, **fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def build_hf_model(cfg: MoEModelConfig, *, dtype: str, fp32_lm_head: bool, device: torch.device) -> torch.nn.Module:

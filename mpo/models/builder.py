@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from mpo.models.config import MoEModelConfig
+from mpo.models.families import family_of
 from mpo.models.fp32_head import apply_fp32_lm_head
 from mpo.parallel.config import ParallelConfig
 from mpo.parallel.device import DeviceProfile
@@ -111,39 +112,11 @@ def transformer_config(model: MoEModelConfig, parallel: ParallelConfig, device: 
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
     )
-    kwargs.update(_deepseek_v3_kwargs(model))
+    # The family's own arguments (mpo.models.families): routers, dense leading layers, MLA widths, biases.
+    kwargs.update(family_of(model.architecture).transformer_kwargs(model))
     if model.multi_latent_attention:
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
-
-
-def _deepseek_v3_kwargs(model: MoEModelConfig) -> dict:
-    """TransformerConfig fields of the DeepSeek-V3 family; empty for Qwen3-MoE (its config stays as it was)."""
-    extra: dict = {}
-    if model.first_k_dense:
-        extra["moe_layer_freq"] = model.moe_layer_freq
-    if model.moe_shared_expert_intermediate_size:
-        extra["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size
-    if model.router_score_function != "softmax":
-        extra["moe_router_score_function"] = model.router_score_function
-    if model.router_enable_expert_bias:
-        # The bias is a checkpointed buffer; its online update is a training-time choice (rate 0: frozen, as in RL).
-        extra.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
-    if model.router_num_groups is not None:
-        extra.update(moe_router_num_groups=model.router_num_groups, moe_router_group_topk=model.router_group_topk)
-    if model.router_topk_scaling_factor is not None:
-        extra["moe_router_topk_scaling_factor"] = model.router_topk_scaling_factor
-    if model.multi_latent_attention:
-        extra.update(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
-                     qk_head_dim=model.qk_nope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim,
-                     v_head_dim=model.v_head_dim, rope_type=model.rope_type, rotary_base=model.rope_theta,
-                     apply_rope_fusion=False)
-        if model.rope_type == "yarn":
-            extra.update(rotary_scaling_factor=model.yarn_scaling_factor,
-                         original_max_position_embeddings=model.yarn_original_max_position_embeddings,
-                         beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow, mscale=model.yarn_mscale,
-                         mscale_all_dim=model.yarn_mscale_all_dim)
-    return extra
 
 
 def layer_spec(model: MoEModelConfig, device: DeviceProfile, config=None, vp_stage: int | None = None):
@@ -226,6 +199,7 @@ def _build_chunk(model: MoEModelConfig, parallel: ParallelConfig, device: Device
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        rotary_percent=model.rotary_percent,
         vp_stage=vp_stage,
     )
     if device.is_gpu:

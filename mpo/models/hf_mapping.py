@@ -176,10 +176,10 @@ class ModelMapping:
             out[: weight.shape[0]] = weight
         elif rule.kind == "qkv":
             q, k, v = tensors
-            hidden = q.shape[-1]
+            rest = tuple(q.shape[1:])  # (hidden,) for weights, () for biases
             ng, hd = info.num_query_groups, info.head_dim
-            out = torch.cat([q.reshape(ng, info.heads_per_group * hd, hidden), k.reshape(ng, hd, hidden),
-                             v.reshape(ng, hd, hidden)], dim=1).reshape(-1, hidden)
+            out = torch.cat([q.reshape(ng, info.heads_per_group * hd, *rest), k.reshape(ng, hd, *rest),
+                             v.reshape(ng, hd, *rest)], dim=1).reshape(-1, *rest)
         elif rule.kind == "gate_up":
             out = torch.cat(tensors, dim=0)
         else:  # pragma: no cover - rules are static
@@ -203,11 +203,12 @@ class ModelMapping:
             parts = [tensor[: info.vocab_size]]
         elif rule.kind == "qkv":
             ng, hd = info.num_query_groups, info.head_dim
-            grouped = tensor.reshape(ng, -1, tensor.shape[-1])
+            rest = tuple(tensor.shape[1:])  # (hidden,) for weights, () for biases
+            grouped = tensor.reshape(ng, -1, *rest)
             q, k, v = torch.split(grouped, [info.heads_per_group * hd, hd, hd], dim=1)
             if views:
                 return list(zip(unit.hf_names, (q, k, v)))
-            parts = [x.reshape(-1, tensor.shape[-1]) for x in (q, k, v)]
+            parts = [x.reshape(-1, *rest) for x in (q, k, v)]
         elif rule.kind == "gate_up":
             parts = list(torch.chunk(tensor, len(rule.hf), dim=0))
         else:  # pragma: no cover
@@ -266,158 +267,22 @@ def _is_linear_key(base: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Architectures
+# Architectures: each family's ParamRule table lives in its module (mpo.models.families); these ask the registry.
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def qwen3_moe_mapping(cfg, *, spec: Spec = "both") -> ModelMapping:
-    """Qwen3-MoE: every layer MoE (stacked keys), GQA with per-head q/k RMSNorm, no biases."""
-    from mpo.models.builder import padded_vocab_size
-
-    H, L, E, I = cfg.hidden_size, cfg.num_layers, cfg.num_experts, cfg.moe_ffn_hidden_size
-    nh, ng, hd, V = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim, cfg.vocab_size
-    Vp = padded_vocab_size(V, 1)
-    layer, expert = "model.layers.{layer}.", "model.layers.{layer}.mlp.experts.{expert}."
-    d = "decoder.layers."
-    rules = [
-        ParamRule("embedding.word_embeddings.weight", "model", ("model.embed_tokens.weight",), ((V, H),), (Vp, H),
-                  "vocab"),
-        ParamRule(d + "self_attention.linear_qkv.layer_norm_weight", "layer", (layer + "input_layernorm.weight",),
-                  ((H,),), (H,)),
-        ParamRule(d + "self_attention.linear_qkv.weight", "layer",
-                  tuple(layer + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                  ((nh * hd, H), (ng * hd, H), (ng * hd, H)), ((nh + 2 * ng) * hd, H), "qkv"),
-        ParamRule(d + "self_attention.q_layernorm.weight", "layer", (layer + "self_attn.q_norm.weight",), ((hd,),),
-                  (hd,)),
-        ParamRule(d + "self_attention.k_layernorm.weight", "layer", (layer + "self_attn.k_norm.weight",), ((hd,),),
-                  (hd,)),
-        ParamRule(d + "self_attention.linear_proj.weight", "layer", (layer + "self_attn.o_proj.weight",),
-                  ((H, nh * hd),), (H, nh * hd)),
-        # The local spec's keys map renames pre_mlp_layernorm even for MoE layers; TE keeps the module name.
-        ParamRule(d + "mlp.linear_fc1.layer_norm_weight", "layer", (layer + "post_attention_layernorm.weight",),
-                  ((H,),), (H,), te_key=d + "pre_mlp_layernorm.weight"),
-        ParamRule(d + "mlp.router.weight", "layer", (layer + "mlp.gate.weight",), ((E, H),), (E, H)),
-        ParamRule(d + "mlp.experts.experts.linear_fc1.weight", "expert",
-                  (expert + "gate_proj.weight", expert + "up_proj.weight"), ((I, H), (I, H)), (2 * I, H), "gate_up"),
-        ParamRule(d + "mlp.experts.experts.linear_fc2.weight", "expert", (expert + "down_proj.weight",), ((H, I),),
-                  (H, I)),
-        ParamRule("decoder.final_layernorm.weight", "model", ("model.norm.weight",), ((H,),), (H,)),
-    ]
-    if not cfg.tie_word_embeddings:
-        rules.append(ParamRule("output_layer.weight", "model", ("lm_head.weight",), ((V, H),), (Vp, H), "vocab"))
-    info = ArchInfo(num_layers=L, num_experts=E, vocab_size=V, padded_vocab_size=Vp, stacked=True,
-                    num_query_groups=ng, heads_per_group=nh // ng, head_dim=hd, moe_layers=tuple(range(L)),
-                    architecture="Qwen3MoeForCausalLM")
-    return ModelMapping(info, rules, spec=spec)
-
-
-def deepseek_v3_mapping(cfg, *, spec: Spec = "both") -> ModelMapping:
-    """DeepSeek-V3: MLA attention, `first_k_dense` dense layers then MoE layers with a shared expert and a sigmoid
-    router with expert bias. moe_layer_freq is a list, so torch_dist keys keep the layer index (not stacked).
-
-    MLA tensors are plain copies: q_b_proj / kv_b_proj rows are per head ([nope; rope] / [nope; v]) in both, and
-    kv_a_proj_with_mqa rows are [kv_lora; rope] in both; HF's rope_interleave needs no permutation (megatron's MLA
-    de-interleaves). The local (CPU) MLA spec names the latent norms q_layernorm / kv_layernorm and every pre-MLP norm
-    pre_mlp_layernorm; the TE spec fuses the latent norms (and a dense layer's pre-MLP norm) into the next linear.
-    MTP layers (model.layers.{num_layers}+) are not built and are skipped.
-    """
-    from mpo.models.builder import padded_vocab_size
-
-    H, L, E, I, F = cfg.hidden_size, cfg.num_layers, cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.ffn_hidden_size
-    nh, V = cfg.num_attention_heads, cfg.vocab_size
-    nope, rope, vd, kv_lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    Vp = padded_vocab_size(V, 1)
-    dense, moe = tuple(range(cfg.first_k_dense)), cfg.moe_layers
-    layer, expert = "model.layers.{layer}.", "model.layers.{layer}.mlp.experts.{expert}."
-    d = "decoder.layers.{layer}."
-    a = d + "self_attention."
-    rules = [
-        ParamRule("embedding.word_embeddings.weight", "model", ("model.embed_tokens.weight",), ((V, H),), (Vp, H),
-                  "vocab"),
-        ParamRule(d + "input_layernorm.weight", "layer", (layer + "input_layernorm.weight",), ((H,),), (H,)),
-    ]
-    if cfg.q_lora_rank is None:
-        rules.append(ParamRule(a + "linear_q_proj.weight", "layer", (layer + "self_attn.q_proj.weight",),
-                               ((nh * (nope + rope), H),), (nh * (nope + rope), H)))
-    else:
-        q = cfg.q_lora_rank
-        rules += [
-            ParamRule(a + "linear_q_down_proj.weight", "layer", (layer + "self_attn.q_a_proj.weight",), ((q, H),),
-                      (q, H)),
-            ParamRule(a + "q_layernorm.weight", "layer", (layer + "self_attn.q_a_layernorm.weight",), ((q,),), (q,),
-                      te_key=a + "linear_q_up_proj.layer_norm_weight"),
-            ParamRule(a + "linear_q_up_proj.weight", "layer", (layer + "self_attn.q_b_proj.weight",),
-                      ((nh * (nope + rope), q),), (nh * (nope + rope), q)),
-        ]
-    rules += [
-        ParamRule(a + "linear_kv_down_proj.weight", "layer", (layer + "self_attn.kv_a_proj_with_mqa.weight",),
-                  ((kv_lora + rope, H),), (kv_lora + rope, H)),
-        ParamRule(a + "kv_layernorm.weight", "layer", (layer + "self_attn.kv_a_layernorm.weight",), ((kv_lora,),),
-                  (kv_lora,), te_key=a + "linear_kv_up_proj.layer_norm_weight"),
-        ParamRule(a + "linear_kv_up_proj.weight", "layer", (layer + "self_attn.kv_b_proj.weight",),
-                  ((nh * (nope + vd), kv_lora),), (nh * (nope + vd), kv_lora)),
-        ParamRule(a + "linear_proj.weight", "layer", (layer + "self_attn.o_proj.weight",), ((H, nh * vd),),
-                  (H, nh * vd)),
-    ]
-    if dense:
-        rules += [
-            ParamRule(d + "pre_mlp_layernorm.weight", "layer", (layer + "post_attention_layernorm.weight",), ((H,),),
-                      (H,), te_key=d + "mlp.linear_fc1.layer_norm_weight", layers=dense),
-            ParamRule(d + "mlp.linear_fc1.weight", "layer",
-                      (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), ((F, H), (F, H)), (2 * F, H),
-                      "gate_up", layers=dense),
-            ParamRule(d + "mlp.linear_fc2.weight", "layer", (layer + "mlp.down_proj.weight",), ((H, F),), (H, F),
-                      layers=dense),
-        ]
-    rules += [
-        ParamRule(d + "pre_mlp_layernorm.weight", "layer", (layer + "post_attention_layernorm.weight",), ((H,),),
-                  (H,), layers=moe),
-        ParamRule(d + "mlp.router.weight", "layer", (layer + "mlp.gate.weight",), ((E, H),), (E, H), layers=moe),
-        ParamRule(d + "mlp.router.expert_bias", "layer", (layer + "mlp.gate.e_score_correction_bias",), ((E,),),
-                  (E,), layers=moe),
-        ParamRule(d + "mlp.experts.experts.linear_fc1.weight", "expert",
-                  (expert + "gate_proj.weight", expert + "up_proj.weight"), ((I, H), (I, H)), (2 * I, H), "gate_up",
-                  layers=moe),
-        ParamRule(d + "mlp.experts.experts.linear_fc2.weight", "expert", (expert + "down_proj.weight",), ((H, I),),
-                  (H, I), layers=moe),
-    ]
-    if cfg.moe_shared_expert_intermediate_size:
-        S = cfg.moe_shared_expert_intermediate_size
-        rules += [
-            ParamRule(d + "mlp.shared_experts.linear_fc1.weight", "layer",
-                      (layer + "mlp.shared_experts.gate_proj.weight", layer + "mlp.shared_experts.up_proj.weight"),
-                      ((S, H), (S, H)), (2 * S, H), "gate_up", layers=moe),
-            ParamRule(d + "mlp.shared_experts.linear_fc2.weight", "layer",
-                      (layer + "mlp.shared_experts.down_proj.weight",), ((H, S),), (H, S), layers=moe),
-        ]
-    rules.append(ParamRule("decoder.final_layernorm.weight", "model", ("model.norm.weight",), ((H,),), (H,)))
-    if not cfg.tie_word_embeddings:
-        rules.append(ParamRule("output_layer.weight", "model", ("lm_head.weight",), ((V, H),), (Vp, H), "vocab"))
-    mtp = tuple(f"model.layers.{i}." for i in range(L, L + 4))
-    info = ArchInfo(num_layers=L, num_experts=E, vocab_size=V, padded_vocab_size=Vp, stacked=False,
-                    num_query_groups=nh, heads_per_group=1, head_dim=nope + rope, moe_layers=moe,
-                    skipped_hf_prefixes=mtp,
-                    skip_reason="DeepSeek-V3 multi-token-prediction (MTP) layers are not built by mpo",
-                    architecture="DeepseekV3ForCausalLM")
-    return ModelMapping(info, rules, spec=spec)
-
-
-MAPPINGS: dict[str, Callable[..., ModelMapping]] = {
-    "Qwen3MoeForCausalLM": qwen3_moe_mapping,
-    "DeepseekV3ForCausalLM": deepseek_v3_mapping,
-}
 
 
 def model_config_from_hf(hf_config: Mapping, file: str = "config.json") -> "object":
     """mpo's MoEModelConfig for an HF config.json dict; unsupported architectures and missing or mistyped fields
     raise ConversionError naming `file`."""
     from mpo.models.config import from_hf_config
+    from mpo.models.families import architectures, families
 
     if not isinstance(hf_config, Mapping):
         raise ConversionError(f"expected a JSON object, got {type(hf_config).__name__}", file=file)
     arch = (hf_config.get("architectures") or [hf_config.get("model_type", "?")])[0]
-    if arch not in MAPPINGS:
-        raise ConversionError(f"unsupported architecture {arch!r}; supported: {', '.join(MAPPINGS)}", file=file)
+    if arch not in families():
+        raise ConversionError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures())}",
+                              file=file)
     try:
         return from_hf_config(hf_config)
     except KeyError as exc:
@@ -428,8 +293,10 @@ def model_config_from_hf(hf_config: Mapping, file: str = "config.json") -> "obje
 
 def mapping_for(model_config, *, spec: Spec = "both") -> ModelMapping:
     """The mapping of an mpo MoEModelConfig's architecture."""
-    factory = MAPPINGS.get(model_config.architecture)
-    if factory is None:
+    from mpo.models.families import architectures, families
+
+    family = families().get(model_config.architecture)
+    if family is None:
         raise ConversionError(f"unsupported architecture {model_config.architecture!r}; supported: "
-                              f"{', '.join(MAPPINGS)}")
-    return factory(model_config, spec=spec)
+                              f"{', '.join(architectures())}")
+    return family.mapping(model_config, spec=spec)

@@ -1,0 +1,101 @@
+"""The model families mpo builds, registered once: one module per family, keyed by HF architecture / model_type.
+
+A family module (e.g. `mpo.models.families.qwen3_moe`) defines `FAMILY`, a `Family`: how its HF config.json maps to
+mpo's MoEModelConfig and back, its megatron-core TransformerConfig arguments, its HF <-> megatron ParamRule table,
+the transformers model type the engine builds, and its presets. Everything else (config loading, the builder,
+conversion, weight sync, the engine) asks this registry; adding a family is one module listed in BUILTIN_FAMILIES.
+
+Built-ins are listed by module path and imported on first use, so this module imports none of its users and a family
+module is free to import mpo.models.config. Family modules must not import torch at module level (mpo's light
+commands read configs without it): they import the mapping inside `mapping`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from mpo.models.config import MoEModelConfig
+    from mpo.models.hf_mapping import ModelMapping
+
+BUILTIN_FAMILIES = (
+    "mpo.models.families.qwen3_moe",
+    "mpo.models.families.deepseek_v3",
+    "mpo.models.families.glm4_moe",
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+        architecture: HF `architectures[0]`, e.g. "Qwen3MoeForCausalLM" (MoEModelConfig.architecture).
+        model_type: HF `model_type`, e.g. "qwen3_moe" (what transformers' AutoConfig builds; the engine's model).
+        from_hf: config.json dict -> MoEModelConfig (raises ValueError / KeyError on what it cannot build).
+        to_hf: MoEModelConfig -> the family's own config.json fields (mpo.models.config.to_hf_config adds the common
+            ones and model_type).
+        transformer_kwargs: MoEModelConfig -> TransformerConfig arguments beyond the common ones the builder sets.
+        mapping: (MoEModelConfig, spec) -> the HF <-> megatron ModelMapping (its ParamRule table).
+        presets: named MoEModelConfigs of this family (tests, demos, benchmarks).
+        mla: the TransformerConfig is megatron's MLATransformerConfig.
+    """
+
+    architecture: str
+    model_type: str
+    from_hf: Callable[[Mapping[str, Any]], "MoEModelConfig"]
+    to_hf: Callable[["MoEModelConfig"], dict[str, Any]]
+    transformer_kwargs: Callable[["MoEModelConfig"], dict[str, Any]]
+    mapping: Callable[..., "ModelMapping"]
+    presets: dict[str, "MoEModelConfig"] = field(default_factory=dict)
+    mla: bool = False
+
+
+@lru_cache(maxsize=1)
+def families() -> dict[str, Family]:
+    """Every registered family by architecture, in BUILTIN_FAMILIES order."""
+    out: dict[str, Family] = {}
+    for path in BUILTIN_FAMILIES:
+        fam = importlib.import_module(path).FAMILY
+        if fam.architecture in out:
+            raise ValueError(f"model family {fam.architecture!r} registered twice ({path})")
+        out[fam.architecture] = fam
+    return out
+
+
+def architectures() -> tuple[str, ...]:
+    return tuple(families())
+
+
+def family_of(architecture: str) -> Family:
+    """The family of an MoEModelConfig.architecture; ValueError naming the supported ones."""
+    fam = families().get(architecture)
+    if fam is None:
+        raise ValueError(f"architecture {architecture!r} unsupported; mpo builds {', '.join(families())}")
+    return fam
+
+
+def family_for_hf(cfg: Mapping[str, Any]) -> Family | None:
+    """The family of an HF config.json dict, by `architectures[0]` or else `model_type`; None if none matches."""
+    arch = (cfg.get("architectures") or [None])[0]
+    for fam in families().values():
+        if arch == fam.architecture:
+            return fam
+    for fam in families().values():
+        if cfg.get("model_type") == fam.model_type:
+            return fam
+    return None
+
+
+def all_presets() -> dict[str, "MoEModelConfig"]:
+    """Every family's presets in one dict (a name used twice is a bug in a family module)."""
+    out: dict[str, "MoEModelConfig"] = {}
+    for fam in families().values():
+        for name, cfg in fam.presets.items():
+            if name in out:
+                raise ValueError(f"model preset {name!r} defined by two families")
+            out[name] = cfg
+    return out
