@@ -22,12 +22,13 @@ mmdebstrap --quiet --variant=minbase --include="$libs" bookworm "$root" http://d
 tar -C "$prefix" --exclude="lib/python$version/site-packages/*" --exclude="lib/python$version/test" \
     --exclude='__pycache__' -c bin lib include | tar -C "$root/usr/local" -x
 chroot "$root" ldconfig
-chroot "$root" /usr/local/bin/python$version -m ensurepip --upgrade >/dev/null
+chroot "$root" /usr/local/bin/python$version -m ensurepip --upgrade >/dev/null 2>&1
 for name in python python3 pip pip3; do
     target=$name; [[ $name == python* ]] && target=python$version; [[ $name == pip* ]] && target=pip$version
     [[ -e "$root/usr/local/bin/$name" ]] || ln -s "$target" "$root/usr/local/bin/$name"
 done
-chroot "$root" python -c "import ssl, sqlite3, ctypes, lzma, bz2, uuid, venv; import sys; assert sys.version_info[:2] == tuple(map(int, '$version'.split('.'))), sys.version"
-tar -C "$root" -c . | "$engine" import --change 'ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin' \
+chroot "$root" /usr/local/bin/python -c "import ssl, sqlite3, ctypes, lzma, bz2, uuid, venv; import sys; assert sys.version_info[:2] == tuple(map(int, '$version'.split('.'))), sys.version"
+quiet=(); [[ "$engine" == *podman ]] && quiet=(--quiet)  # docker import has no such flag
+tar -C "$root" -c . | "$engine" import "${quiet[@]}" --change 'ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'CMD ["python3"]' - "$tag" >/dev/null
 echo "debian_base.sh: $tag = Debian 12 + CPython $("$host_python" -c 'import platform; print(platform.python_version())') from $prefix"

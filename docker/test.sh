@@ -5,9 +5,10 @@
 # Uses podman (installed with apt when absent, with runc and mmdebstrap; needs root). Where Docker Hub cannot be
 # reached, the base is Debian 12 from Debian's packages plus this machine's CPython (docker/debian_base.sh); where
 # PyTorch's CPU wheel index cannot be reached, torch comes from PyPI with its CUDA wheels (a bigger image, said in the
-# size). This machine's pip configuration and CA bundle are mounted into the build, never copied into the image. The
-# pip cache is a build cache mount (podman keeps it under /var/tmp/buildah-cache*): a rerun on the same machine skips
-# the downloads; a fresh CI machine starts cold. Its images and containers are removed at the end.
+# size). This machine's pip configuration and CA bundle are mounted into the build, never copied into the image; so is
+# a pip cache, $MPO_PIP_CACHE (default /var/tmp/mpo-container-pip-cache, kept: a rerun on this machine skips the
+# downloads; a fresh CI machine starts cold). Its images and containers are removed at the end (MPO_KEEP_IMAGE=1 keeps
+# the image, tagged localhost/mpo-test:cpu, to look into a failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "docker/test.sh: $*" >&2; }
@@ -19,10 +20,11 @@ if ((${#missing[@]})); then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap >/dev/null
 fi
 work=$(mktemp -d /var/tmp/mpo-container-test.XXXXXX)
-tag=localhost/mpo-test:cpu-$$ base=
+tag=localhost/mpo-test:cpu base=
 cleanup() {
     podman rm -f "mpo-test-$$" >/dev/null 2>&1 || true
-    podman rmi -f "$tag" ${base:+"$base"} >/dev/null 2>&1 || true
+    [[ "${MPO_KEEP_IMAGE:-0}" == 1 ]] || podman rmi -f "$tag" >/dev/null 2>&1 || true
+    [[ -z "$base" ]] || podman rmi -f "$base" >/dev/null 2>&1 || true
     podman image prune -f >/dev/null 2>&1 || true  # the build's untagged intermediate layers
     rm -rf "$work"
 }
@@ -33,7 +35,9 @@ printf '[containers]\ndefault_ulimits = []\n[engine]\nruntime = "runc"\n' > "$CO
 export MPO_CONTAINER_ENGINE=podman MPO_IMAGE=$tag
 
 start=$(date +%s)
-build_args=(--network host)
+pip_cache=${MPO_PIP_CACHE:-/var/tmp/mpo-container-pip-cache}
+mkdir -p "$pip_cache"
+build_args=(--network host --volume "$pip_cache:/root/.cache/pip")
 python_version=$(sed -n 's/^PYTHON_VERSION=//p' docker/versions.env)
 if curl -s --max-time 10 -o /dev/null https://registry-1.docker.io/v2/; then
     say "Docker Hub answers: the default base python:$python_version-slim-bookworm"
