@@ -575,12 +575,12 @@ def optimizer_step(optimizer: Any) -> int:
     steps = set()
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
-            if "step" in group:
-                steps.add(int(group["step"]))
-            for param in group["params"]:
-                value = inner.state.get(param, {}).get("step")
-                if value is not None:
-                    steps.add(int(value))
+            per_parameter = [inner.state.get(param, {}).get("step") for param in group["params"]]
+            per_parameter = [int(v) for v in per_parameter if v is not None]
+            # torch Adam counts per parameter and never reads a group's "step": a resumed DistributedOptimizer's
+            # groups carry the checkpoint's count (with_optimizer_step), which then stays behind; fused Adam counts
+            # in the group alone.
+            steps.update(per_parameter or ([int(group["step"])] if "step" in group else []))
     if len(steps) > 1:
         raise RuntimeError(f"optimizer parameters disagree on Adam's step count: {sorted(steps)}")
     return steps.pop() if steps else 0

@@ -197,7 +197,8 @@ def run(config: TrainConfig) -> None:
                 trainer.producer, collect = producer, producer.collect
             schedule = RolloutSchedule(collect, config.schedule.mode, config.schedule.max_staleness,
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
-                                       memory=_memory_hook(engines) if config.rollout.colocate else None)
+                                       memory=_memory_hook(engines) if config.rollout.colocate else None,
+                                       rows=lambda: (producer or trainer.collector).samples_log)
         if trainer.rank == 0 and config.eval.every:
             evaluator = Evaluator(config, engines.handles)
         freeze_startup_heap()  # the model, the optimizer and the warm start's leftovers: out of every collection
@@ -220,7 +221,7 @@ def run(config: TrainConfig) -> None:
             if metrics_log is not None:
                 with trainer.clock("metrics_write"):
                     metrics_log.log(step, metrics)
-                    metrics_log.log_samples((producer or trainer.collector).samples_log)
+                    metrics_log.log_samples(schedule.samples_log)
             trainer.stop_if_nonfinite(step + 1)
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:

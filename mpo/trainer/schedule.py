@@ -83,6 +83,7 @@ def _overlap(intervals: list[tuple[float, float]], start: float, end: float) -> 
 class _Produced:
     samples: list
     metrics: dict[str, float]
+    rows: list[dict]  # its samples.jsonl rows
 
 
 @dataclass
@@ -102,6 +103,10 @@ class RolloutSchedule:
     # Colocated engines (rollout.colocate, sync mode): memory(action, tags) releases the engines' GPU memory after
     # each batch and resumes it in two stages around the weight sync (weights first, then the KV cache).
     memory: Callable[[str, list[str] | None], None] | None = None
+    # The collect source's rows for samples.jsonl of the batch it just made: read right after each collect, so the
+    # rows logged with a step are that step's (off-policy, the source has moved on to the next batch by then).
+    rows: Callable[[], list[dict]] | None = None
+    samples_log: list[dict] = field(default_factory=list)  # the rows of the batch take() last returned
     version: int = 0
     _batches: dict[int, _Produced] = field(default_factory=dict)
     _busy: list[tuple[float, float]] = field(default_factory=list)  # engine generating intervals (perf_counter)
@@ -134,10 +139,11 @@ class RolloutSchedule:
             began = self._batch_began = time.perf_counter()
             try:
                 samples, metrics = self.collect(step, self.version)
+                rows = list(self.rows()) if self.rows is not None else []
             finally:
                 with self._cv:
                     self._busy.append((began, time.perf_counter()))
-        return _Produced(samples, metrics)
+        return _Produced(samples, metrics, rows)
 
     def _produce(self) -> None:
         try:
@@ -174,6 +180,7 @@ class RolloutSchedule:
                     raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
                 produced = self._batches.pop(step)
         self._trainer_from = time.perf_counter()
+        self.samples_log = produced.rows
         limit = step - (self.lag if self.mode != "sync" else 0)
         # per sample, not per token: each sample's versions are one array (its oldest token decides)
         kept, dropped, oldest, tokens, age_sum = [], 0, step, 0, 0

@@ -52,10 +52,11 @@ def env_of(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
-def submit(cluster_env: dict, out_file: Path, overrides: str) -> tuple[subprocess.Popen, str, str]:
+def submit(cluster_env: dict, out_file: Path, overrides: str,
+           config: str = "mpo/recipes/demo_cpu.yaml") -> tuple[subprocess.Popen, str, str]:
     name = f"mpo-test-{uuid.uuid4().hex[:8]}"
-    # two nodes, a trainer rank on each: the demo at its two-rank layout (EP2; `mpo demo` itself runs one rank)
-    env = {**cluster_env, "MPO_CONFIG": "mpo/recipes/demo_cpu.yaml",
+    # two nodes, a trainer rank on each: the config at a two-rank layout (EP2; `mpo demo` itself runs one rank)
+    env = {**cluster_env, "MPO_CONFIG": config,
            "MPO_OVERRIDES": f"world_size=2 parallel.expert_parallel=2 {overrides}",
            "MPO_PYTHON": sys.executable, "MPO_REPO": str(REPO)}
     proc = subprocess.Popen(["sbatch", "--wait", "--parsable", f"--job-name={name}", "--nodes=2",
@@ -66,13 +67,14 @@ def submit(cluster_env: dict, out_file: Path, overrides: str) -> tuple[subproces
     return proc, job_id, name
 
 
-def wait(proc: subprocess.Popen, name: str, env: dict) -> int:
+def wait(proc: subprocess.Popen, name: str, env: dict, limit_s: float = JOB_LIMIT_S) -> int:
+    """The job's exit code; past `limit_s` (queueing included: the cluster is shared) it is cancelled and fails."""
     try:
-        return proc.wait(JOB_LIMIT_S)
+        return proc.wait(limit_s)
     except subprocess.TimeoutExpired:
         subprocess.run(["scancel", f"--name={name}"], env=env)
         proc.kill()
-        pytest.fail(f"job {name} did not finish in {JOB_LIMIT_S} s (cancelled)")
+        pytest.fail(f"job {name} did not finish in {limit_s:.0f} s (cancelled)")
 
 
 def assert_nothing_left(job_id: str, reported_pids: list[int]) -> None:
