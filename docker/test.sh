@@ -17,7 +17,9 @@ for tool in podman runc mmdebstrap; do command -v "$tool" >/dev/null || missing+
 if ((${#missing[@]})); then
     [[ $(id -u) == 0 ]] || { say "install ${missing[*]} (apt-get install -y podman runc mmdebstrap) or run as root"; exit 1; }
     say "installing ${missing[*]} with apt"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap >/dev/null
+    # the lock timeout: .ci/run starts this beside the suite, whose Slurm tier may be installing its packages too
+    apt-get -o DPkg::Lock::Timeout=600 update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq podman runc mmdebstrap >/dev/null
 fi
 work=$(mktemp -d /var/tmp/mpo-container-test.XXXXXX)
 tag=localhost/mpo-test:cpu base=

@@ -42,8 +42,8 @@ install_packages() {
     fi
     log "installing slurmctld slurmd slurm-client munge (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q >"$D/log/apt.log" 2>&1 \
-        && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >>"$D/log/apt.log" 2>&1 \
+    apt-get -o DPkg::Lock::Timeout=600 update -q >"$D/log/apt.log" 2>&1 \
+        && apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >>"$D/log/apt.log" 2>&1 \
         || { log "apt-get failed; see $D/log/apt.log"; tail -5 "$D/log/apt.log" >&2; return 1; }
 }
 
