@@ -28,6 +28,21 @@ def router_kwargs(model: MoEModelConfig) -> dict[str, Any]:
     return extra
 
 
+def routed_moe_hf_fields(model: MoEModelConfig) -> dict[str, Any]:
+    """The config.json fields DeepSeek-V3 and GLM-4.5 share for their routed experts, shared expert, sigmoid group
+    router and leading dense layers (to_hf adds each family's own)."""
+    shared = model.moe_shared_expert_intermediate_size or 0
+    return {
+        "n_routed_experts": model.num_experts,
+        "n_shared_experts": shared // model.moe_ffn_hidden_size,
+        "n_group": model.router_num_groups or 1,
+        "topk_group": model.router_group_topk or 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": model.router_topk_scaling_factor or 1.0,
+        "first_k_dense_replace": model.first_k_dense,
+        "num_nextn_predict_layers": 0,
+    }
+
 def check_group_topk(family: str, topk: int, topk_group: int, n_group: int) -> dict[str, Any]:
     """MoEModelConfig router-group fields for HF n_group / topk_group (empty when ungrouped)."""
     if n_group <= 1:

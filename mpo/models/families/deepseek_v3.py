@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from mpo.models.config import MoEModelConfig, from_hf_common, hf_rope
 from mpo.models.families import Family
-from mpo.models.families.common import check_group_topk, head_rules, mlp_rules, router_kwargs
+from mpo.models.families.common import check_group_topk, head_rules, mlp_rules, routed_moe_hf_fields, router_kwargs
 
 log = logging.getLogger(__name__)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -77,7 +77,6 @@ def to_hf(model: MoEModelConfig) -> dict[str, Any]:
                     original_max_position_embeddings=model.yarn_original_max_position_embeddings,
                     beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow, mscale=model.yarn_mscale,
                     mscale_all_dim=model.yarn_mscale_all_dim)
-    shared = model.moe_shared_expert_intermediate_size or 0
     return {
         "num_key_value_heads": model.num_attention_heads,
         "q_lora_rank": model.q_lora_rank,
@@ -85,14 +84,7 @@ def to_hf(model: MoEModelConfig) -> dict[str, Any]:
         "qk_nope_head_dim": model.qk_nope_head_dim,
         "qk_rope_head_dim": model.qk_rope_head_dim,
         "v_head_dim": model.v_head_dim,
-        "n_routed_experts": model.num_experts,
-        "n_shared_experts": shared // model.moe_ffn_hidden_size,
-        "n_group": model.router_num_groups or 1,
-        "topk_group": model.router_group_topk or 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": model.router_topk_scaling_factor or 1.0,
-        "first_k_dense_replace": model.first_k_dense,
-        "num_nextn_predict_layers": 0,
+        **routed_moe_hf_fields(model),
         "rope_interleave": True,
         "rope_parameters": rope,
     }

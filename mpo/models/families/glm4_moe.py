@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from mpo.models.config import MoEModelConfig, from_hf_common, hf_rope
 from mpo.models.families import Family
-from mpo.models.families.common import check_group_topk, head_rules, mlp_rules, router_kwargs
+from mpo.models.families.common import check_group_topk, head_rules, mlp_rules, routed_moe_hf_fields, router_kwargs
 
 log = logging.getLogger(__name__)
 ARCHITECTURE = "Glm4MoeForCausalLM"
@@ -63,20 +63,12 @@ def from_hf(cfg: Mapping[str, Any]) -> MoEModelConfig:
 
 
 def to_hf(model: MoEModelConfig) -> dict[str, Any]:
-    shared = model.moe_shared_expert_intermediate_size or 0
     return {
         "num_key_value_heads": model.num_query_groups,
         "head_dim": model.head_dim,
         "attention_bias": model.attention_bias,
         "use_qk_norm": model.qk_layernorm,
-        "n_routed_experts": model.num_experts,
-        "n_shared_experts": shared // model.moe_ffn_hidden_size,
-        "n_group": model.router_num_groups or 1,
-        "topk_group": model.router_group_topk or 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": model.router_topk_scaling_factor or 1.0,
-        "first_k_dense_replace": model.first_k_dense,
-        "num_nextn_predict_layers": 0,
+        **routed_moe_hf_fields(model),
         "rope_parameters": {"rope_theta": model.rope_theta, "rope_type": "default",
                             "partial_rotary_factor": model.rotary_percent},
     }
