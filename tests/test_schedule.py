@@ -128,3 +128,27 @@ def test_colocate_needs_sync_mode():
         load_config(RECIPES / "demo_cpu.yaml", ["schedule.max_staleness=0"])
     with pytest.raises(ConfigError, match="schedule.mode='later'; valid values: 'sync', 'one_step_off', 'async'"):
         load_config(RECIPES / "demo_cpu.yaml", ["schedule.mode=later"])
+
+
+@pytest.mark.parametrize("mode,k", [("one_step_off", 1), ("async", 2)])
+def test_samples_log_is_the_batch_each_step_trained(mode, k):
+    """samples.jsonl's rows come with their batch: off-policy the producer has collected the next batch (and its
+    source's rows moved on) by the time a step trains, so rows read at log time would be the wrong step's (the
+    rehearsal found step 0 never logged and the last step twice)."""
+    source = {"rows": []}
+
+    def collect(step: int, version: int):
+        source["rows"] = [{"step": step}]  # what the collect source holds after its latest collect
+        return [Sample(ids=[1, 2, 3], prompt_len=1, group=0, reward=0.0, versions=[version])], {}
+
+    steps = 5
+    schedule = RolloutSchedule(collect, mode, k, start=0, steps=steps, rows=lambda: source["rows"])
+    logged = []
+    for step in range(steps):
+        schedule.take(step)
+        time.sleep(0.01)  # the producer runs ahead meanwhile
+        logged.append(schedule.samples_log)
+        schedule.before_sync()
+        schedule.after_sync(step + 1)
+    schedule.stop()
+    assert logged == [[{"step": s}] for s in range(steps)]

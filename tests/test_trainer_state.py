@@ -190,3 +190,25 @@ def test_synchronous_saves_start_no_writer_process(monkeypatch):
         assert filesystem_async._results_queue is manager_queue
     finally:
         filesystem_async._manager.shutdown()
+
+
+def test_adam_step_count_of_a_resumed_run_is_read_where_torch_adam_keeps_it():
+    """A resumed DistributedOptimizer's param groups carry the checkpoint's step count, which torch Adam (counting per
+    parameter) never updates: one step after resuming the two disagreed and every save was refused (found by the
+    rehearsal). The count is read per parameter where Adam keeps it, from the group only where fused Adam does."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mpo.trainer.dist_checkpoint import optimizer_step
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    adam = torch.optim.Adam(params, lr=0.1)
+    for _ in range(2):
+        sum(p.sum() for p in params).backward()
+        adam.step()
+    adam.param_groups[0]["step"] = 1  # the resumed checkpoint's count, left behind by one step
+    assert optimizer_step(SimpleNamespace(optimizer=adam)) == 2
+    fused_like = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    fused_like.param_groups[0]["step"] = 7  # no per-parameter count: the group's is the count
+    assert optimizer_step(SimpleNamespace(optimizer=fused_like)) == 7
