@@ -87,9 +87,11 @@ def test_user_sees_a_line_per_step_without_the_bar(resumed):
 def test_user_start_up_says_what_it_does(resumed):
     _, _, text, _, _ = resumed
     lines = text.splitlines()
+    # the attention / expert path line (which computation runs) joined the start-up: 9 lines on a resumed run
     for expected in ("starting 1 trainer rank (torchrun); run directory", "INFO starting 1 local engine",
-                     "INFO building the model", "INFO 1 engine ready"):
-        assert any(expected in line for line in lines[:8]), (expected, lines[:8])
+                     "INFO building the model", "INFO attention: megatron local (unfused); experts: ",
+                     "INFO 1 engine ready"):
+        assert any(expected in line for line in lines[:9]), (expected, "\n".join(lines[:10]))
 
 
 def test_user_run_ends_with_a_summary_and_a_plot(resumed, tmp_path):

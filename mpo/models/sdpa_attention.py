@@ -133,11 +133,12 @@ def use_sdpa_attention(spec: Any) -> int:
 
 def local_fast_paths(spec: Any, device: Any, config: Any = None) -> Any:
     """A local layer or block spec with the attention `device` (a DeviceProfile) selects: SdpaAttention where it says
-    "sdpa", megatron's otherwise; logs once per process which attention and which expert computation run."""
+    "sdpa", megatron's otherwise; logs once per process, in one line, which attention and which expert computation
+    run."""
     if device.attention == "sdpa":
         use_sdpa_attention(spec)
-    for line in device.fast_path_lines(config.params_dtype if config is not None else torch.float32):
-        _log_once(line)
+    # one start-up line for both choices (a user reads the first few lines to see what the run does)
+    _log_once("; ".join(device.fast_path_lines(config.params_dtype if config is not None else torch.float32)))
     return spec
 
 
