@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
 
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
     from mpo.model_import import refuse_without_weights
 
     overrides = list(args.overrides)

@@ -238,7 +238,8 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
     """Compute every node's processes. Pure: same inputs, same plan, on every node."""
     import yaml
 
-    from mpo.config import load_config, to_dict
+    from mpo.config import to_dict
+    from mpo.config_checks import load_config
 
     hosts, gpus = allocation.hosts, allocation.gpus_per_node
     if not hosts:
@@ -268,7 +269,8 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
         mem = options.engine_mem_fraction
         if mem is None and placement == "colocated" and gpus_per_engine:
             mem = 0.4
-        settings = EngineSettings.from_config(config, mem_fraction=mem)
+        settings = EngineSettings.from_config(config.model, config.rollout, config.sync, seed=config.seed,
+                                              mem_fraction=mem)
         if gpus_per_engine and gpus % gpus_per_engine:
             raise PlanError(f"rollout.tensor_parallel={gpus_per_engine} does not divide the {gpus} GPUs per node")
         slots = gpus // gpus_per_engine if gpus_per_engine else r.num_engines  # CPU engines are not GPU-bound

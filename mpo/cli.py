@@ -31,7 +31,8 @@ def resolve_config(config_path: str | None, overrides: list[str]):
     """Load and validate; returns (TrainConfig, the resolved YAML text every rank will read)."""
     import yaml
 
-    from mpo.config import load_config, to_dict
+    from mpo.config import to_dict
+    from mpo.config_checks import load_config
 
     config = load_config(config_path, overrides)
     return config, yaml.safe_dump(to_dict(config), sort_keys=False)

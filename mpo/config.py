@@ -4,7 +4,6 @@ line, validated before any process starts. Unknown fields and bad values fail wi
 from __future__ import annotations
 
 import dataclasses
-import math
 import reprlib
 import types
 import typing
@@ -132,6 +131,11 @@ class RolloutSection:
     colocate: bool = False
     offload_trainer: bool | None = None
 
+    @property
+    def turn_new_tokens(self) -> int:
+        """One environment turn's generation budget: max_tokens_per_turn, else max_new_tokens."""
+        return self.max_tokens_per_turn or self.max_new_tokens
+
 
 @dataclass(frozen=True)
 class SyncSection:
@@ -162,6 +166,10 @@ class SyncSection:
     master_address: str | None = None
     host_shared_memory: bool | None = None
     probe_max_sequences: int = 64
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb << 20
 
 
 @dataclass(frozen=True)
@@ -443,6 +451,26 @@ class TrainConfig:
     seed: int = 1234
     world_size: int = 1
 
+    @property
+    def engine_dtype(self) -> str:
+        return served_dtype(self.model, self.rollout)
+
+    @property
+    def response_tokens(self) -> int:
+        """DAPO's L_max, the response length overlong shaping measures against: data.max_response_tokens, else
+        rollout.max_new_tokens."""
+        return self.data.max_response_tokens or self.rollout.max_new_tokens
+
+    @property
+    def eval_new_tokens(self) -> int:
+        """A held-out response's generation budget: eval.max_new_tokens, else rollout.max_new_tokens."""
+        return self.eval.max_new_tokens or self.rollout.max_new_tokens
+
+
+def served_dtype(model: ModelSection, rollout: RolloutSection) -> str:
+    """The dtype the engines serve (TrainConfig.engine_dtype): rollout.engine_dtype, else model.dtype."""
+    return rollout.engine_dtype or model.dtype
+
 
 # -- loading ---------------------------------------------------------------------------------------------------------
 # Values quoted in errors are bounded: a config value may be huge (a long string, or a YAML alias bomb whose repr was
@@ -605,19 +633,13 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Read YAML (optional), apply overrides, build and validate the config."""
+def read_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Read YAML (optional), apply overrides and build the config: the data alone, each field coerced but nothing
+    checked across fields (mpo.config_checks.load_config, the loader every entry point uses, resolves and checks)."""
     data: dict = {}
     if path is not None:
         data = _read_yaml(Path(path))
-    data = apply_overrides(data, list(overrides))
-    config = _build(TrainConfig, data, "")
-    a, mode = config.algorithm, config.schedule.mode  # unset ones resolved here: check-config prints what a run uses
-    config = dataclasses.replace(config, algorithm=dataclasses.replace(
-        a, rollout_correction=resolve_rollout_correction(a.rollout_correction, mode),
-        replay=a.replay if a.replay is not None else resolve_replay(mode, config.rollout.router_in_front)))
-    validate(config)
-    return config
+    return _build(TrainConfig, apply_overrides(data, list(overrides)), "")
 
 
 def resolve_replay(mode: str, router_in_front: bool) -> str:
@@ -626,16 +648,6 @@ def resolve_replay(mode: str, router_in_front: bool) -> str:
     if mode == "sync":
         return "none"
     return "r2" if router_in_front else "r3"
-
-
-def resolve_rollout_correction(kind: str | None, mode: str) -> str:
-    """algorithm.rollout_correction as a run uses it: unset means none on-policy (schedule.mode=sync) and the decoupled
-    objective with a truncated behaviour weight off-policy (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT)."""
-    from mpo.algorithms.rollout_correction import OFF_POLICY_DEFAULT
-
-    if kind is not None:
-        return kind
-    return "none" if mode == "sync" else OFF_POLICY_DEFAULT
 
 
 def _read_yaml(path: Path) -> dict:
@@ -668,355 +680,3 @@ def _read_yaml(path: Path) -> dict:
 
 def to_dict(config: TrainConfig) -> dict:
     return dataclasses.asdict(config)
-
-
-def validate(config: TrainConfig) -> None:
-    """Cross-field checks, all before any process starts."""
-    from mpo.algorithms import CorrectionConfig, get_loss, loss_names, make_loss_config
-    from mpo.algorithms.kl import resolve_kl_estimator
-    from mpo.algorithms.step_advantages import AdvantageConfig
-    from mpo.models.config import PRESETS
-
-    a, r, m, d = config.algorithm, config.rollout, config.model, config.data
-    _check_ranges(config)
-    _check_urls(r.urls)
-    if ":" in a.loss:  # a plug-in: loaded here, so a typo fails before any rank starts
-        try:
-            get_loss(a.loss)
-        except ValueError as exc:
-            raise ConfigError(f"algorithm.loss: {exc}") from None
-    elif a.loss not in loss_names():
-        raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}, or a plug-in "
-                          "'module:function' / 'path/to/file.py:function'")
-    loss_args = _typed_loss_args(a.loss, a.loss_args)
-    try:
-        make_loss_config(a.loss, **loss_args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"algorithm.loss_args: {exc}") from None
-    try:
-        AdvantageConfig(a.advantage, dict(a.advantage_args))
-        resolve_kl_estimator(a.kl_estimator)
-        CorrectionConfig(a.rollout_correction, **a.rollout_correction_args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"algorithm: {exc}") from None
-    if a.replay == "r3" and r.router_in_front:
-        raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
-                          "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
-    from mpo.weight_sync.transports import check_transport
-
-    try:
-        check_transport(config.sync.transport, r.engine)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if r.engine_weights == "fp8_block" and r.engine == "mpo" and config.sync.transport == "distributed":
-        raise ConfigError("rollout.engine_weights='fp8_block' with sync.transport='distributed' and rollout.engine="
-                          "'mpo': mpo's engine joins the group over gloo, which cannot broadcast float8; use "
-                          "sync.transport 'auto', 'shm' or 'tensor' (or engine_weights='bf16')")
-    if config.schedule.mode != "sync" and a.rollout_correction == "none":
-        raise ConfigError(f"algorithm.rollout_correction='none' with schedule.mode={config.schedule.mode!r}: the "
-                          f"samples come from older policies and nothing would correct them; leave it unset "
-                          f"(tis_token) or choose tis_seq, decoupled_token, decoupled_seq, icepop_token or mis_seq")
-    if r.colocate and config.schedule.mode != "sync":
-        raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
-                          f"engines hand their memory to the trainer, so they cannot generate while it trains")
-    if r.colocate:  # engines on the trainer's GPUs: the transport must reach every one (one node of NODE_GPUS)
-        from mpo.weight_sync.transports import NODE_GPUS, check_colocated
-
-        try:
-            check_colocated(config.sync.transport, r.engine, trainer_nodes=-(-config.world_size // NODE_GPUS))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if r.offload_trainer and not r.colocate:
-        raise ConfigError("rollout.offload_trainer=true needs rollout.colocate=true: the trainer offloads only to make "
-                          "room for engines on its own GPUs")
-    if m.random_init and m.mcore_dir:
-        raise ConfigError("model.random_init=true with model.mcore_dir set: a run starts from one of them; unset one")
-    if m.hf_dir is None and m.preset not in PRESETS:
-        raise ConfigError(f"model.preset={_show(m.preset)}; valid values: {', '.join(PRESETS)}")
-    if r.samples_per_prompt < 2 and _advantage_needs_groups(a.advantage):
-        raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: algorithm.advantage={a.advantage!r} "
-                          f"takes its baseline from the prompt's group, which needs >= 2")
-    if a.dynamic_sampling and r.samples_per_prompt < 2:
-        raise ConfigError(f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got "
-                          f"{r.samples_per_prompt}): a group of one response never has reward variance")
-    if d.retire_pass_rate is not None and not 0.0 <= d.retire_pass_rate <= 1.0:
-        raise ConfigError(f"data.retire_pass_rate={d.retire_pass_rate} must be in [0, 1] (or null to keep all)")
-    _check_data(config)
-    _check_schedule(config)
-    _check_logging(config)
-    model_cfg = model_config(config)
-    if m.mcore_dir is not None:
-        _check_mcore_dir(config, model_cfg)
-    try:
-        config.parallel.validate(config.world_size, num_layers=model_cfg.num_layers,
-                                 num_attention_heads=model_cfg.num_attention_heads,
-                                 num_query_groups=model_cfg.num_query_groups, num_experts=model_cfg.num_experts)
-    except LayoutError as exc:
-        raise ConfigError(f"parallel: {exc}") from None
-
-
-def _check_data(config: TrainConfig) -> None:
-    """data.task names a toy task, a reasoning_gym task, or data files that exist; text tasks have a tokenizer and a
-    reward function; DAPO's overlong buffer fits in the response budget."""
-    from mpo.data.task_spec import TaskSpecError, parse_task
-
-    d, m, a, r = config.data, config.model, config.algorithm, config.rollout
-    try:
-        spec = parse_task(d.task)
-    except TaskSpecError as exc:
-        raise ConfigError(f"data.task: {exc}") from None
-    if spec.kind != "toy" and not (m.tokenizer_dir or m.hf_dir):
-        raise ConfigError(f"data.task={_show(d.task)} is a text task: set model.hf_dir or model.tokenizer_dir (its "
-                          f"tokenizer encodes the prompts and decodes the responses)")
-    if spec.kind == "files":  # a file whose rows all miss a key fails here, not after every rank has started
-        from mpo.data.sources import DataError, check_first_rows
-
-        try:
-            check_first_rows(d.task, prompt_key=d.prompt_key, answer_key=d.answer_key, max_row_bytes=d.max_row_bytes)
-        except (DataError, OSError) as exc:
-            raise ConfigError(f"data.task: {exc}") from None
-    if config.reward.fn is not None:
-        from mpo.rewards import get_reward
-
-        try:
-            get_reward(config.reward.fn)  # a plug-in's module is imported here, so a typo fails before any rank starts
-        except ValueError as exc:
-            raise ConfigError(f"reward.fn: {exc}") from None
-    if config.eval.every and config.eval.task is not None:
-        try:
-            eval_spec = parse_task(config.eval.task)
-        except TaskSpecError as exc:
-            raise ConfigError(f"eval.task: {exc}") from None
-        if (eval_spec.kind == "toy") != (spec.kind == "toy"):
-            raise ConfigError(f"eval.task={_show(config.eval.task)} and data.task={_show(d.task)} must both be toy "
-                              f"tasks or both text tasks (the evaluation is scored by the run's reward and tokenizer)")
-    if r.env is not None:
-        _check_env(config, spec.kind)
-    budget = d.max_response_tokens or r.max_new_tokens
-    if a.overlong_buffer >= budget:
-        raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below data.max_response_tokens "
-                          f"(or rollout.max_new_tokens) = {budget}")
-
-
-def _check_env(config: TrainConfig, task_kind: str) -> None:
-    """rollout.env: an importable environment on a text task, which does the scoring itself."""
-    r = config.rollout
-    if config.reward.fn is not None:
-        raise ConfigError(f"rollout.env={_show(r.env)} and reward.fn={_show(config.reward.fn)} are both set: the "
-                          f"environment's step() rewards are the episode's reward; unset reward.fn")
-    if task_kind == "toy":
-        raise ConfigError(f"rollout.env={_show(r.env)} needs a text task (data.task: a jsonl/parquet file or "
-                          f"reasoning_gym:<task>) and a chat template; got the toy task {_show(config.data.task)}")
-    if config.eval.every:
-        raise ConfigError(f"rollout.env={_show(r.env)} with eval.every={config.eval.every}: held-out evaluation "
-                          f"scores single turns with a reward function; set eval.every=0")
-    from mpo.envs import get_env_class
-
-    try:
-        get_env_class(r.env)  # a plug-in's module is imported here, so a typo fails before any rank starts
-    except ValueError as exc:
-        raise ConfigError(f"rollout.env: {exc}") from None
-
-
-def _check_schedule(config: TrainConfig) -> None:
-    """The lr schedule's cross-field limits (megatron's OptimizerParamScheduler asserts them)."""
-    s = config.schedule
-    if s.min_lr > s.lr:
-        raise ConfigError(f"schedule.min_lr={_show(s.min_lr)} must be <= schedule.lr={_show(s.lr)}")
-    if s.lr_decay == "wsd" and not 0 < s.lr_wsd_decay_frac <= 1:
-        raise ConfigError(f"schedule.lr_wsd_decay_frac={_show(s.lr_wsd_decay_frac)} with lr_decay='wsd'; valid values: "
-                          f"in (0, 1]")
-    if s.lr_warmup_steps and s.steps and s.lr_warmup_steps >= s.steps:
-        raise ConfigError(f"schedule.lr_warmup_steps={s.lr_warmup_steps} must be below schedule.steps={s.steps}")
-
-
-def _module_missing(name: str) -> bool:
-    """True when `name` cannot be imported (found without importing it; a module set to None in sys.modules counts
-    as missing, as `import` treats it)."""
-    import importlib.util
-    import sys
-
-    if name in sys.modules:
-        return sys.modules[name] is None
-    return importlib.util.find_spec(name) is None
-
-
-def _check_urls(urls: tuple[str, ...]) -> None:
-    """rollout.urls: each an http(s) URL with a host (and a valid port, if given): anything else (a bare host:port
-    reads as the scheme "host") reaches no engine, and failed only at the first request, deep in the run."""
-    from urllib.parse import urlsplit
-
-    for i, url in enumerate(urls):
-        try:
-            parts = urlsplit(url)
-            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        except ValueError:  # a port that is not a number, or out of range
-            ok = False
-        if not ok:
-            raise ConfigError(f"rollout.urls[{i}]={_show(url)}; valid values: 'http://host:port' or "
-                              "'https://host:port'")
-
-
-def _check_logging(config: TrainConfig) -> None:
-    """logging.wandb needs the wandb package and a project name; said before any process starts."""
-    lg = config.logging
-    if lg.wandb and _module_missing("wandb"):
-        raise ConfigError("logging.wandb=true needs the wandb package: pip install 'mpo[wandb]'")
-    if lg.wandb and not lg.wandb_project.strip():
-        raise ConfigError(f"logging.wandb_project={lg.wandb_project!r}; valid values: a non-empty project name")
-
-
-# Valid ranges of numeric fields: (test, what the message says is valid). Floats must also be finite (no nan/inf).
-_RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
-    "rollout.num_engines": (lambda v: v >= 1, ">= 1"),
-    "rollout.samples_per_prompt": (lambda v: v >= 1, ">= 1"),
-    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
-    "rollout.prompts_per_call": (lambda v: v is None or v >= 1, ">= 1 (or null: each engine's share in one call)"),
-    "rollout.max_inflight_per_engine": (lambda v: v >= 1, ">= 1"),
-    "rollout.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
-    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "rollout.request_timeout_s": (lambda v: v > 0, "> 0"),
-    "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
-    "sync.bucket_mb": (lambda v: v >= 1, ">= 1"),
-    "sync.probe_max_sequences": (lambda v: v >= 1, ">= 1"),
-    "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
-    "rollout.max_tokens_per_turn": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
-    "rollout.max_env_state_bytes": (lambda v: v >= 1, ">= 1 (bytes of an environment's pickled state)"),
-    "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
-    "algorithm.positive_nll_coef": (lambda v: v >= 0, ">= 0 (0 disables VAPO's positive-example NLL)"),
-    "algorithm.critic_lr": (lambda v: v > 0, "> 0"),
-    "algorithm.value_clip": (lambda v: v > 0, "> 0"),
-    "algorithm.critic_warmup_steps": (lambda v: v >= 0, ">= 0"),
-    "algorithm.max_sampling_rounds": (lambda v: v >= 1, ">= 1 (the first draw counts)"),
-    "data.prompts_per_step": (lambda v: v >= 1, ">= 1"),
-    "data.digits": (lambda v: v >= 1, ">= 1"),
-    "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: context - rollout.max_new_tokens)"),
-    "data.max_response_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
-    "data.max_row_bytes": (lambda v: v >= 1, ">= 1"),
-    "data.samples_logged": (lambda v: v >= 0, ">= 0"),
-    "reward.timeout_s": (lambda v: v > 0, "> 0"),
-    "reward.workers": (lambda v: v >= 1, ">= 1"),
-    "reward.max_memory_mb": (lambda v: v is None or v >= 64, ">= 64 (or null: no cap)"),
-    "algorithm.overlong_buffer": (lambda v: v >= 0, ">= 0 (0: off)"),
-    "schedule.steps": (lambda v: v >= 0, ">= 0"),
-    "schedule.updates_per_step": (lambda v: v >= 1, ">= 1"),
-    "schedule.micro_batch_size": (lambda v: v >= 1, ">= 1"),
-    "schedule.max_tokens_per_microbatch": (lambda v: v is None or v >= 2,
-                                           ">= 2 (tokens per packed micro-batch; null: packing off)"),
-    "schedule.forward_micro_batch_size": (lambda v: v is None or v >= 1,
-                                          ">= 1 (rows per forward of the old-logprob pass; null: micro_batch_size)"),
-    "schedule.lr": (lambda v: v > 0, "> 0"),
-    "schedule.clip_grad": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
-    "schedule.lr_warmup_steps": (lambda v: v >= 0, ">= 0 (0: no warmup)"),
-    "schedule.min_lr": (lambda v: v >= 0, ">= 0"),
-    "schedule.weight_decay": (lambda v: v >= 0, ">= 0 (0: none)"),
-    "schedule.adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "schedule.adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "schedule.adam_eps": (lambda v: v > 0, "> 0"),
-    "schedule.sft_steps": (lambda v: v >= 0, ">= 0"),
-    "schedule.sft_lr": (lambda v: v > 0, "> 0"),
-    "schedule.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
-    "schedule.max_staleness": (lambda v: v >= 1, ">= 1 (schedule.mode=sync has none)"),
-    "eval.every": (lambda v: v >= 0, ">= 0 (0: off)"),
-    "eval.prompts": (lambda v: v >= 1, ">= 1"),
-    "eval.samples_per_prompt": (lambda v: v >= 1, ">= 1"),
-    "eval.temperature": (lambda v: v >= 0, ">= 0 (0 is greedy)"),
-    "eval.max_new_tokens": (lambda v: v is None or v >= 1, ">= 1 (or null: rollout.max_new_tokens)"),
-    "logging.checkpoint_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
-    "logging.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
-    "logging.print_every": (lambda v: v is None or v >= 0, ">= 0 (0: no step lines; null: 1 without the progress bar)"),
-    # numpy's and the engines' seeds are 32-bit; a 30-digit seed passed the old ">= 0" and overflowed inside a rank
-    "seed": (lambda v: 0 <= v < 2**32, "in [0, 4294967295]"),
-    "world_size": (lambda v: v >= 1, ">= 1"),
-}
-
-
-def _check_ranges(config: TrainConfig) -> None:
-    for name, (ok, valid) in _RANGES.items():
-        value: Any = config
-        for part in name.split("."):
-            value = getattr(value, part)
-        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
-            raise ConfigError(f"{name}={_show(value)}; valid values: {valid}")
-
-
-def _typed_loss_args(loss: str, loss_args: dict) -> dict:
-    """loss_args coerced to the loss config's field types, so `{eps_high: abc}` fails naming the field."""
-    from mpo.algorithms import get_loss
-
-    hints = typing.get_type_hints(get_loss(loss).config_cls)
-    return {key: _coerce(value, hints[key], f"algorithm.loss_args.{key}") if key in hints else value
-            for key, value in loss_args.items()}
-
-
-def _check_mcore_dir(config: TrainConfig, model_cfg) -> None:
-    """model.mcore_dir is a torch_dist checkpoint (a conversion, a trainer checkpoint's step directory, or a run
-    directory: its newest, mpo.model_files) whose metadata loads safely (mpo.safe_load) before any rank starts, and
-    holds the configured architecture (its embedding, layer and expert counts: another model's checkpoint failed
-    deep in the load, as "corrupt or unreadable")."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from mpo.model_files import NotACheckpoint, resolve_mcore_dir
-    from mpo.safe_load import CheckpointFileError, read_dcp_metadata
-
-    mcore_dir = config.model.mcore_dir
-    try:
-        directory = resolve_mcore_dir(mcore_dir)
-    except NotACheckpoint as exc:
-        raise ConfigError(f"model.mcore_dir={_show(mcore_dir)}: {str(exc).removeprefix(str(mcore_dir) + ': ')}") \
-            from None
-    try:
-        metadata = read_dcp_metadata(directory / ".metadata")
-    except CheckpointFileError as exc:
-        raise ConfigError(f"model.mcore_dir: {exc}") from None
-    shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-
-    def saved(suffix: str) -> tuple[int, ...] | None:  # keys end alike in a conversion and a trainer checkpoint
-        return next((shape for key, shape in shapes.items() if key.endswith(suffix)), None)
-
-    found, expected = [], []
-    embedding = saved("embedding.word_embeddings.weight")
-    if embedding is not None and embedding != (model_cfg.vocab_size, model_cfg.hidden_size):
-        found.append(f"vocabulary {embedding[0]} x hidden {embedding[1]}")
-        expected.append(f"vocabulary {model_cfg.vocab_size} x hidden {model_cfg.hidden_size}")
-    proj = saved("decoder.layers.self_attention.linear_proj.weight")
-    if proj is not None and len(proj) == 3 and proj[0] != model_cfg.num_layers:
-        found.append(f"{proj[0]} layers")
-        expected.append(f"{model_cfg.num_layers} layers")
-    router = saved("decoder.layers.mlp.router.weight")
-    if router is not None and len(router) == 3 and router[1] != model_cfg.num_experts:
-        found.append(f"{router[1]} experts")
-        expected.append(f"{model_cfg.num_experts} experts")
-    if found:
-        source = "model.hf_dir's config.json" if config.model.hf_dir else f"model.preset={config.model.preset}"
-        raise ConfigError(f"model.mcore_dir={mcore_dir} holds another architecture ({', '.join(found)}) than "
-                          f"{source} ({', '.join(expected)}): point model.mcore_dir at this model's conversion")
-
-
-def _advantage_needs_groups(name: str) -> bool:
-    """Whether estimator `name` (already validated) takes its baseline from the prompt's group of responses."""
-    from mpo.algorithms.advantage_registry import get_advantage
-
-    return get_advantage(name).needs_groups
-
-
-def model_config(config: TrainConfig):
-    """The MoEModelConfig the run trains (from the HF config.json when model.hf_dir is set)."""
-    import json
-
-    from mpo.models.config import from_hf_config, preset
-
-    if config.model.hf_dir:
-        path = Path(config.model.hf_dir) / "config.json"
-        try:
-            return from_hf_config(json.loads(path.read_bytes().decode("utf-8")))
-        except OSError:
-            raise ConfigError(f"model.hf_dir: {path} not found") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"model.hf_dir: {path} is not UTF-8 text") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"model.hf_dir: {path} line {exc.lineno} column {exc.colno}: invalid JSON: "
-                              f"{exc.msg}") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"model.hf_dir: {path}: {exc}") from None
-    return preset(config.model.preset)

@@ -297,7 +297,7 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
     """Per GPU role (the heaviest trainer stage, each SGLang engine) the bytes it needs on `inputs.gpu_mem_gib`."""
     from mpo.algorithms.registry import get_loss
     from mpo.algorithms.step_advantages import AdvantageConfig
-    from mpo.config import model_config
+    from mpo.config_checks import model_config
 
     m = model_config(config)
     par, s, r = config.parallel, config.schedule, config.rollout
@@ -468,7 +468,8 @@ def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | N
     physical memory (or host_bytes). Lower bounds only: the full estimate, activations included, is `mpo plan`'s."""
     import torch
 
-    from mpo.config import ConfigError, model_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import model_config
 
     m = model_config(config)
     per_rank = model_state_bytes(config)
@@ -485,7 +486,7 @@ def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | N
     capacity = host_bytes if host_bytes is not None else _host_memory()
     r = config.rollout
     engines = r.num_engines if r.engine == "mpo" and not r.urls else 0
-    dtype = r.engine_dtype or config.model.dtype
+    dtype = config.engine_dtype
     whole = stage_params(m, ParallelConfig(), 0)
     per_engine = whole.total * (2 if dtype == "bf16" else 4)
     need = config.world_size * per_rank + engines * per_engine
@@ -562,7 +563,7 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
     import math
     import re
 
-    from mpo.config import model_config
+    from mpo.config_checks import model_config
     from mpo.models.hf_mapping import mapping_for
     from mpo.weight_sync.transports import NODE_GPUS, resolve_transport, same_host, stages_at_once
 
@@ -571,7 +572,7 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
                       for chunk in chunks for layer in chunk}
     pp = par.pipeline_parallel
     itemsize = 2 if config.model.dtype == "bf16" else 4
-    bucket_bytes = config.sync.bucket_mb << 20
+    bucket_bytes = config.sync.bucket_bytes
     stage_bytes, stage_buckets, open_bytes = [0] * pp, [0] * pp, [None] * pp
     layer_of = re.compile(r"\.layers\.(\d+)\.")
     for unit in mapping_for(m, spec="local").units():

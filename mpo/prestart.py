@@ -1,6 +1,6 @@
 """Checks that need files, processes or the network, run once by `mpo train` before any process starts.
 
-`mpo.config.validate` checks what the config says (model.mcore_dir's architecture included, from the checkpoint's
+`mpo.config_checks.validate` checks what the config says (model.mcore_dir's architecture included, from the checkpoint's
 metadata); it also runs in every rank and in check-config, which may check a config before its model is in place,
 or a multi-node one whose engines start elsewhere. These read a little more, once, so that a mistake costs one line
 before start-up instead of a traceback from every rank after: the tokenizer fits the model's vocabulary (ids past it
@@ -17,7 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpo.config import ConfigError, TrainConfig, model_config
+from mpo.config import ConfigError, TrainConfig
+from mpo.config_checks import model_config
 
 URL_CHECK_TIMEOUT_S = 5.0
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpo.config import ConfigError, load_config
+from mpo.config import ConfigError
+from mpo.config_checks import load_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "mpo" / "recipes" / "demo_cpu.yaml"
 LOSS = textwrap.dedent("""

@@ -140,3 +140,53 @@ def test_family_modules_are_reached_only_through_the_family_registry():
     from mpo.models.families import BUILTIN_FAMILIES, families
 
     assert len(families()) == len(BUILTIN_FAMILIES) >= 3
+
+
+# The config is data at the bottom floor: its sections, loading and coercion need only the parallel layout (a section
+# of its own). The checks that ask the registries sit above them, in mpo.config_checks.
+CONFIG_IMPORTS = frozenset({"mpo.parallel.config"})
+
+
+def test_config_imports_nothing_above_it():
+    """No import runs up the floors from mpo/config.py: it imports no mpo module but the parallel layout's, at module
+    level or lazily (the checks' lazy imports of algorithms, weight_sync, envs, rewards, data and models were the only
+    imports that ran back up)."""
+    path = ROOT / "mpo" / "config.py"
+    bad = sorted({f"mpo.config -> {target} (mpo/config.py:{line})"
+           for line, target in _imports(ast.parse(path.read_text()), "mpo.config", False)
+           if target.split(".")[0] in PRODUCT and target not in CONFIG_IMPORTS})
+    assert not bad, "mpo.config imports above the bottom floor:\n" + "\n".join(bad)
+
+
+# Who may name TrainConfig, the whole run's config: a module or a package (and everything in it), each with why. A
+# lower room takes its own section, or the few fields it needs, so that what it depends on is in its signature.
+TRAIN_CONFIG_USERS: dict[str, str] = {
+    "mpo.config": "defines it",
+    "mpo.config_checks": "checks it across sections",
+    "mpo.cli": "entry point: loads it",
+    "launch": "entry point: plans a whole run from it",
+    "mpo.prestart": "beside the CLI: checks files and engines before any process starts",
+    "mpo.model_import": "beside the CLI: converts model.hf_dir before any process starts",
+    "mpo.trainer": "the loop, and the rooms it builds from several sections (Trainer, Collector, tasks, evaluation)",
+    "mpo.weight_sync.publisher": "until issue #44 item 3 hands the Publisher its sections",
+    "mpo.rollout.engines": "until issue #44 item 3 hands the EngineSet its sections",
+}
+
+
+def test_config_train_config_is_named_only_by_the_config_and_the_loop():
+    """No product module outside TRAIN_CONFIG_USERS names TrainConfig (an import, an annotation, a use; under
+    TYPE_CHECKING too: a type-only dependency on the whole config is still one)."""
+    bad = []
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            module = _module_name(path)
+            if any(module == user or module.startswith(user + ".") for user in TRAIN_CONFIG_USERS):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                named = (isinstance(node, ast.Name) and node.id == "TrainConfig") or (
+                    isinstance(node, ast.Attribute) and node.attr == "TrainConfig") or (
+                    isinstance(node, ast.alias) and node.name == "TrainConfig")
+                if named:
+                    bad.append(f"{module} ({path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')})")
+                    break
+    assert not bad, "TrainConfig named outside the config and the loop:\n" + "\n".join(bad)

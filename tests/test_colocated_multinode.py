@@ -104,7 +104,7 @@ def test_colocated_plan_lifts_refusal_for_same_host_transports(monkeypatch):
     from pathlib import Path
 
     from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
 
     repo = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(repo)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mpo.config import RECIPES
-from mpo.config import ConfigError, load_config
+from mpo.config import ConfigError
+from mpo.config_checks import load_config
 
 
 @pytest.mark.parametrize("overrides, message", [

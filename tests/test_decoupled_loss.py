@@ -97,7 +97,8 @@ def test_off_policy_modes_default_to_the_decoupled_objective_with_replay_and_ref
     import re
 
     from mpo.config import RECIPES
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
 
     from mpo.config import resolve_replay
 

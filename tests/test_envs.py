@@ -17,7 +17,8 @@ from helpers import env_worker
 from helpers.spawn import spawn_ranks
 from helpers.tiny_tokenizer import DEFAULT_TEXTS, build_tiny_tokenizer
 from mpo.config import RECIPES
-from mpo.config import ConfigError, load_config, validate
+from mpo.config import ConfigError
+from mpo.config_checks import load_config, validate
 from mpo.rollout.protocol import GenerateResult
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

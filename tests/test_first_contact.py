@@ -42,7 +42,7 @@ def test_first_contact_launch_refuses_engines_placed_on_trainer_gpus_of_two_node
     """No node left for rollout (2 nodes, 16 ranks): the launcher colocates the engines on the trainer's nodes even
     with rollout.colocate=false; 'distributed' would share a GPU in NCCL (the same-host ones route per node)."""
     from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
 
     for transport, message in (("distributed", "NCCL cannot hold one device twice"),):
         overrides = [f"sync.transport={transport}", "rollout.num_engines=2", "rollout.tensor_parallel=4"]
@@ -208,7 +208,7 @@ def test_first_contact_prompt_routes_once_timeouts_and_probe_cap(tmp_path, caplo
 
     import numpy as np
 
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.models.config import preset
     from mpo.rollout.client import EngineClient
     from mpo.rollout.local_engine import LocalEngineProcess

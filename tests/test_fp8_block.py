@@ -396,7 +396,7 @@ def test_fp8_config_errors_are_one_line(capsys, overrides, message):
 
 
 def test_fp8_deepseek_v3_recipe_pushes_fp8():
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
 
     config = load_config(REPO / "mpo/recipes/deepseek_v3_gspo.yaml")
     assert config.rollout.engine_weights == "fp8_block" and config.rollout.engine == "sglang"

@@ -43,7 +43,7 @@ def _jsonl(path, rows) -> str:
 def test_hardening_data_prompt_longer_than_the_context_is_dropped_by_default(tok_dir, tmp_path):
     """data.max_prompt_tokens unset: the limit is the model's context minus rollout.max_new_tokens (what the engine
     accepts); the long row is dropped and counted, never sent."""
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.trainer.tasks import TextRun
 
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)  # > 512 tokens
@@ -62,7 +62,7 @@ def test_hardening_data_prompt_longer_than_the_context_is_dropped_by_default(tok
 
 
 def test_hardening_data_context_smaller_than_the_response_budget_is_one_line(tok_dir, tmp_path):
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.trainer.tasks import TextRun
 
     task = _jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "answer": 1}])

@@ -616,7 +616,8 @@ def test_hardening_huge_vocab_train_stops_before_any_rank_allocates(tiny, tmp_pa
 def test_hardening_huge_vocab_against_one_gpu_and_the_demo_fits(tiny, tmp_path):
     """On a GPU machine the bound is one rank's model state against one GPU (here an 80 GB one, given); the demo
     itself fits both ways."""
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
     from mpo.memory_plan import check_fits_here
 
     huge = load_config(RECIPE, [f"model.hf_dir={_huge_vocab_hf(tiny, tmp_path)}"])

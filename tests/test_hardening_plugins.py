@@ -332,7 +332,8 @@ def test_hardening_plugin_env_state_over_the_cap_is_an_episode_error(plugin, ren
 
 
 def test_hardening_plugin_env_state_cap_comes_from_the_config():
-    from mpo.config import RECIPES, ConfigError, load_config
+    from mpo.config import RECIPES, ConfigError
+    from mpo.config_checks import load_config
 
     config = load_config(RECIPES / "demo_cpu.yaml", ["rollout.max_env_state_bytes=4096"])
     assert config.rollout.max_env_state_bytes == 4096

@@ -327,7 +327,7 @@ def test_hardening_rollout_stopped_producer_warns_then_ends_in_one_line(caplog):
     """A producer process stopped with SIGSTOP (alive, silent): before the fix rank 0 waited for its answer forever,
     without a word. Now rank 0 warns while it waits and, after rollout.request_timeout_s of silence (2 s here), kills
     it and the call raises ProducerDied in one line saying so."""
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.trainer.producer import ProducerDied, ProducerProcess
 
     config = load_config(None, ["schedule.mode=async", "rollout.request_timeout_s=2"])

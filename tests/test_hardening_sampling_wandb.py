@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers.wandb_files import wandb_history, wandb_offline
-from mpo.config import load_config
+from mpo.config_checks import load_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "mpo" / "recipes" / "demo_cpu.yaml"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
-from mpo.config import load_config, model_config
+from mpo.config_checks import load_config, model_config
 
 REPO = Path(__file__).resolve().parents[1]
 GSPO = "mpo/recipes/qwen3_30b_a3b_gspo.yaml"

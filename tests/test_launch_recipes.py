@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.plan import Allocation, LaunchOptions, make_plan
-from mpo.config import load_config
+from mpo.config_checks import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "mpo" / "recipes").glob("*.yaml"))
@@ -51,7 +51,7 @@ def test_gpu_recipe_fits_an_80gb_h100(recipe, capsys):
     """`mpo plan` accepts every shipped GPU recipe on 80 GB GPUs: every trainer stage (policy, and the critic of
     PPO/VAPO, with the distributed optimizer) and every SGLang engine the launcher would start."""
     from mpo.cli import main
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.memory_plan import plan_memory
 
     code = main(["plan", "--config", str(recipe.relative_to(REPO)), "--gpu-mem-gb", "80"])  # 80e9 bytes: 74.5 GiB

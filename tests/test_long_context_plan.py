@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mpo.config import load_config
+from mpo.config_checks import load_config
 from mpo.memory_plan import GIB, PlanInputs, longest_trainer_row, plan_memory
 
 REPO = Path(__file__).resolve().parents[1]

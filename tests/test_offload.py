@@ -121,7 +121,8 @@ def test_protocol_on_a_bare_module_and_torch_adam():
 
 def test_offload_trainer_switch():
     from mpo.config import RECIPES
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
 
     def enabled(*overrides: str) -> bool:
         return offload_enabled(load_config(RECIPES / "demo_cpu.yaml", list(overrides)).rollout)

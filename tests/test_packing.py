@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpo.config import ConfigError, load_config
+from mpo.config import ConfigError
+from mpo.config_checks import load_config
 from mpo.models.packed import PackedLayout
 from mpo.trainer.packing import first_fit_bins, karmarkar_karp, pack_pass
 from mpo.trainer.rows import Sample

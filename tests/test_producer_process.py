@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mpo.config import load_config
+from mpo.config_checks import load_config
 from mpo.rollout.client import EngineClient
 from mpo.trainer.producer import ProducerDied, ProducerProcess
 

@@ -120,7 +120,8 @@ def test_versions_parse_and_bad_mode():
 
 def test_colocate_needs_sync_mode():
     from mpo.config import RECIPES
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
 
     with pytest.raises(ConfigError, match="rollout.colocate=true needs schedule.mode='sync' \\(got 'async'\\)"):
         load_config(RECIPES / "demo_cpu.yaml", ["rollout.colocate=true", "schedule.mode=async"])

@@ -119,7 +119,7 @@ def test_killed_engine_resends_only_its_inflight_calls_and_results_equal_an_unin
 
 
 def test_rewards_are_scored_while_calls_still_generate_in_request_order(engines, tmp_path):
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.rewards import RewardPool
     from mpo.trainer.collect import Collector, _sampling_seed
     from mpo.trainer.phases import PhaseClock

@@ -74,7 +74,8 @@ def test_plan_pieces_senders_and_buckets(bucket_bytes):
 
 def test_cuda_ipc_sync_is_sglang_only():
     from mpo.config import RECIPES
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
 
     with pytest.raises(ConfigError, match="sync.transport='cuda_ipc' is SGLang's colocated GPU path"):
         load_config(RECIPES / "demo_cpu.yaml", ["sync.transport=cuda_ipc"])

@@ -130,7 +130,7 @@ def test_shape_stated_by_mpo_plan():
     dtype, and the estimated time is the busiest stage's link bytes at the stated bandwidth plus its calls."""
     import math
 
-    from mpo.config import load_config, model_config
+    from mpo.config_checks import load_config, model_config
     from mpo.models.hf_mapping import mapping_for
 
     for recipe, senders, engines, at_once in (("deepseek_v3_gspo.yaml", 16, 2, True),

@@ -15,7 +15,8 @@ import torch
 
 from helpers.spawn import spawn_ranks
 from mpo.config import RECIPES
-from mpo.config import ConfigError, ScheduleSection, load_config
+from mpo.config import ConfigError, ScheduleSection
+from mpo.config_checks import load_config
 
 
 # -- pass@k ----------------------------------------------------------------------------------------------------------

@@ -177,7 +177,8 @@ def test_user_new_run_starts_from_a_trainer_checkpoint(run, tmp_path):
 
 NO_GUARD_SCRIPT = """\
 import sys
-from mpo.config import RECIPES, load_config
+from mpo.config import RECIPES
+from mpo.config_checks import load_config
 from mpo.trainer.trainer import Trainer
 
 config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={sys.argv[1]}", "logging.checkpoint_async=true",

@@ -17,7 +17,8 @@ import torch
 
 from helpers.cli import one_line
 from helpers.tiny_hf import tiny_qwen3_moe
-from mpo.config import ConfigError, load_config
+from mpo.config import ConfigError
+from mpo.config_checks import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "mpo" / "recipes" / "demo_cpu.yaml"

@@ -151,7 +151,8 @@ def test_user_print_every_n_steps_and_its_range(tmp_path, caplog):
     """logging.print_every=N: the run's first step, every N-th, and the last; a negative N is refused in one line."""
     import logging
 
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
     from mpo.trainer.metrics_log import MetricsLog, print_interval
 
     config = load_config(str(RECIPE), ["logging.progress=false"])

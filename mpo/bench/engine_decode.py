@@ -44,7 +44,8 @@ def main(argv: list[str]) -> int:
     from safetensors.torch import save_file
     from transformers import Qwen3MoeForCausalLM
 
-    from mpo.config import RECIPES, load_config, model_config
+    from mpo.config import RECIPES
+    from mpo.config_checks import load_config, model_config
     from mpo.engine.generator import MpoGenerator
     from mpo.engine.model import EngineModel
     from mpo.models.config import to_hf_config

@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
 
     torch.set_num_threads(1)
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.parallel.collectives import all_reduce_
     from mpo.trainer.trainer import Trainer
 

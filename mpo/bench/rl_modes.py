@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value, for every mode")
     args = parser.parse_args(argv)
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
 
     steps = args.steps or load_config(RECIPES / "demo_cpu.yaml").schedule.steps
     results = {}

@@ -183,7 +183,8 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from mpo.config import RECIPES, load_config
+    from mpo.config import RECIPES
+    from mpo.config_checks import load_config
     from mpo.rollout.client import EngineClient
     from mpo.trainer.trainer import Trainer
 

@@ -61,7 +61,7 @@ def run_reference(steps: int, overrides: list[str], threads: int) -> tuple[float
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from mpo.config import RECIPES
-    from mpo.config import load_config, model_config
+    from mpo.config_checks import load_config, model_config
     from mpo.models.config import to_hf_config
     from mpo.trainer.tasks import make_task
 

@@ -192,7 +192,7 @@ def draw_episodes(config, task, prompts: list, seeds: list[int], want_routes: bo
     started = time.perf_counter()
     pool, renderer = task.env
     turn = SamplingParams(temperature=r.temperature, top_p=r.top_p, stop_token_ids=task.stop_token_ids,
-                          max_new_tokens=r.max_tokens_per_turn or r.max_new_tokens)
+                          max_new_tokens=r.turn_new_tokens)
     results, rewards, stats, restarts = run_episodes(
         prompts, G, pool=pool, renderer=renderer, generate=generate, sampling=turn, seeds=seeds,
         max_turns=r.max_turns, context_length=context_length, want_routes=want_routes)

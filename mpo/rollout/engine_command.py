@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from mpo.config import served_dtype
+
 if TYPE_CHECKING:
-    from mpo.config import TrainConfig
+    from mpo.config import ModelSection, RolloutSection, SyncSection
 
 API_KEY_ENV = "MPO_API_KEY"
 SECRET_ENV = frozenset({API_KEY_ENV})  # environment variables never printed (dry runs, messages) ...
@@ -34,7 +36,7 @@ SGLANG_KEY_LAUNCHER = (
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What an engine serves, independent of where it runs (the fields of TrainConfig an engine depends on).
+    """What an engine serves, independent of where it runs (the config fields an engine depends on).
 
     Attributes:
         engine: "mpo" (mpo's own engine, CPU) or "sglang".
@@ -74,13 +76,13 @@ class EngineSettings:
         return max(256, -(-self.bucket_mb * 2))
 
     @classmethod
-    def from_config(cls, config: TrainConfig, *, mem_fraction: float | None = None) -> EngineSettings:
-        """The settings of `config`'s engines."""
-        m, r = config.model, config.rollout
-        return cls(engine=r.engine, dtype=r.engine_dtype or m.dtype, fp32_lm_head=m.fp32_lm_head, seed=config.seed,
+    def from_config(cls, m: ModelSection, r: RolloutSection, sync: SyncSection, *, seed: int,
+                    mem_fraction: float | None = None) -> EngineSettings:
+        """The settings of the engines a run's model, rollout and sync sections describe."""
+        return cls(engine=r.engine, dtype=served_dtype(m, r), fp32_lm_head=m.fp32_lm_head, seed=seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
                    tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,
-                   mem_fraction=mem_fraction, bucket_mb=config.sync.bucket_mb, memory_saver=r.colocate)
+                   mem_fraction=mem_fraction, bucket_mb=sync.bucket_mb, memory_saver=r.colocate)
 
 
 @dataclass(frozen=True)

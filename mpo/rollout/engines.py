@@ -102,7 +102,7 @@ class EngineSet:
         from mpo.rollout.engine_command import EngineSettings
         from mpo.rollout.local_engine import LocalEngineProcess
 
-        settings = EngineSettings.from_config(config)
+        settings = EngineSettings.from_config(config.model, config.rollout, config.sync, seed=config.seed)
         # Off-policy, a local engine generates while the ranks train on the same cores: at a lower priority it takes
         # the cycles the ranks leave idle instead of slowing them (EP/TP ranks wait for their slowest peer).
         nice = LOCAL_ENGINE_NICE if config.schedule.mode != "sync" else 0

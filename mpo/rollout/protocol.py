@@ -433,9 +433,11 @@ def token_versions(stamps: Any, default: int = -1, count: int = 0) -> np.ndarray
     return np.where(values < 0, default, values).astype(np.int64)
 
 
-def route_dtype(num_experts: int) -> np.dtype:
-    """The compact dtype of expert ids: uint8 up to 256 experts, int16 up to 32768, else int32."""
-    return np.dtype(np.uint8 if num_experts <= 256 else np.int16 if num_experts <= 32768 else np.int32)
+def route_dtype(num_experts: int, *, signed: bool = False) -> np.dtype:
+    """The compact dtype of expert ids 0..num_experts-1, the one rule for routes on the wire, captured and replayed:
+    uint8 up to 256 experts (unless `signed`: replay inputs fill "no route" with -1), int16 up to 32768 (ids <= 32767;
+    -1 fits too), else int32."""
+    return np.dtype(np.uint8 if num_experts <= 256 and not signed else np.int16 if num_experts <= 32768 else np.int32)
 
 
 def compact_routes(routes: np.ndarray, num_experts: int | None = None) -> np.ndarray:

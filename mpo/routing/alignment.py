@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mpo.rollout.protocol import decode_routed_experts, encode_routed_experts
+from mpo.rollout.protocol import decode_routed_experts, encode_routed_experts, route_dtype
 from mpo.routing.records import MicroBatchRouting
 
 
@@ -91,7 +91,7 @@ def place_rollout_routes(rows: list[list[RolloutRoutes]], seq_len: int,
     first = next(seq for row in rows for seq in row)
     num_layers, topk = first.routes.shape[1:]
     largest = max((int(seq.routes.max()) for row in rows for seq in row if seq.routes.numel()), default=0)
-    dtype = torch.int16 if largest < 32767 else torch.int32
+    dtype = getattr(torch, route_dtype(largest + 1, signed=True).name)
     out = torch.full((len(rows), seq_len, num_layers, topk), -1, dtype=dtype)
     for b, row in enumerate(rows):
         offset = 0

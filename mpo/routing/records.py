@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mpo.rollout.protocol import route_dtype
+
 
 def host_copy(t: Tensor | None) -> Tensor | None:
     """`t` in host memory, for routing state kept across a pass or a step: records and engine routes would otherwise
@@ -29,15 +31,8 @@ def host_copies_landed() -> None:
 
 
 def index_dtype(num_experts: int) -> torch.dtype:
-    """Smallest integer dtype that holds expert ids 0..num_experts-1 and the -1 "no record" fill.
-
-    uint8 cannot hold -1, so it is used only for captures (never -1); replay inputs keep int16/int32.
-    """
-    if num_experts <= 256:
-        return torch.uint8
-    if num_experts <= 32767:
-        return torch.int16
-    return torch.int32
+    """The torch dtype of captured expert ids 0..num_experts-1 (never -1: mpo.rollout.protocol.route_dtype)."""
+    return getattr(torch, route_dtype(num_experts).name)
 
 
 @dataclass

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     skip_torch_compile_without_gpu()
     quiet_no_space_in_threads()
-    from mpo.config import ConfigError, load_config
+    from mpo.config import ConfigError
+    from mpo.config_checks import load_config
     from mpo.data.sources import DataError
     from mpo.rollout.pool import rollout_failure
     from mpo.trainer.dist_checkpoint import CheckpointError

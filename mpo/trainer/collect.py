@@ -339,7 +339,7 @@ class Collector:
         cfg = self.config
         if not cfg.algorithm.overlong_buffer:
             return [0.0] * len(results)
-        max_len = cfg.data.max_response_tokens or cfg.rollout.max_new_tokens
+        max_len = cfg.response_tokens
         return [overlong_penalty(len(r.output_ids), max_len, cfg.algorithm.overlong_buffer) for r in results]
 
     def _sample_rows(self, step: int, drawn) -> list[dict]:

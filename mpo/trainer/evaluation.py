@@ -64,7 +64,7 @@ class Evaluator:
         # As the rollouts: calls of rollout.prompts_per_call prompts' k samples, scored as they land.
         results, scored, _, _ = self.collector.generate_scored(
             self.prompts, k, [_sampling_seed(self.seed, 0, i) for i in range(len(self.prompts) * k)],
-            temperature=e.temperature, top_p=1.0, max_new_tokens=e.max_new_tokens or self.config.rollout.max_new_tokens)
+            temperature=e.temperature, top_p=1.0, max_new_tokens=self.config.eval_new_tokens)
         seconds = time.perf_counter() - started
         rows, passes = [], []
         for i, prompt in enumerate(self.prompts):

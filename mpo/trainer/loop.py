@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpo.config import TrainConfig, model_config
+from mpo.config import TrainConfig
+from mpo.config_checks import model_config
 from mpo.lifecycle import freeze_startup_heap
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_

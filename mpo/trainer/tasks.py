@@ -98,7 +98,7 @@ class ToyRun(_NoPosition):
 def prompt_token_limit(config: TrainConfig) -> int:
     """The longest prompt the run sends: data.max_prompt_tokens, never above what an engine accepts (the model's
     context length minus rollout.max_new_tokens: a longer prompt is a 400 that would end the run)."""
-    from mpo.config import model_config
+    from mpo.config_checks import model_config
     from mpo.data.sources import DataError
 
     context = model_config(config).max_position_embeddings

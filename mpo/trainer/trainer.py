@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from mpo.algorithms import CorrectionConfig, get_loss, make_loss_config
 from mpo.algorithms.step_advantages import StepAdvantages
-from mpo.config import TrainConfig, model_config, resolve_rollout_correction, to_dict
+from mpo.config import TrainConfig, to_dict
+from mpo.config_checks import model_config, resolve_rollout_correction
 from mpo.data.retirement import PromptRetirement
 from mpo.model_import import refuse_without_weights
 from mpo.models.forward import MicroBatch

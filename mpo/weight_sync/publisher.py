@@ -35,7 +35,7 @@ class Publisher:
         self.config, self.model_cfg, self.engines, self.model = config, model_cfg, engines, model
         self.object_group, self.score_probes = object_group, score_probes
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
-                                       bucket_bytes=s.bucket_mb << 20, device=device,
+                                       bucket_bytes=s.bucket_bytes, device=device,
                                        host_shared_memory=s.host_shared_memory)
         self._sync = None  # a non-zero sender's WeightSync, for the engine URLs in self._urls
         self._urls: tuple = ()
@@ -107,7 +107,7 @@ class Publisher:
 
         r = self.config.rollout
         if self.engines is not None:
-            return engine_set_sync(self.engines, bucket_bytes=self.config.sync.bucket_mb << 20)
+            return engine_set_sync(self.engines, bucket_bytes=self.config.sync.bucket_bytes)
         key = (*info["urls"], info["transport"])
         if self._sync is None or self._urls != key:
             self.close()
@@ -116,7 +116,7 @@ class Publisher:
                        for url in info["urls"]]
             host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
-                                    bucket_bytes=self.config.sync.bucket_mb << 20, tp_sizes=info["tp_sizes"],
+                                    bucket_bytes=self.config.sync.bucket_bytes, tp_sizes=info["tp_sizes"],
                                     master_address=routable_address(host),
                                     per_node=per_node_sync(info["transport"], info["engine"]))
             self._urls = key
@@ -157,7 +157,7 @@ class Publisher:
             sync.group_per_engine = at_once
         digest = None
         if r.engine == "mpo":
-            engine_dtype = torch.bfloat16 if (r.engine_dtype or m.dtype) == "bf16" else torch.float32
+            engine_dtype = torch.bfloat16 if self.config.engine_dtype == "bf16" else torch.float32
             fp32_names = {"lm_head.weight"} if m.fp32_lm_head else set()
 
             def digest(name: str, tensor: torch.Tensor) -> str:
@@ -224,9 +224,10 @@ class Publisher:
         rank scores the probe replaying that engine's routes (so the comparison sees weights, not routing flips);
         rank 0 compares every engine's log-probs with the trainer's by robust statistics bounded by dtype
         (mpo.weight_sync.verify.check_probe: a wrong tensor fails, drift warns) and returns what it measured."""
+        from mpo.rollout.protocol import route_dtype
         from mpo.weight_sync.verify import ProbeCoverage, check_probe, covering_probe_runs, probe_bounds
 
-        cfg, r, m = self.model_cfg, self.config.rollout, self.config.model
+        cfg, m = self.model_cfg, self.config.model
         box: list = [None]
         uncovered = 0
         if self.engines is not None:
@@ -236,14 +237,14 @@ class Publisher:
             first = [[1 + (7 * i) % (cfg.vocab_size - 1) for i in range(PROBE_TOKENS)]]
             self.probes, runs, uncovered = covering_probe_runs(self.engines.clients[0], self.probes or first,
                                                                coverage)
-            box = [(self.probes, [run.routes.astype("int16") if cfg.num_experts < 32767 else run.routes
+            box = [(self.probes, [run.routes.astype(route_dtype(cfg.num_experts, signed=True))
                                   for run in runs])]
         dist.broadcast_object_list(box, src=0, group=self.object_group)
         probes, routes = box[0]
         reference, replayed = self._score_replaying(probes, routes)
         if self.engines is None:
             return {}
-        metrics = check_probe(self.engines.clients, probes, reference, probe_bounds(r.engine_dtype or m.dtype, m.dtype),
+        metrics = check_probe(self.engines.clients, probes, reference, probe_bounds(self.config.engine_dtype, m.dtype),
                               num_layers=cfg.num_layers, topk=cfg.router_topk, num_experts=cfg.num_experts)
         return {**metrics, "sync_probe_tokens": float(sum(map(len, probes))),
                 "sync_probe_uncovered_experts": float(uncovered), "sync_probe_replayed": float(replayed)}

@@ -14,7 +14,7 @@ import torch.distributed as dist
 def score(run_dir: str, sequences: list[list[int]], result_path: str, export_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.models.forward import MicroBatch, run_microbatches
     from mpo.trainer.trainer import Trainer
 

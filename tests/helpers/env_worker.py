@@ -12,7 +12,7 @@ import torch
 
 def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config import RECIPES
-    from mpo.config import load_config, model_config
+    from mpo.config_checks import load_config, model_config
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher
     from mpo.trainer.rows import rank_microbatches

@@ -16,7 +16,8 @@ def fp8_streaming(out_dir: str, transports: list[str]) -> None:
     equals that of dequantize(quantize(w)) for every weight block FP8 quantizes (w itself for the rest), whether it
     differs from the unquantized weights', and the sync's bytes next to the bytes of both formats."""
     from helpers.sync_worker import forbid_full_gather, perturb
-    from mpo.config import RECIPES, load_config
+    from mpo.config import RECIPES
+    from mpo.config_checks import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.models.hf_mapping import mapping_for
     from mpo.rollout.engines import EngineSet

@@ -103,7 +103,7 @@ def _old_logprobs_by_row(trainer, microbatches) -> list[tuple[tuple[int, ...], l
 
 def run(out_dir: str, hf_dir: str, mcore_dir: str, layouts: dict[str, list[str]]) -> None:
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.trainer.trainer import Trainer
 

@@ -134,7 +134,7 @@ def _variant(out_dir: str, distributed_optimizer: bool, extra: list[str]) -> dic
 def _loop_runs(out_dir: str, url: str, steps: int, overrides: list[str]) -> None:
     """The demo loop twice; each run writes <out_dir>/colocate_<false|true>/metrics.jsonl."""
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.trainer.loop import run as run_loop
 
     for colocate in ("false", "true"):
@@ -147,7 +147,7 @@ def _loop_runs(out_dir: str, url: str, steps: int, overrides: list[str]) -> None
 
 def run(out_dir: str, variants: dict[str, tuple[bool, list[str]]], loop_steps: int, loop_overrides: list[str]) -> None:
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.rollout.engine_command import EngineSettings
     from mpo.rollout.local_engine import LocalEngineProcess
 
@@ -155,7 +155,8 @@ def run(out_dir: str, variants: dict[str, tuple[bool, list[str]]], loop_steps: i
     # Rank 0 starts the loop's engine (memory saver on, as the colocated run needs; the resident run never releases).
     # No process group yet (the first Trainer makes it): the rank comes from torchrun's environment.
     if os.environ["RANK"] == "0":
-        settings = EngineSettings.from_config(load_config(RECIPES / "demo_cpu.yaml", ["rollout.colocate=true"]))
+        config = load_config(RECIPES / "demo_cpu.yaml", ["rollout.colocate=true"])
+        settings = EngineSettings.from_config(config.model, config.rollout, config.sync, seed=config.seed)
         engine = LocalEngineProcess.mpo_engine(log_path=Path(out_dir, "engine.log"), settings=settings)
         failed: list[BaseException] = []
 

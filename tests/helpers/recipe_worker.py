@@ -28,7 +28,7 @@ SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_paral
 
 
 def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dict[str, str]) -> None:
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer

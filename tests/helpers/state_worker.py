@@ -24,7 +24,7 @@ PROMPTS_PER_STEP = 16
 
 def make_trainer(out_dir: str, layout: str, *, distributed_optimizer: bool, extra: list[str] = ()):
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.trainer.trainer import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])

@@ -58,7 +58,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
     restart_race: then sync_while_the_pool_restarts with the first transport's engine."""
     from mpo.models.hf_mapping import mapping_for
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.weight_sync.verify import weights_checksum
     from mpo.rollout.engines import EngineSet
@@ -200,7 +200,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
     weights, checks that the server's covering probe now disagrees (the check is not vacuous), then runs the loop's
     publisher (stream + covering-probe verification, no full gather allowed) over each transport."""
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.rollout.client import EngineError
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher

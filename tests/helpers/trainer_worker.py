@@ -13,7 +13,7 @@ LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
 
 def _trainer(out_dir: str, overrides: list[str]):
     from mpo.config import RECIPES
-    from mpo.config import load_config
+    from mpo.config_checks import load_config
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher, supervised_warm_start
     from mpo.trainer.trainer import Trainer
