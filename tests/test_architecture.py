@@ -190,3 +190,29 @@ def test_config_train_config_is_named_only_by_the_config_and_the_loop():
                     bad.append(f"{module} ({path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')})")
                     break
     assert not bad, "TrainConfig named outside the config and the loop:\n" + "\n".join(bad)
+
+
+# Values derived from several config fields, each worked out in one home (a test reads the code for the old copies).
+DERIVED_ONCE: dict[str, tuple[str, str]] = {
+    r"engine_dtype or ": ("mpo/config.py", "TrainConfig.engine_dtype (or config.served_dtype)"),
+    r"(?<!args)\.bucket_mb\s*<<": ("mpo/config.py", "SyncSection.bucket_bytes"),
+    r"max_response_tokens or|max_tokens_per_turn or|max_new_tokens or ": (
+        "mpo/config.py", "TrainConfig.response_tokens / eval_new_tokens, RolloutSection.turn_new_tokens"),
+    r"<=?\s*3276[78]": ("mpo/rollout/protocol.py", "mpo.rollout.protocol.route_dtype (torch: getattr(torch, .name))"),
+}
+
+
+def test_config_derived_values_are_worked_out_once():
+    """The engine dtype, the bucket bytes, a response's token budgets and the expert-id dtype of routes each have one
+    home; no product module works one out again."""
+    import re
+
+    bad = []
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                for pattern, (home, use) in DERIVED_ONCE.items():
+                    if rel != home and re.search(pattern, line):
+                        bad.append(f"{rel}:{number}: use {use}: {line.strip()}")
+    assert not bad, "a derived value worked out again:\n" + "\n".join(bad)
