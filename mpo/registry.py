@@ -39,7 +39,8 @@ class Registry(Generic[T]):
         self._adapt = adapt
         self._entries: dict[str, T] = {}
         self._lazy: dict[str, str] = {}
-        self._plugins: set[str] = set()
+        # Built-in names in registration order (dict as an ordered set): some messages list them as registered.
+        self._order: dict[str, None] = {}
         self._loaded = False
         # Built-in modules register while being imported, which may call back into this registry: re-entrant.
         self._lock = threading.RLock()
@@ -59,8 +60,10 @@ class Registry(Generic[T]):
 
     def register_lazy(self, name: str, target: str) -> None:
         """A built-in named by its `module:attr`, imported (and adapted) on first use."""
-        self._check_new(name)
-        self._lazy[name] = target
+        with self._lock:
+            self._check_new(name)
+            self._lazy[name] = target
+            self._order[name] = None
 
     def _check_new(self, name: str) -> None:
         if ":" in name:
@@ -72,6 +75,16 @@ class Registry(Generic[T]):
         with self._lock:
             self._check_new(name)
             self._entries[name] = entry
+            self._order[name] = None
+
+    def unregister(self, name: str) -> None:
+        """Remove `name` (a test's temporary entry); KeyError if it is not registered."""
+        with self._lock:
+            if name not in self._entries and name not in self._lazy:
+                raise KeyError(name)
+            self._entries.pop(name, None)
+            self._lazy.pop(name, None)
+            self._order.pop(name, None)
 
     # -- looking up ----------------------------------------------------------------------------------------------
     def load_builtins(self) -> None:
@@ -79,8 +92,12 @@ class Registry(Generic[T]):
             if self._loaded:
                 return
             self._loaded = True  # before importing: a built-in module that looks itself up must not recurse
-            for path in self._builtin_modules:
-                importlib.import_module(path)
+            try:
+                for path in self._builtin_modules:
+                    importlib.import_module(path)
+            except BaseException:
+                self._loaded = False  # the next lookup raises the same error rather than seeing no built-ins
+                raise
 
     def get(self, name: str) -> T:
         """The entry `name`: a built-in, or a plug-in `module:attr` / `path/to/file.py:attr` (loaded once); a
@@ -90,10 +107,10 @@ class Registry(Generic[T]):
             if name in self._entries:
                 return self._entries[name]
             if name in self._lazy:
-                entry = self._resolve(name, self._lazy.pop(name))
+                entry = self._resolve(name, self._lazy[name])
+                del self._lazy[name]  # only once resolved: a failed import stays listed and fails the same way again
             elif isinstance(name, str) and ":" in name and all(name.rpartition(":")[::2]):
                 entry = self._resolve(name, name)
-                self._plugins.add(name)
             else:
                 raise ValueError(f"unknown {self.kind} {name!r}; known {self.plural}: {', '.join(self.names())}, "
                                  f"or {PLUGIN_FORMS}")
@@ -106,10 +123,10 @@ class Registry(Generic[T]):
         obj = resolve_plugin(self.kind, name, target)
         return self._adapt(name, obj) if self._adapt is not None else obj
 
-    def names(self) -> list[str]:
-        """The built-in names, sorted (plug-ins loaded so far are not listed)."""
+    def names(self, *, sort: bool = True) -> list[str]:
+        """The built-in names (plug-ins loaded so far are not listed), sorted or in registration order."""
         self.load_builtins()
-        return sorted(n for n in (*self._entries, *self._lazy) if n not in self._plugins)
+        return sorted(self._order) if sort else list(self._order)
 
     def __contains__(self, name: object) -> bool:
         self.load_builtins()
@@ -118,6 +135,6 @@ class Registry(Generic[T]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
-    def items(self) -> list[tuple[str, T]]:
-        """Every built-in (resolved) with its entry, in name order."""
-        return [(name, self.get(name)) for name in self.names()]
+    def items(self, *, sort: bool = True) -> list[tuple[str, T]]:
+        """Every built-in (resolved) with its entry, in name order or in registration order."""
+        return [(name, self.get(name)) for name in self.names(sort=sort)]

@@ -15,6 +15,7 @@ ALLOWED lists today's exceptions, each with the step of issue #29 that removes i
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 from collections import defaultdict
 
@@ -125,14 +126,14 @@ def test_the_walk_sees_lazy_relative_and_type_only_imports():
 def test_family_modules_are_reached_only_through_the_family_registry():
     """A model family (mpo.models.families.<name>) is one module registered by path in the registry: nothing outside
     the families package imports one by name (call sites ask mpo.models.families), and the registry imports none of
-    its users (no product import at all: it loads the listed modules by path)."""
+    its users (no product import but the generic registry type: it loads the listed modules by path)."""
     registry = ROOT / "mpo" / "models" / "families" / "__init__.py"
     bad = []
     for top in PRODUCT:
         for path in sorted((ROOT / top).rglob("*.py")):
             module = _module_name(path)
             for line, target in _imports(ast.parse(path.read_text()), module, path.name == "__init__.py"):
-                if path == registry and target.split(".")[0] in PRODUCT:
+                if path == registry and target.split(".")[0] in PRODUCT and target != "mpo.registry":
                     bad.append(f"the registry imports {target} ({path.relative_to(ROOT)}:{line})")
                 elif target.startswith("mpo.models.families.") and not module.startswith("mpo.models.families"):
                     bad.append(f"{module} -> {target} ({path.relative_to(ROOT)}:{line})")
@@ -216,3 +217,123 @@ def test_config_derived_values_are_worked_out_once():
                     if rel != home and re.search(pattern, line):
                         bad.append(f"{rel}:{number}: use {use}: {line.strip()}")
     assert not bad, "a derived value worked out again:\n" + "\n".join(bad)
+
+
+# -- registries (issue #44 item 5) --------------------------------------------------------------------------------
+# Every extension point is one mpo.registry.Registry: module -> the attribute holding it.
+EXTENSION_POINTS = {
+    "mpo.algorithms.registry": "LOSS_REGISTRY",
+    "mpo.algorithms.advantage_registry": "ADVANTAGE_REGISTRY",
+    "mpo.rewards.registry": "REWARD_REGISTRY",
+    "mpo.envs.registry": "ENV_REGISTRY",
+    "mpo.models.families": "FAMILIES",
+    # The weight-sync transports join when they become classes (issue #44 item 3); until then the test lists the
+    # transport registry among those it finds without requiring it:
+    # "mpo.weight_sync.transports": "TRANSPORTS",
+}
+# The packages a registry module may import: its room's floor (docs/architecture.md's table) and the shared
+# registry machinery. A registry holding more than names and entries (the loss registry also dispatches) imports
+# its own package's helpers, never the modules that register into it.
+REGISTRY_FLOORS = {
+    "mpo.algorithms": {"mpo.algorithms", "mpo.parallel"},
+    "mpo.rewards": {"mpo.rewards"},
+    "mpo.envs": {"mpo.envs", "mpo.data", "mpo.rewards", "mpo.rollout"},
+    "mpo.models": {"mpo.models", "mpo.parallel"},
+    "mpo.weight_sync": {"mpo.weight_sync", "mpo.models", "mpo.parallel", "mpo.rollout", "mpo.routing"},
+}
+REGISTRY_SHARED = {"mpo.registry", "mpo.plugins"}
+
+
+@functools.lru_cache(maxsize=1)
+def _product_trees() -> tuple[tuple[pathlib.Path, str, ast.Module], ...]:
+    """(path, module, tree) of every product file, parsed once for the registry tests."""
+    return tuple((path, _module_name(path), ast.parse(path.read_text()))
+                 for top in PRODUCT for path in sorted((ROOT / top).rglob("*.py")))
+
+
+def _registry_calls() -> dict[tuple[str, str], tuple[ast.Call, ast.Module]]:
+    """(module, name) -> (the call, the module's tree) of every module-level `NAME = Registry(...)` in the product."""
+    found = {}
+    for path, module, tree in _product_trees():
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            call = getattr(node, "value", None)
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None))
+                    == "Registry"):
+                continue
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found[(module, target.id)] = (call, tree)
+    return found
+
+
+def _builtins_of(call: ast.Call, tree: ast.Module) -> set[str]:
+    """The modules a Registry(...) call lists as built-ins (a literal, or a module-level constant named there), and
+    the modules of its `register_lazy(name, "module:attr")` targets in the same file."""
+    out: set[str] = set()
+    for kw in call.keywords:
+        if kw.arg == "builtins":
+            value = kw.value
+            if isinstance(value, ast.Name):  # e.g. builtins=BUILTIN_FAMILIES
+                value = next(n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+                    getattr(t, "id", None) == value.id for t in getattr(n, "targets", [getattr(n, "target", None)])))
+            out |= set(ast.literal_eval(value))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "register_lazy" and len(node.args) == 2
+                and isinstance(node.args[1], ast.Constant)):
+            out.add(node.args[1].value.rpartition(":")[0])
+    return out
+
+
+def test_no_registry_imports_its_users():
+    """A registry module (each extension point's, and every other module-level Registry found) imports none of its
+    users: not a module listed in its built-ins or lazy targets, not a module that imports it (which registers into
+    it), and nothing above its room's floor: the built-ins are loaded by module path on first lookup."""
+    calls = _registry_calls()
+    modules = set(EXTENSION_POINTS) | {m for m, _ in calls}
+    importers: dict[str, set[str]] = defaultdict(set)
+    parsed = {}
+    for path, module, tree in _product_trees():
+        parsed[module] = (path, list(_imports(tree, module, path.name == "__init__.py")))
+        for _, target in parsed[module][1]:
+            importers[target].add(module)
+    bad = []
+    for registry in sorted(modules):
+        users = set(importers[registry])
+        for (m, _), (call, tree) in calls.items():
+            if m == registry:
+                users |= _builtins_of(call, tree)
+        package = _package(registry)
+        if package not in REGISTRY_FLOORS:
+            bad.append(f"{registry}: no floor in REGISTRY_FLOORS for its package {package} (add its room's)")
+            continue
+        allowed = REGISTRY_FLOORS[package] | REGISTRY_SHARED
+        path, imports = parsed[registry]
+        for line, target in sorted(set(imports)):
+            if target.split(".")[0] not in PRODUCT or target == "mpo":
+                continue
+            where = f"{registry} -> {target} ({path.relative_to(ROOT)}:{line})"
+            if target in users:
+                bad.append(f"imports its user: {where}")
+            elif _package(target) not in allowed and target not in REGISTRY_SHARED:
+                bad.append(f"imports above its floor ({', '.join(sorted(allowed))}): {where}")
+    assert not bad, "registries importing their users:\n" + "\n".join(bad)
+
+
+def test_every_extension_point_is_a_registry():
+    """The extension points (losses, advantage estimators, rewards, environments, model families; transports once
+    they are classes) are each one mpo.registry.Registry, found where they are defined, with their built-ins."""
+    import importlib
+
+    from mpo.registry import Registry
+
+    found = sorted(f"{m}:{n}" for m, n in _registry_calls())
+    missing = [f"{m}:{n}" for m, n in EXTENSION_POINTS.items() if f"{m}:{n}" not in found]
+    assert not missing, f"extension points that are not a Registry(...): {missing}; Registry objects found: {found}"
+    for entry in found:
+        module, _, name = entry.partition(":")
+        registry = getattr(importlib.import_module(module), name)
+        assert isinstance(registry, Registry), f"{entry} is a {type(registry).__name__}"
+        if entry.partition(":")[0] in EXTENSION_POINTS:
+            assert registry.names(), f"{entry} has no built-ins"

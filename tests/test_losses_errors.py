@@ -143,4 +143,4 @@ def test_advantage_registry_is_the_one_source_of_estimators():
         with pytest.raises(ValueError, match="already registered"):
             register_advantage("test_centered", level="response")(centered)
     finally:
-        del ADVANTAGE_REGISTRY["test_centered"]
+        ADVANTAGE_REGISTRY.unregister("test_centered")

@@ -61,3 +61,34 @@ def test_registry_errors_are_one_line_and_name_what_is_known(tmp_path):
         registry.register("a:b", 3)
     with pytest.raises(ValueError, match=r"no Python file"):
         registry.get(f"{tmp_path}/missing.py:fn")
+
+
+def test_registry_keeps_registration_order_and_unregisters(tmp_path, monkeypatch):
+    registry = Registry("widget")
+    for name in ("zeta", "alpha", "mid"):
+        registry.register(name, name.upper())
+    registry.register_lazy("lazy", "reg_never_imported:x")
+    assert registry.names() == ["alpha", "lazy", "mid", "zeta"]
+    assert registry.names(sort=False) == ["zeta", "alpha", "mid", "lazy"]
+    registry.unregister("alpha")
+    assert "alpha" not in registry and registry.names(sort=False) == ["zeta", "mid", "lazy"]
+    registry.register("alpha", 1)  # the name is free again
+    with pytest.raises(KeyError):
+        registry.unregister("nope")
+
+
+def test_registry_failed_lazy_import_and_failed_builtins_fail_again_the_same_way(tmp_path, monkeypatch):
+    """A lazy built-in whose module fails to import stays registered (the next lookup gives the same error, not
+    'unknown'); a built-in module that fails to import is retried on the next lookup instead of leaving the
+    registry silently empty."""
+    registry = Registry("widget")
+    registry.register_lazy("broken", "reg_lazy_missing_c:Thing")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot import module 'reg_lazy_missing_c'"):
+            registry.get("broken")
+    assert registry.names() == ["broken"]
+
+    with_builtins = Registry("widget", builtins=("reg_builtins_missing_d",))
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match="reg_builtins_missing_d"):
+            with_builtins.names()

@@ -53,14 +53,11 @@ from .token_advantages import (
     compute_token_advantages,
     masked_whiten,
 )
-from . import dppo as _dppo  # noqa: F401  (registers dppo_tv, dppo_kl)
-from . import sequence_losses as _sequence_losses  # noqa: F401  (registers gspo, gmpo, rspo, ...)
-from . import token_losses as _token_losses  # noqa: F401  (registers grpo, dapo, sapo, cispo, ...)
 
 
 def loss_names() -> list[str]:
     """All registered loss names."""
-    return sorted(LOSS_REGISTRY)
+    return LOSS_REGISTRY.names()
 
 
 __all__ = [

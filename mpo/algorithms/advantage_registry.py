@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mpo.registry import Registry
+
 Level = Literal["response", "token", "running"]
 
 
@@ -32,7 +34,25 @@ class AdvantageSpec:
     needs_critic: bool = False
 
 
-ADVANTAGE_REGISTRY: dict[str, AdvantageSpec] = {}
+def _adapt_advantage(name: str, obj: Any) -> AdvantageSpec:
+    """A plug-in estimator: an AdvantageSpec (kept under the user's name), or a function carrying `level` (default
+    "response"), `args`, `needs_groups` and `needs_critic` attributes, computed like the built-ins of its level."""
+    if isinstance(obj, AdvantageSpec):
+        return AdvantageSpec(name, obj.level, obj.fn, obj.args, obj.needs_groups, obj.needs_critic)
+    if not callable(obj):
+        raise ValueError(f"advantage estimator {name!r}: {name.rpartition(':')[2]!r} is a {type(obj).__name__}, not "
+                         "a function")
+    level = getattr(obj, "level", "response")
+    if level not in ("response", "token", "running"):
+        raise ValueError(f"advantage estimator {name!r}: level={level!r}; valid: response, token, running")
+    return AdvantageSpec(name, level, obj, tuple(getattr(obj, "args", ())), bool(getattr(obj, "needs_groups", False)),
+                         bool(getattr(obj, "needs_critic", False)))
+
+
+# The estimator modules register themselves on import (listed by path: this module imports none of them).
+ADVANTAGE_REGISTRY: Registry[AdvantageSpec] = Registry(
+    "advantage estimator", adapt=_adapt_advantage,
+    builtins=("mpo.algorithms.advantages", "mpo.algorithms.token_advantages"))
 
 
 def register_advantage(name: str, *, level: Level, args: tuple[str, ...] = (), needs_groups: bool = False,
@@ -40,42 +60,24 @@ def register_advantage(name: str, *, level: Level, args: tuple[str, ...] = (), n
     """Decorator: register ``fn`` as the estimator ``name``."""
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in ADVANTAGE_REGISTRY:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_REGISTRY[name] = AdvantageSpec(name, level, fn, tuple(args), needs_groups, needs_critic)
+        ADVANTAGE_REGISTRY.register(name, AdvantageSpec(name, level, fn, tuple(args), needs_groups, needs_critic))
         return fn
 
     return decorator
 
 
-def load_plugin_advantage(name: str) -> None:
-    """Register the plug-in estimator `name` ("module:attr" / "path/to/file.py:attr", mpo.plugins) once: the attr is
-    an AdvantageSpec, or a function carrying `level` (default "response"), `args`, `needs_groups` and `needs_critic`
-    attributes, computed like the built-ins of its level (see the module doc)."""
-    if name in ADVANTAGE_REGISTRY or ":" not in name:
-        return
-    from mpo.plugins import resolve_plugin
-
-    obj = resolve_plugin("advantage estimator", name, name)
-    if isinstance(obj, AdvantageSpec):
-        ADVANTAGE_REGISTRY[name] = AdvantageSpec(name, obj.level, obj.fn, obj.args, obj.needs_groups, obj.needs_critic)
-        return
-    if not callable(obj):
-        raise ValueError(f"advantage estimator {name!r}: {name.rpartition(':')[2]!r} is a {type(obj).__name__}, not "
-                         "a function")
-    level = getattr(obj, "level", "response")
-    if level not in ("response", "token", "running"):
-        raise ValueError(f"advantage estimator {name!r}: level={level!r}; valid: response, token, running")
-    ADVANTAGE_REGISTRY[name] = AdvantageSpec(name, level, obj, tuple(getattr(obj, "args", ())),
-                                             bool(getattr(obj, "needs_groups", False)),
-                                             bool(getattr(obj, "needs_critic", False)))
+def find_advantage(name: str) -> AdvantageSpec | None:
+    """The estimator `name`, a plug-in ("module:attr" / "path/to/file.py:attr", mpo.plugins) loaded once; None for a
+    plain name that is not registered. A plug-in that does not load raises its one-line ValueError."""
+    if name in ADVANTAGE_REGISTRY or (isinstance(name, str) and ":" in name):
+        return ADVANTAGE_REGISTRY.get(name)
+    return None
 
 
 def get_advantage(name: str, level: Level | None = None) -> AdvantageSpec:
     """The estimator ``name`` (of ``level``, when given); a ValueError lists the valid names."""
-    load_plugin_advantage(name)
-    spec = ADVANTAGE_REGISTRY.get(name)
+    spec = find_advantage(name)
     if spec is None or (level is not None and spec.level != level):
-        valid = [n for n, s in ADVANTAGE_REGISTRY.items() if level is None or s.level == level]
+        valid = [n for n, s in ADVANTAGE_REGISTRY.items(sort=False) if level is None or s.level == level]
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(valid)}")
     return spec

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mpo.registry import Registry
+
 from .aggregation import GlobalDenominators, compute_global_denominators, token_weights
 from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import LossConfig
@@ -45,41 +47,9 @@ class LossSpec:
         return self.config_cls(**{**self.defaults, **overrides})
 
 
-LOSS_REGISTRY: dict[str, LossSpec] = {}
-
-
-def register_loss(name: str, config_cls: type[LossConfig], *, router_shift: bool = False,
-                  **defaults: Any) -> Callable[[LossFn], LossFn]:
-    """Decorator: register ``fn`` under ``name``. Stack it to register one function under several names."""
-
-    def decorator(fn: LossFn) -> LossFn:
-        if name in LOSS_REGISTRY:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSS_REGISTRY[name] = LossSpec(name, fn, config_cls, dict(defaults), router_shift)
-        return fn
-
-    return decorator
-
-
-def get_loss(name: str) -> LossSpec:
-    """The loss `name`: a registered one, or a plug-in "module:attr" / "path/to/file.py:attr" (mpo.plugins) naming a
-    LossSpec or a loss function ``fn(ctx: LossContext, cfg) -> (loss, metrics)``; a function may carry
-    ``config_cls`` (default LossConfig), ``defaults`` and ``router_shift`` attributes. A plug-in is loaded once and
-    then kept in the registry under `name`."""
-    _ensure_losses_loaded()
-    if name not in LOSS_REGISTRY and ":" in name:
-        LOSS_REGISTRY[name] = _plugin_loss(name)
-    try:
-        return LOSS_REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(LOSS_REGISTRY))}, or "
-                         "'module:function' / 'path/to/file.py:function'") from None
-
-
-def _plugin_loss(name: str) -> LossSpec:
-    from mpo.plugins import resolve_plugin
-
-    obj = resolve_plugin("loss", name, name)
+def _adapt_loss(name: str, obj: Any) -> LossSpec:
+    """A plug-in loss: a LossSpec (kept under the user's name), or a loss function ``fn(ctx: LossContext, cfg) ->
+    (loss, metrics)`` that may carry ``config_cls`` (default LossConfig), ``defaults`` and ``router_shift``."""
     if isinstance(obj, LossSpec):
         return replace(obj, name=name)
     if not callable(obj):
@@ -90,14 +60,32 @@ def _plugin_loss(name: str) -> LossSpec:
     return LossSpec(name, obj, config_cls, dict(getattr(obj, "defaults", {})), bool(getattr(obj, "router_shift", False)))
 
 
+# The loss modules register themselves on import (listed by path: this module imports none of them).
+LOSS_REGISTRY: Registry[LossSpec] = Registry(
+    "loss", plural="losses", adapt=_adapt_loss,
+    builtins=("mpo.algorithms.token_losses", "mpo.algorithms.sequence_losses", "mpo.algorithms.dppo"))
+
+
+def register_loss(name: str, config_cls: type[LossConfig], *, router_shift: bool = False,
+                  **defaults: Any) -> Callable[[LossFn], LossFn]:
+    """Decorator: register ``fn`` under ``name``. Stack it to register one function under several names."""
+
+    def decorator(fn: LossFn) -> LossFn:
+        LOSS_REGISTRY.register(name, LossSpec(name, fn, config_cls, dict(defaults), router_shift))
+        return fn
+
+    return decorator
+
+
+def get_loss(name: str) -> LossSpec:
+    """The loss `name`: a registered one, or a plug-in "module:attr" / "path/to/file.py:attr" (mpo.plugins) naming a
+    LossSpec or a loss function (see `_adapt_loss`), loaded once and then kept in the registry under `name`."""
+    return LOSS_REGISTRY.get(name)
+
+
 def make_loss_config(name: str, **overrides: Any) -> LossConfig:
     """The validated config of loss ``name`` with ``overrides`` applied."""
     return get_loss(name).make_config(**overrides)
-
-
-def _ensure_losses_loaded() -> None:
-    # The loss modules register themselves on import; importing here keeps registry.py free of import cycles.
-    from . import dppo, sequence_losses, token_losses  # noqa: F401
 
 
 def _resolve_router_shift(name: str, batch: PolicyBatch, cfg: Any) -> RouterShift:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec, load_plugin_advantage
+from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec, find_advantage
 from .advantages import compute_advantages, group_stats
 from .token_advantages import EMABaseline, compute_token_advantages
 
@@ -23,9 +23,9 @@ class AdvantageConfig:
     args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        load_plugin_advantage(self.name)
-        if self.name not in ADVANTAGE_REGISTRY:
-            raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(ADVANTAGE_REGISTRY)}")
+        if find_advantage(self.name) is None:
+            valid = ADVANTAGE_REGISTRY.names(sort=False)
+            raise ValueError(f"advantage={self.name!r}; valid values: {', '.join(valid)}")
         unknown = sorted(set(self.args) - set(self.spec.args))
         if unknown:
             raise ValueError(f"advantage_args {unknown} are not parameters of {self.name!r}; valid: "
@@ -47,7 +47,7 @@ class AdvantageConfig:
 
     @property
     def spec(self) -> AdvantageSpec:
-        return ADVANTAGE_REGISTRY[self.name]
+        return ADVANTAGE_REGISTRY.get(self.name)
 
     @property
     def needs_critic(self) -> bool:

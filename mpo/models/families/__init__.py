@@ -3,7 +3,8 @@
 A family module (e.g. `mpo.models.families.qwen3_moe`) defines `FAMILY`, a `Family`: how its HF config.json maps to
 mpo's MoEModelConfig and back, its megatron-core TransformerConfig arguments, its HF <-> megatron ParamRule table,
 the transformers model type the engine builds, and its presets. Everything else (config loading, the builder,
-conversion, weight sync, the engine) asks this registry; adding a family is one module listed in BUILTIN_FAMILIES.
+conversion, weight sync, the engine) asks this registry (FAMILIES, a mpo.registry.Registry keyed by architecture;
+each family module registers its FAMILY); adding a family is one module listed in BUILTIN_FAMILIES.
 
 Built-ins are listed by module path and imported on first use, so this module imports none of its users and a family
 module is free to import mpo.models.config. Family modules must not import torch at module level (mpo's light
@@ -12,10 +13,10 @@ commands read configs without it): they import the mapping inside `mapping`.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from mpo.registry import Registry
 
 if TYPE_CHECKING:
     from mpo.models.config import MoEModelConfig
@@ -54,28 +55,31 @@ class Family:
     mla: bool = False
 
 
-@lru_cache(maxsize=1)
+def _adapt_family(name: str, obj: Any) -> Family:
+    if not isinstance(obj, Family):
+        raise ValueError(f"model family {name!r}: {name.rpartition(':')[2]!r} is a {type(obj).__name__}, not a Family")
+    return obj
+
+
+# Each family module registers its FAMILY under its architecture when imported (listed by path, imported on first use).
+FAMILIES: Registry[Family] = Registry("model family", plural="model families", builtins=BUILTIN_FAMILIES,
+                                      adapt=_adapt_family)
+
+
 def families() -> dict[str, Family]:
-    """Every registered family by architecture, in BUILTIN_FAMILIES order."""
-    out: dict[str, Family] = {}
-    for path in BUILTIN_FAMILIES:
-        fam = importlib.import_module(path).FAMILY
-        if fam.architecture in out:
-            raise ValueError(f"model family {fam.architecture!r} registered twice ({path})")
-        out[fam.architecture] = fam
-    return out
+    """Every registered family by architecture, in registration (BUILTIN_FAMILIES) order."""
+    return dict(FAMILIES.items(sort=False))
 
 
 def architectures() -> tuple[str, ...]:
-    return tuple(families())
+    return tuple(FAMILIES.names(sort=False))
 
 
 def family_of(architecture: str) -> Family:
     """The family of an MoEModelConfig.architecture; ValueError naming the supported ones."""
-    fam = families().get(architecture)
-    if fam is None:
-        raise ValueError(f"architecture {architecture!r} unsupported; mpo builds {', '.join(families())}")
-    return fam
+    if architecture not in FAMILIES:  # an architecture is a registered name: no plug-in form here
+        raise ValueError(f"architecture {architecture!r} unsupported; mpo builds {', '.join(architectures())}")
+    return FAMILIES.get(architecture)
 
 
 def family_for_hf(cfg: Mapping[str, Any]) -> Family | None:

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Mapping
 
 from mpo.models.config import MoEModelConfig, from_hf_common, hf_rope
-from mpo.models.families import Family
+from mpo.models.families import FAMILIES, Family
 from mpo.models.families.common import check_group_topk, head_rules, mlp_rules, routed_moe_hf_fields, router_kwargs
 
 log = logging.getLogger(__name__)
@@ -177,3 +177,4 @@ PRESETS: dict[str, MoEModelConfig] = {
 
 FAMILY = Family(architecture=ARCHITECTURE, model_type="deepseek_v3", from_hf=from_hf, to_hf=to_hf,
                 transformer_kwargs=transformer_kwargs, mapping=mapping, presets=PRESETS, mla=True)
+FAMILIES.register(FAMILY.architecture, FAMILY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mpo.models.config import MoEModelConfig, from_hf_common
-from mpo.models.families import Family
+from mpo.models.families import FAMILIES, Family
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -123,3 +123,4 @@ PRESETS: dict[str, MoEModelConfig] = {
 
 FAMILY = Family(architecture=ARCHITECTURE, model_type="qwen3_moe", from_hf=from_hf, to_hf=to_hf,
                 transformer_kwargs=transformer_kwargs, mapping=mapping, presets=PRESETS)
+FAMILIES.register(FAMILY.architecture, FAMILY)
