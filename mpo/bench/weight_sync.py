@@ -103,7 +103,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
     from mpo.weight_sync.gather import WeightStreamer
-    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.transports import WeightSync, transport_class
     from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
     tp, ep, pp = layout
@@ -132,7 +132,9 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
         if rank == 0:
             sync.begin_session()
         dist.barrier()
-        result = streamer.stream(push, sequential=transport == "distributed", hf_views=transport == "shm",
+        # distributed: one group spanning the engines (no prepare), so stages take turns
+        result = streamer.stream(push, sequential=transport == "distributed",
+                                 hf_views=transport_class(transport).in_place,
                                  digest=(lambda name, t: tensor_digest(t)) if verify else None)
         dist.barrier()
         pushed = time.perf_counter()

@@ -49,10 +49,10 @@ class DistributedTransport(Transport):
         """Colocated SGLang engines: a trainer GPU and an engine GPU that are the same device would be in one NCCL
         group (NCCL refuses a device twice in a communicator); mpo's engines (CPU, gloo) have no such limit."""
         if engine == "sglang":
-            raise ValueError("sync.transport='distributed' with rollout.colocate=true: the engines' GPUs are trainer "
-                             "GPUs and NCCL cannot hold one device twice in the weight-update group; use sync.transport="
-                             "'cuda_ipc' or 'tensor' (each node's engines are pushed to from that node) or give the "
-                             "engines nodes of their own (rollout.colocate=false)")
+            raise ValueError("sync.transport='distributed' with rollout.colocate=true: the engines' GPUs are "
+                             "trainer GPUs and NCCL cannot hold one device twice in the weight-update group; use "
+                             "sync.transport='cuda_ipc' or 'tensor' (each node's engines are pushed to from that node) "
+                             "or give the engines nodes of their own (rollout.colocate=false)")
 
     @classmethod
     def stages_at_once(cls, senders: int, engines: int) -> bool:
