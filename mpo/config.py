@@ -148,7 +148,8 @@ class SyncSection:
             "cuda_ipc" (SGLang engines on the trainer's own GPUs map the buckets through CUDA IPC handles; GPU only)
             or "shm" (mpo engines on the trainer's host read the buckets in place from shared memory; CPU).
             "auto": "shm" for mpo engines the run starts itself on CPU (unless host_shared_memory is false), else
-            "tensor" (resolve_transport).
+            "tensor" (resolve_transport). A user's transport class: "module:attr" or "path/to/file.py:attr" (a
+            mpo.weight_sync.transports.Transport subclass; docs/extending.md). Checked against the registry.
         bucket_mb: bucket size.
         master_address: the address engines reach trainer rank 0 at for transport="distributed" (it hosts the
             weight-update group's rendezvous). None: 127.0.0.1 (engines on the trainer's machine); the launcher
@@ -161,7 +162,7 @@ class SyncSection:
             verified, and the run says so in a warning (a trained model may have experts its router never picks).
     """
 
-    transport: Literal["auto", "tensor", "distributed", "cuda_ipc", "shm"] = "auto"
+    transport: str = "auto"
     bucket_mb: int = 64
     master_address: str | None = None
     host_shared_memory: bool | None = None

@@ -522,6 +522,7 @@ class SyncShape:
             which copy nothing over a link).
         estimate_s: the sync's time at `link_gb_s` per sender link plus SYNC_CALL_S per call: the busiest stage
             when stages push at once, the sum of the stages in turns.
+        call_unit: what one call is ("collectives", "HTTP payloads", ...: the transport's Transport.call_unit).
     """
 
     transport: str
@@ -536,19 +537,19 @@ class SyncShape:
     link_bytes: int
     estimate_s: float
     link_gb_s: float
+    call_unit: str = "HTTP payloads"  # what one call is (the transport's Transport.call_unit)
     nodes: int = 1  # per-node routing (mpo.weight_sync.relay): trainer nodes whose leaders push to their own engines
 
     def format(self) -> str:
         stages = ", ".join(f"{b / GIB:.2f}" for b in self.stage_bytes)
-        calls = {"distributed": "collectives", "cuda_ipc": "IPC handles", "shm": "locator messages"}.get(
-            self.transport, "HTTP payloads")
+        calls = self.call_unit
         return "\n".join([
             f"weight sync (sync.transport={self.transport}): {self.senders} sender(s), one per pipeline stage, "
             f"{'alone' if self.senders == 1 else 'pushing at once' if self.at_once else 'taking turns'}, to "
             f"{self.engines} engine(s) of "
             f"TP{self.engine_tp}",
             f"  groups per engine GPU: {self.groups_per_engine_gpu}"
-            + (" (one per sender)" if self.transport == "distributed" else " (no process group)"),
+            + (" (one per sender)" if self.groups_per_engine_gpu else " (no process group)"),
             f"  per sync: {sum(self.stage_buckets)} buckets, {self.calls_per_sync} {calls}; GiB per stage: {stages}",
             # GiB as everywhere in the plan: 25 GB/s (a 200 Gb/s NIC) is 23.3 GiB/s
             *([f"  per node: {self.nodes} trainer nodes, each node's leader rank pushes every bucket to its own "
@@ -565,7 +566,7 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
 
     from mpo.config_checks import model_config
     from mpo.models.hf_mapping import mapping_for
-    from mpo.weight_sync.transports import NODE_GPUS, resolve_transport, same_host, stages_at_once
+    from mpo.weight_sync.transports import NODE_GPUS, resolve_transport, same_host, transport_class
 
     m, par, r = model_config(config), config.parallel, config.rollout
     stage_of_layer = {layer: stage for stage, chunks in enumerate(par.stage_layers(m.num_layers))
@@ -589,20 +590,23 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
                                   is_gpu=r.engine == "sglang", shared_memory=config.sync.host_shared_memory)
     engines = len(r.urls) or r.num_engines
     tp = r.tensor_parallel if r.engine == "sglang" else 1
-    at_once = stages_at_once(transport, pp, engines)
+    via = transport_class(transport)
+    at_once = via.stages_at_once(pp, engines)
     # per stage: bytes on the sender's link, calls, seconds
-    copies = {"distributed": engines if at_once else 1, "tensor": engines * tp * 4 / 3}.get(transport, 0)
+    copies = via.link_copies(engines, tp, at_once)
     # colocated SGLang over several GPU nodes: every other node's leader gets each bucket once from its sender
     nodes = -(-config.world_size // NODE_GPUS) if r.colocate and r.engine == "sglang" else 1
     if nodes > 1 and same_host(transport, r.engine):
-        copies = (copies / nodes if transport == "tensor" else copies) + nodes - 1
+        # each node's leader pushes to its own engines: the sender's link carries its own node's share
+        copies = copies / nodes + nodes - 1
     else:
         nodes = 1
-    calls = [b * (engines if transport != "distributed" or at_once else 1) for b in stage_buckets]
+    calls = [b * via.calls_per_bucket(engines, at_once) for b in stage_buckets]
     seconds = [stage_bytes[s] * copies / (link_gb_s * 1e9) + SYNC_CALL_S * calls[s] for s in range(pp)]
     busiest = max(range(pp), key=lambda s: seconds[s])
     return SyncShape(transport=transport, senders=pp, at_once=at_once, engines=engines, engine_tp=tp,
-                     groups_per_engine_gpu=pp if transport == "distributed" else 0, stage_bytes=stage_bytes,
+                     groups_per_engine_gpu=via.groups_per_engine_gpu(pp), call_unit=via.call_unit,
+                     stage_bytes=stage_bytes,
                      stage_buckets=stage_buckets, calls_per_sync=sum(calls),
                      link_bytes=int(stage_bytes[busiest] * copies),
                      estimate_s=max(seconds) if at_once else sum(seconds), link_gb_s=link_gb_s, nodes=nodes)

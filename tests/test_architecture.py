@@ -169,8 +169,8 @@ TRAIN_CONFIG_USERS: dict[str, str] = {
     "mpo.prestart": "beside the CLI: checks files and engines before any process starts",
     "mpo.model_import": "beside the CLI: converts model.hf_dir before any process starts",
     "mpo.trainer": "the loop, and the rooms it builds from several sections (Trainer, Collector, tasks, evaluation)",
-    "mpo.weight_sync.publisher": "until issue #44 item 3 hands the Publisher its sections",
-    "mpo.rollout.engines": "until issue #44 item 3 hands the EngineSet its sections",
+    "mpo.weight_sync.publisher": "left: the Publisher reads rollout, sync, model and logging; narrowing it to those sections is next",
+    "mpo.rollout.engines": "left: the EngineSet reads rollout, sync and logging; narrowing it to those sections is next",
 }
 
 
@@ -227,9 +227,7 @@ EXTENSION_POINTS = {
     "mpo.rewards.registry": "REWARD_REGISTRY",
     "mpo.envs.registry": "ENV_REGISTRY",
     "mpo.models.families": "FAMILIES",
-    # The weight-sync transports join when they become classes (issue #44 item 3); until then the test lists the
-    # transport registry among those it finds without requiring it:
-    # "mpo.weight_sync.transports": "TRANSPORTS",
+    "mpo.weight_sync.transports": "TRANSPORTS",
 }
 # The packages a registry module may import: its room's floor (docs/architecture.md's table) and the shared
 # registry machinery. A registry holding more than names and entries (the loss registry also dispatches) imports
@@ -322,8 +320,8 @@ def test_no_registry_imports_its_users():
 
 
 def test_every_extension_point_is_a_registry():
-    """The extension points (losses, advantage estimators, rewards, environments, model families; transports once
-    they are classes) are each one mpo.registry.Registry, found where they are defined, with their built-ins."""
+    """The extension points (losses, advantage estimators, rewards, environments, model families, weight-sync
+    transports) are each one mpo.registry.Registry, found where they are defined, with their built-ins."""
     import importlib
 
     from mpo.registry import Registry

@@ -167,7 +167,7 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
     config = load_config(resolved)
     assert config.sync.transport == "distributed"
     # external URLs: nothing starts
-    sync = engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
+    sync = engine_set_sync(EngineSet(config, tmp_path, model_config(config)), config.sync)
     assert sync.master_address == "gpu1" and sync.tp_sizes == [4, 4, 4, 4]
     # One local node: engines and trainer share it, loopback is right.
     local = _plan(DEMO, ["rollout.num_engines=2"], hosts=("127.0.0.1",), gpus=0)
@@ -181,7 +181,7 @@ def test_engine_set_refuses_distributed_sync_with_loopback_master_and_remote_eng
 
     config = load_config(DEMO, ["rollout.urls=[http://engine-host:30000]", "sync.transport=distributed"])
     with pytest.raises(ValueError, match="sync.master_address"):
-        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
+        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), config.sync)
 
 
 def _without_host_port(argv) -> list[str]:
@@ -202,7 +202,7 @@ def test_engine_set_refuses_tensor_sync_to_sglang_on_another_node(tmp_path):
 
     config = load_config(GSPO, ["rollout.urls=[http://engine-host:30000]", "sync.transport=tensor"])
     with pytest.raises(ValueError, match="engine http://engine-host:30000 is on another node: set sync.transport="):
-        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), bucket_bytes=1 << 20)
+        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), config.sync)
 
 
 def test_plan_and_engine_set_start_the_same_engine(tmp_path):
@@ -280,16 +280,16 @@ def test_auto_sync_transport_is_shm_for_engines_a_cpu_run_starts_and_tensor_for_
     config = load_config(DEMO)
     assert config.sync.transport == "auto"
     given = load_config(DEMO, ["rollout.urls=[http://127.0.0.1:9]"])  # nothing listens there: asked, then configured
-    assert engine_set_sync(EngineSet(given, tmp_path, model_config(given)), bucket_bytes=1 << 20).transport == "tensor"
+    assert engine_set_sync(EngineSet(given, tmp_path, model_config(given)), given.sync).transport == "tensor"
     started = EngineSet(config, tmp_path, model_config(config))
     try:
-        sync = engine_set_sync(started, bucket_bytes=1 << 20)
-        assert sync.transport == started.transport == "shm"
+        sync = engine_set_sync(started, config.sync)
+        assert sync.transport == "shm"
     finally:
         started.stop()
     refused = load_config(DEMO, ["sync.host_shared_memory=false"])  # a tiny /dev/shm: auto keeps off it
     started = EngineSet(refused, tmp_path / "refused", model_config(refused))
     try:
-        assert engine_set_sync(started, bucket_bytes=1 << 20).transport == "tensor"
+        assert engine_set_sync(started, refused.sync).transport == "tensor"
     finally:
         started.stop()

@@ -103,7 +103,7 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
     from mpo.weight_sync.gather import WeightStreamer
-    from mpo.weight_sync.transports import WeightSync
+    from mpo.weight_sync.transports import WeightSync, transport_class
     from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
     tp, ep, pp = layout
@@ -132,7 +132,9 @@ def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transpo
         if rank == 0:
             sync.begin_session()
         dist.barrier()
-        result = streamer.stream(push, sequential=transport == "distributed", hf_views=transport == "shm",
+        # distributed: one group spanning the engines (no prepare), so stages take turns
+        result = streamer.stream(push, sequential=transport == "distributed",
+                                 hf_views=transport_class(transport).in_place,
                                  digest=(lambda name, t: tensor_digest(t)) if verify else None)
         dist.barrier()
         pushed = time.perf_counter()
@@ -300,7 +302,7 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport="distributed",
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender or rank == 0 else None)
     if sync is not None and streamer.is_sender:
-        sync.group_per_engine = stages_at_once("distributed", len(streamer.senders), len(sync.clients))
+        sync.via.prepare(stages_at_once("distributed", len(streamer.senders), len(sync.clients)))
         sync.connect()  # group creation is once per run, not part of a sync
 
     def one_sync(version: int, sequential: bool, verify: bool) -> dict:

@@ -1,7 +1,7 @@
 """Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
-die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Its WeightSync comes from
-mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of mpo.weight_sync, which imports it);
-restarts and updates share one lock.
+die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). The set keeps no sync
+state: the publisher owns the weight-update session (mpo.weight_sync.publisher; the client side imports nothing of
+mpo.weight_sync, which imports it); restarts and updates share one lock.
 
 Engines the set starts always have a key: rollout.api_key, else a random one made here (EngineSet.api_key). A
 keyless engine on loopback serves its weight and memory routes to every user of the host (the port shows in `ps`);
@@ -18,7 +18,7 @@ import secrets
 import subprocess
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mpo.config import TrainConfig
@@ -45,13 +45,8 @@ class EngineSet:
 
         r = config.rollout
         self.processes: list[LocalEngineProcess] = []
-        self.engine, self.transport = r.engine, config.sync.transport
-        self.shared_memory = config.sync.host_shared_memory  # false: "auto" keeps off /dev/shm
-        # The distributed weight-update group: one rank per engine TP rank, rendezvous at trainer rank 0.
-        self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1
-        self.sync_master_address = config.sync.master_address or "127.0.0.1"
-        # The set's one WeightSync (mpo.weight_sync.transports.engine_set_sync makes it once; stop() closes it).
-        self.sync: Any = None
+        self.engine = r.engine
+        self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1  # weight-update ranks per engine
         self.stale: set[str] = set()  # URLs of local engines restarted since a weight sync last reached them
         # Restarts (the rollout pool's, on its thread) and weight updates (the trainer's) one at a time: in async mode
         # the producer restarts a killed engine while the trainer syncs, whose pause then hit a dead engine.
@@ -172,10 +167,5 @@ class EngineSet:
         return sizes
 
     def stop(self) -> None:
-        if self.sync is not None:
-            try:
-                self.sync.close()
-            except Exception as exc:  # noqa: BLE001 - engines may already be gone; stopping must go on
-                log.warning("closing the weight-update group failed: %s", exc)
         for process in self.processes:
             process.stop()

@@ -23,7 +23,9 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
   only path between two processes of one host is TCP over loopback, several times slower than memcpy, so the
   sender's slots are shared-memory files (shared_memory.py) and same-host holders write their pieces straight into
   place, told by a small "go" message when the slot is free and answering "done".
-* transports.py (WeightSync, the TRANSPORTS registry and the one compatibility check): how a bucket reaches the
+* transports.py (the Transport base class, the TRANSPORTS registry, the one compatibility check, and WeightSync:
+  one weight-update session) and one module per transport (transport_<name>.py, a Transport subclass registered
+  once; a user's class plugs in as sync.transport=module:attr or path/to/file.py:attr): how a bucket reaches the
   engines, all inside SGLang's weight-update session (pause -> begin -> buckets -> end -> continue):
   - "tensor": the bucket in the HTTP body of /update_weights_from_tensor (wire.py: mpo's engine takes
     `mpo_safetensors`, SGLang a `flattened_bucket`, every dtype in one buffer);
@@ -33,7 +35,7 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
     "flattened_bucket") in a thread while the sender broadcasts the bucket packed into ONE buffer (wire.pack_bucket):
     one collective per bucket, whatever its tensors. An engine serves one collective at a time, so two stages'
     broadcasts over groups spanning several engines could deadlock: with such groups stages take turns; while
-    engines <= senders each sender instead makes one group per engine (transports.stages_at_once) and every stage
+    engines <= senders each sender instead makes one group per engine (Transport.stages_at_once) and every stage
     pushes at once, each engine applying the buckets in whatever order they arrive within the session;
   - "cuda_ipc" (GPU only): SGLang engines on the trainer's GPUs get a flattened bucket whose tensor (one buffer per
     bucket, every dtype) is a CUDA IPC handle: one handle per bucket;
@@ -50,8 +52,9 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
   sender converts its HF buckets into that parameter format before pushing (float8_e4m3fn linears, a float32
   `weight_scale_inv` per 128 x 128 block, embeddings / LM head / norms / routers as they are); mpo's engine
   dequantizes on load, and the sync reports the error it adds (sync_fp8_weight_rel_rmse).
-* publisher.py (Publisher, made once per run in mpo.trainer.loop.run): rank 0 holds the engines (EngineSet, in
-  mpo.rollout.engines; its one WeightSync comes from transports.engine_set_sync) and opens the session on every
+* publisher.py (Publisher, made once per run in mpo.trainer.loop.run; it owns its rank's WeightSync and closes it):
+  rank 0 holds the engines (EngineSet, in mpo.rollout.engines, which keeps no sync state; rank 0's WeightSync comes
+  from transports.engine_set_sync) and opens the session on every
   engine before any bucket and closes it after every sender finished, so the new weights take effect at once; every
   other sender gets the engine URLs from rank 0 (one small broadcast per sync) and pushes with its own WeightSync
   (distributed: its own group, rendezvous at its address on the route to the engines). Versions are ints (the

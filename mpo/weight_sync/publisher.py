@@ -4,6 +4,7 @@ trainer's weights to the engines after each step and verifies them. No rank gath
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
@@ -16,6 +17,7 @@ from mpo.parallel.collectives import one_rank
 if TYPE_CHECKING:
     from mpo.config import TrainConfig
 
+log = logging.getLogger(__name__)
 PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verified with (then extended to coverage)
 
 
@@ -37,7 +39,9 @@ class Publisher:
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
                                        bucket_bytes=s.bucket_bytes, device=device,
                                        host_shared_memory=s.host_shared_memory)
-        self._sync = None  # a non-zero sender's WeightSync, for the engine URLs in self._urls
+        # This rank's weight-update session (transports.WeightSync): rank 0's for its EngineSet, made once (its
+        # distributed group reused every step); another sender's for the engine URLs in self._urls. close() ends it.
+        self._sync = None
         self._urls: tuple = ()
         self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
         self.version: int | None = None  # the version last published
@@ -67,6 +71,7 @@ class Publisher:
         from collections import Counter
 
         from mpo.weight_sync.relay import RELAY_TIMEOUT_S, NodeRelay, relay_group
+        from mpo.weight_sync.transports import transport_class
 
         device = self.streamer.device
         if self._relay_group is None:
@@ -78,7 +83,7 @@ class Publisher:
         return NodeRelay(routes, rank=rank, buckets_of=dict(Counter(b.sender for b in self.streamer.buckets)),
                          group=self._relay_group, device=device,
                          direct=direct, leader_push=(lambda named: sync.push_bucket(named, version)) if lead else None,
-                         shared=device.type == "cpu" and info["transport"] == "shm")
+                         shared=device.type == "cpu" and transport_class(info["transport"]).in_place)
 
     def publish(self, version: int) -> dict[str, float]:
         """Collective: stream the weights of `version` to every engine bucket by bucket and verify them (mpo engines
@@ -98,16 +103,26 @@ class Publisher:
             metrics.update(self.verify_by_probe())
         return metrics
 
+    def engine_session(self):
+        """Rank 0's weight-update session with its EngineSet (transports.WeightSync), made on first use and kept
+        until close(): its transport is the resolved sync.transport ("auto" decided here)."""
+        if self._sync is None:
+            from mpo.weight_sync.transports import engine_set_sync
+
+            self._sync = engine_set_sync(self.engines, self.config.sync)
+        return self._sync
+
     def _sender_sync(self, info: dict):
-        """This sender's WeightSync: rank 0 uses the EngineSet's (`info` unread); other senders make theirs for the
-        engines rank 0 named (remade when the URLs change, e.g. after a local engine restarted on a new port)."""
+        """This sender's WeightSync: rank 0 makes one for its EngineSet once (`info` unread); other senders make theirs
+        for the engines rank 0 named (remade when the URLs change, e.g. after a local engine restarted on a new
+        port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
-        from mpo.weight_sync.transports import WeightSync, engine_set_sync, per_node_sync
+        from mpo.weight_sync.transports import WeightSync, per_node_sync
 
         r = self.config.rollout
         if self.engines is not None:
-            return engine_set_sync(self.engines, bucket_bytes=self.config.sync.bucket_bytes)
+            return self.engine_session()
         key = (*info["urls"], info["transport"])
         if self._sync is None or self._urls != key:
             self.close()
@@ -128,7 +143,7 @@ class Publisher:
         per-tensor digests."""
         from mpo.parallel.collectives import all_reduce_
         from mpo.weight_sync.relay import RELAY_TIMEOUT_S
-        from mpo.weight_sync.transports import stages_at_once
+        from mpo.weight_sync.transports import transport_class
         from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
         started = time.perf_counter()
@@ -136,9 +151,9 @@ class Publisher:
         r, m = self.config.rollout, self.config.model
         info: list[Any] = [None]
         if engines is not None:
-            tp_sizes = list(self._sender_sync({}).tp_sizes)  # first: making rank 0's WeightSync resolves "auto"
-            info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": engines.transport,
-                     "tp_sizes": tp_sizes, "api_key": engines.api_key}]
+            own = self.engine_session()  # first: making rank 0's WeightSync resolves "auto"
+            info = [{"urls": [c.url for c in engines.clients], "engine": r.engine, "transport": own.transport,
+                     "tp_sizes": list(own.tp_sizes), "api_key": engines.api_key}]
         if not one_rank():
             dist.broadcast_object_list(info, src=0)
         info = info[0]
@@ -152,9 +167,10 @@ class Publisher:
             sync.push_to = {info["urls"][i] for i in self._claims[rank]}
         fp8 = r.engine_weights == "fp8_block"
         convert = _EngineFormat(r.engine_weights, keep=r.engine == "mpo")
-        at_once = stages_at_once(info["transport"], len(streamer.senders), len(info["urls"]))
-        if sync is not None and not sync.groups:  # decided before its groups exist (transports.stages_at_once)
-            sync.group_per_engine = at_once
+        via = transport_class(info["transport"])
+        at_once = via.stages_at_once(len(streamer.senders), len(info["urls"]))  # the same on every rank
+        if sync is not None:
+            sync.via.prepare(at_once)
         digest = None
         if r.engine == "mpo":
             engine_dtype = torch.bfloat16 if self.config.engine_dtype == "bf16" else torch.float32
@@ -176,10 +192,9 @@ class Publisher:
             if routes is not None and routes.relayed:  # colocated on several nodes: each node's leader pushes there
                 relay = self._relay(routes, rank, sync, version, info)
                 push = (lambda named: relay.push(convert(named))) if streamer.is_sender else None
-            # shm: the engines read strided views of the slots, no conversion copies (block FP8 makes new tensors
-            # anyway, from HF-shaped ones: views keep q/k/v's head-group axis)
-            result = streamer.stream(push, sequential=not at_once, digest=digest,
-                                     hf_views=info["transport"] == "shm" and not fp8)
+            # in place (shm): the engines read strided views of the slots, no conversion copies (block FP8 makes new
+            # tensors anyway, from HF-shaped ones: views keep q/k/v's head-group axis)
+            result = streamer.stream(push, sequential=not at_once, digest=digest, hf_views=via.in_place and not fp8)
             if relay is not None:
                 relay.finish(RELAY_TIMEOUT_S)
                 self.relayed = relay.relayed
@@ -280,10 +295,15 @@ class Publisher:
             return self.score_probes(probes), True
 
     def close(self) -> None:
-        """Tear down this sender's own WeightSync (rank 0's belongs to the EngineSet)."""
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
+        """End this rank's weight-update session (distributed: its groups on the engines and here; shm: the spill
+        buffer). Before the engines stop (mpo.trainer.loop.run); a failure is logged, not raised: the engines may
+        already be gone, and stopping them must go on."""
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            try:
+                sync.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("closing the weight-update session failed: %s", exc)
 
 
 class _EngineFormat:

@@ -1,8 +1,14 @@
-"""The transports (see mpo.weight_sync): how a bucket reaches the engines, and which engines each one can reach.
+"""The transports (see mpo.weight_sync): how a bucket reaches the engines, which engines each one can reach, and the
+weight-update session every transport pushes inside.
 
-TRANSPORTS is the registry: every transport declares the engine kinds it serves and those that must run on the
-trainer's host for it. `check_transport` is the one compatibility check; config validation (engine kinds), the
-launcher (engine placement) and WeightSync (engine URLs, on every sender) all ask it.
+A transport is one class (a `Transport` subclass) registered once in TRANSPORTS: the built-ins are the modules
+transport_tensor, transport_distributed, transport_cuda_ipc and transport_shm of this package (listed by module path,
+imported on the first lookup); a user's class is named as `sync.transport=module:attr` or `path/to/file.py:attr`.
+The class says what it can reach (engine kinds, those that must share the trainer's node, whether stages may push at
+once, whether the engines read buckets in place), and an instance, made by the session, connects, pushes one bucket
+and closes. `check_transport` is the one compatibility check; config validation (engine kinds), the launcher (engine
+placement) and WeightSync (engine URLs, on every sender) all ask it. "auto" is a resolution rule (resolve_transport),
+not a transport.
 """
 
 from __future__ import annotations
@@ -10,44 +16,120 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence
 
 import torch
 
-from mpo.parallel.ports import free_port
+from mpo.registry import PLUGIN_FORMS, Registry
 from mpo.rollout.client import EngineClient, EngineError
-from mpo.weight_sync.wire import (MPO_FORMAT, SGLANG_FORMAT, SHM_FORMAT, cuda_ipc_payload, dtype_name,
-                                  encode_mpo_bucket, flattened_bucket_payload, group_layout, join_weight_update_group,
-                                  pack_bucket)
+
+if TYPE_CHECKING:
+    from mpo.config import SyncSection
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 EngineKind = Literal["mpo", "sglang"]
 
 
-@dataclass(frozen=True)
 class Transport:
-    """One way weights reach engines: `what` it is (for messages), the `engines` kinds it serves, and those of them
-    that must run on the trainer's host (node) to be reached this way (`same_host`)."""
+    """One way a bucket reaches the engines of one WeightSync session (`session`: its engines, TP sizes, timeouts and
+    the engines still in it). A subclass sets the class attributes, implements `push`, and overrides `connect` /
+    `close` / `prepare` when it keeps state across buckets (a process group, a spill buffer).
 
-    what: str
-    engines: tuple[str, ...]
-    same_host: tuple[str, ...] = ()
+    Class attributes (what it can reach; read by the config check, the launcher's placement, the plan and the
+    publisher, before any instance exists):
+        what: what it is, in a user's words (error messages).
+        engines: the engine kinds it serves ("mpo", "sglang").
+        same_host: those of them that must run on the trainer's node to be reached this way (a colocated run over
+            several trainer nodes then routes buckets per node: mpo.weight_sync.relay).
+        in_place: the engines read a bucket in place from this host's shared memory: the streamer hands strided views
+            of its slots (no conversion copies) and a relaying node leader receives into a shared file.
+        drops_dead_engines: an engine whose process died may be left out of the rest of a session (False where a
+            dead member would leave the other members' collectives hanging).
+        call_unit: what one call of a sync is (the plan's "per sync" line).
+    """
+
+    what: ClassVar[str] = "a user's transport"
+    engines: ClassVar[tuple[str, ...]] = ()
+    same_host: ClassVar[tuple[str, ...]] = ()
+    in_place: ClassVar[bool] = False
+    drops_dead_engines: ClassVar[bool] = True
+    call_unit: ClassVar[str] = "HTTP payloads"
+
+    def __init__(self, session: WeightSync) -> None:
+        self.session = session
+        self.collectives = 0  # collectives this transport issued (the sync's shape, for benches and tests)
+
+    # -- what it can reach (class level) ---------------------------------------------------------------------------
+    @classmethod
+    def check_colocated(cls, engine: str) -> None:
+        """Raise ValueError (one line) when engines of kind `engine` on the trainer's own GPUs cannot be reached."""
+
+    @classmethod
+    def stages_at_once(cls, senders: int, engines: int) -> bool:
+        """Whether the pipeline stages' senders push at once (else they take turns)."""
+        return True
+
+    @classmethod
+    def link_copies(cls, engines: int, tp: int, at_once: bool) -> float:
+        """Bytes on a sender's link per byte of its stage (mpo.memory_plan.sync_shape): 0 for a path that copies
+        nothing over a link."""
+        return 0.0
+
+    @classmethod
+    def calls_per_bucket(cls, engines: int, at_once: bool) -> int:
+        """Engine-side calls (payloads, handles, collectives) one bucket costs."""
+        return engines
+
+    @classmethod
+    def groups_per_engine_gpu(cls, senders: int) -> int:
+        """Process groups each engine GPU joins (0: the transport makes none)."""
+        return 0
+
+    # -- one session's connection (instance level) -----------------------------------------------------------------
+    def check_session(self) -> None:
+        """Raise ValueError (one line) when this session's engines cannot be reached this way (made on every
+        sender); the kinds and nodes are already checked (check_transport)."""
+
+    def prepare(self, at_once: bool) -> None:
+        """Told before the first push whether the stages push at once (stages_at_once, the same on every rank)."""
+
+    def connect(self) -> None:
+        """Set up what the pushes need (made lazily by the first push where there is something to set up)."""
+
+    def push(self, bucket: NamedTensors, version: str, *, wait: bool) -> PendingPush | None:
+        """One bucket of HF-named tensors to every engine this rank pushes to (session.pushed()), tagged with weight
+        `version`. wait=False may return a PendingPush whose wait() returns when every engine copied the bucket out
+        (until then its memory must not change); None once the engines have it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement push(bucket, version, wait=...)")
+
+    def close(self) -> None:
+        """Release what connect / push kept (groups on the engines and here, buffers)."""
 
 
-TRANSPORTS: dict[str, Transport] = {
-    # each bucket in the HTTP body of /update_weights_from_tensor (mpo: safetensors; SGLang: a flattened bucket)
-    "tensor": Transport("the HTTP-body path", ("mpo", "sglang"), same_host=("sglang",)),
-    # a process group per sender with every engine rank (or per sender and engine: stages at once); each bucket ONE
-    # broadcast of its flattened buffer (NCCL / gloo)
-    "distributed": Transport("the process-group path", ("mpo", "sglang")),
-    # SGLang engines on the trainer's own GPUs map each bucket through a CUDA IPC handle (GPU only)
-    "cuda_ipc": Transport("SGLang's colocated GPU path", ("sglang",), same_host=("sglang",)),
-    # mpo engines on the trainer's host read each bucket in place from shared memory (CPU)
-    "shm": Transport("mpo's engine's same-host path", ("mpo",), same_host=("mpo",)),
-}
+def _as_transport(name: str, obj: Any) -> type[Transport]:
+    """A registry entry: a Transport subclass (a plug-in names the class itself)."""
+    if not (isinstance(obj, type) and issubclass(obj, Transport)):
+        raise ValueError(f"sync.transport={name!r} is {obj!r}, not a subclass of mpo.weight_sync.transports.Transport")
+    if not obj.engines:
+        raise ValueError(f"sync.transport={name!r}: {obj.__name__}.engines names no engine kind ('mpo', 'sglang')")
+    return obj
+
+
+# The transports by name: built-ins by module path (each registers its class when imported), plug-ins from user code.
+TRANSPORTS: Registry[type[Transport]] = Registry(
+    "transport", adapt=_as_transport,
+    builtins=("mpo.weight_sync.transport_tensor", "mpo.weight_sync.transport_distributed",
+              "mpo.weight_sync.transport_cuda_ipc", "mpo.weight_sync.transport_shm"))
+
+
+def transport_class(transport: str) -> type[Transport]:
+    """The class `sync.transport` names ("auto" read as "tensor", what it is for engines a run does not start
+    itself); ValueError (one line) listing the valid values for a name that is neither a built-in nor a plug-in."""
+    name = "tensor" if transport == "auto" else transport
+    if not isinstance(name, str) or (name not in TRANSPORTS and not (":" in name and all(name.rpartition(":")[::2]))):
+        raise ValueError(f"sync.transport={transport!r}; valid values: 'auto', "
+                         f"{', '.join(map(repr, TRANSPORTS.names()))}, or a transport class as {PLUGIN_FORMS}")
+    return TRANSPORTS.get(name)
 
 
 def resolve_transport(transport: str, engine: str, *, started_here: bool, is_gpu: bool,
@@ -66,10 +148,7 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
     """Raise ValueError (one line, naming sync.transport) unless `transport` serves `engine` engines; `off_host`
     describes an engine that is not on the trainer's host (node), if there is one. "auto" is checked as what it is
     for engines a run does not start itself: "tensor"."""
-    spec = TRANSPORTS.get("tensor" if transport == "auto" else transport)
-    if spec is None:
-        raise ValueError(f"sync.transport must be one of 'auto', {', '.join(map(repr, TRANSPORTS))}, "
-                         f"got {transport!r}")
+    spec = transport_class(transport)
     if engine not in spec.engines:
         takes = [repr(name) for name, t in TRANSPORTS.items() if engine in t.engines]
         raise ValueError(f"sync.transport={transport!r} is {spec.what}; rollout.engine={engine!r} takes "
@@ -80,11 +159,9 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
 
 
 def stages_at_once(transport: str, senders: int, engines: int) -> bool:
-    """Whether the pipeline stages' senders push at once (else they take turns). Every transport but "distributed"
-    always does. "distributed" does with a group per engine (WeightSync.group_per_engine), each sender's link then
-    carrying every bucket once per engine: at once costs stage bytes x engines per link, in turns the model's bytes
-    once (one broadcast tree per bucket), so at once wins while engines <= senders (PP16 into 2 engines: 8x less)."""
-    return transport != "distributed" or engines <= senders
+    """Whether the pipeline stages' senders push at once (else they take turns): the transport's rule
+    (Transport.stages_at_once; only "distributed" ever takes turns)."""
+    return transport_class(transport).stages_at_once(senders, engines)
 
 
 NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
@@ -93,8 +170,11 @@ NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo 
 def same_host(transport: str, engine: str) -> bool:
     """Whether `transport` reaches `engine` engines only from their own node ("auto" as check_transport reads it):
     such a sync is routed per node (mpo.weight_sync.relay)."""
-    spec = TRANSPORTS.get("tensor" if transport == "auto" else transport)
-    return spec is not None and engine in spec.same_host
+    try:
+        spec = transport_class(transport)
+    except ValueError:
+        return False
+    return engine in spec.same_host
 
 
 def per_node_sync(transport: str, engine: str) -> bool:
@@ -109,18 +189,11 @@ def per_node_sync(transport: str, engine: str) -> bool:
 
 
 def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
-    """Raise ValueError (one line) when engines colocated on the trainer's GPUs cannot be synced: "distributed"
-    would put a trainer GPU and an engine GPU that are the same device into one NCCL group (NCCL refuses a device
-    twice in a communicator). Over several trainer nodes (`trainer_nodes`) the same-host transports ("cuda_ipc",
-    "tensor", "auto") reach each node's engines from that node's leader (mpo.weight_sync.relay); mpo's engines
-    (CPU, gloo) have no limit beyond check_transport's."""
-    if engine != "sglang":
-        return
-    if transport == "distributed":
-        raise ValueError("sync.transport='distributed' with rollout.colocate=true: the engines' GPUs are trainer GPUs "
-                         "and NCCL cannot hold one device twice in the weight-update group; use sync.transport="
-                         "'cuda_ipc' or 'tensor' (each node's engines are pushed to from that node) or give the "
-                         "engines nodes of their own (rollout.colocate=false)")
+    """Raise ValueError (one line) when engines colocated on the trainer's GPUs cannot be synced (the transport's
+    own rule, Transport.check_colocated: "distributed" would put one GPU twice into an NCCL group). Over several
+    trainer nodes (`trainer_nodes`) the same-host transports reach each node's engines from that node's leader
+    (mpo.weight_sync.relay)."""
+    transport_class(transport).check_colocated(engine)
 
 
 log = logging.getLogger(__name__)
@@ -177,12 +250,14 @@ class PendingPush:
 
 
 class WeightSync:
-    """Pushes HF-named weights to every engine of one kind over one transport, inside SGLang's weight-update session.
+    """One weight-update session's engines (all of one kind) and the transport that pushes to them: pauses and opens
+    SGLang's weight-update session (pause -> begin -> buckets -> end -> continue), hands each bucket to the transport
+    (`via`, the class TRANSPORTS names), drops engines that died when they are expendable, closes.
 
     Args:
         clients: the engines (all of `engine` kind).
         engine: "mpo" or "sglang": picks the tensor-path payload and the verification.
-        transport: a TRANSPORTS name.
+        transport: a TRANSPORTS name (or a plug-in's `module:attr`).
         bucket_bytes: bucket size.
         tp_sizes: TP size of each engine (distributed ranks; tensor payloads are sent once per TP rank).
         backend: process-group backend for "distributed" (default: nccl when CUDA is available, else gloo).
@@ -198,7 +273,7 @@ class WeightSync:
                  master_address: str = "127.0.0.1", timeout_s: float = 120.0, per_node: bool = False) -> None:
         from urllib.parse import urlsplit
 
-        from mpo.parallel.ports import is_local_host, is_loopback
+        from mpo.parallel.ports import is_local_host
 
         if engine not in ("mpo", "sglang"):
             raise ValueError(f"engine must be 'mpo' or 'sglang', got {engine!r}")
@@ -206,11 +281,6 @@ class WeightSync:
         remote = next((url for url, host in hosts.items() if not is_local_host(host)), None)
         check_transport(transport, engine,
                         off_host=None if per_node else remote and f"engine {remote} is on another node")
-        far = next((url for url, host in hosts.items() if not is_loopback(host)), None)
-        if transport == "distributed" and far is not None and is_loopback(master_address):
-            raise ValueError(f"sync.transport='distributed': engine {far} cannot reach trainer rank 0 at "
-                             f"{master_address}; set sync.master_address to an address of this host that "
-                             f"the engines can route to (the launcher sets it)")
         self.clients = list(clients)
         self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
         self.tp_sizes = list(tp_sizes or [1] * len(self.clients))
@@ -218,21 +288,6 @@ class WeightSync:
             raise ValueError(f"{len(self.tp_sizes)} tp_sizes for {len(self.clients)} engines")
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.timeout_s = master_address, timeout_s
-        # distributed: the groups, each (its engines, the group, its name), this sender rank 0 in each.
-        # group_per_engine=False (the default): ONE group with every engine's ranks, so a bucket is one broadcast
-        # for all engines (NCCL's tree/ring: the sender's link carries it about once); right for a single sender,
-        # or senders taking turns. An engine serves one collective at a time, so two senders pushing at once over
-        # such groups could each hold an engine the other's broadcast needs (deadlock).
-        # group_per_engine=True: a group per engine; each collective then needs one engine only, and every sender
-        # pushes a bucket to the engines in the same order, so the lowest engine with work always progresses:
-        # senders (pipeline stages) push at once. The cost: the sender's link carries each bucket once per engine.
-        # Either way an engine GPU is in one group per sender (mpo.memory_plan.sync_shape states which is cheaper;
-        # mpo.weight_sync.publisher picks the same).
-        self.group_per_engine = False
-        self.groups: list[tuple[list[EngineClient], torch.distributed.ProcessGroup, str]] = []
-        self.group_name = f"mpo_weight_sync_{uuid.uuid4().hex[:8]}"
-        self.collectives = 0  # collectives (broadcasts) this WeightSync issued: the sync's shape, for benches/tests
-        self._spill = None  # shm transport: shared buffer for tensors that are not in a shared slot already
         # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
         # (EngineSet: a local engine whose process died; it is restarted after the session, and the publisher streams
         # the weights once more for it).
@@ -242,6 +297,13 @@ class WeightSync:
         self.paused = True  # whether the current session paused generation (begin_session)
         self.per_node = per_node
         self.push_to: set[str] | None = None  # per_node: the URLs this rank pushes buckets to (None: every engine)
+        self.via: Transport = TRANSPORTS.get(transport)(self)
+        self.via.check_session()
+
+    @property
+    def collectives(self) -> int:
+        """Collectives (broadcasts) this session's transport issued: the sync's shape, for benches and tests."""
+        return self.via.collectives
 
     # -- pushing ---------------------------------------------------------------------------------------------------
     def begin_session(self, *, pause: bool = True) -> None:
@@ -300,196 +362,40 @@ class WeightSync:
         self.lost.add(url)
         return True
 
-    def push_bucket(self, bucket: NamedTensors, version: int, *, wait: bool = True) -> "PendingPush | None":
+    def pushed(self) -> list[tuple[EngineClient, int]]:
+        """(client, TP size) of the engines still in the session that this rank pushes buckets to (push_to)."""
+        return self._pushed()
+
+    def push_bucket(self, bucket: NamedTensors, version: int, *, wait: bool = True) -> PendingPush | None:
         """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it), tagged
         with weight `version` (on the wire str(version): SGLang's weight_version is a string).
 
-        wait=False (shm transport; the others always wait): return once the engines were asked, with a PendingPush
-        whose wait() returns when every engine has copied the bucket out; until then its memory must not change.
-        The streaming sync uses this to place the next bucket while the engines read this one."""
-        if self.transport == "distributed" and not self.groups:
-            self.connect()
-        version = str(version)
-        if self.transport == "tensor":
-            self._push_tensor(bucket, version)
-        elif self.transport == "cuda_ipc":
-            self._push_cuda_ipc(bucket, version)
-        elif self.transport == "shm":
-            return self._push_shm(bucket, version, wait)
-        else:
-            self._push_distributed(bucket, version)
-        return None
+        wait=False: the transport may return once the engines were asked (shm: the others always wait), with a
+        PendingPush whose wait() returns when every engine has copied the bucket out; until then its memory must
+        not change. The streaming sync uses this to place the next bucket while the engines read this one."""
+        return self.via.push(bucket, str(version), wait=wait)
 
-    def _push_tensor(self, bucket: NamedTensors, version: str) -> None:
-        # One payload per bucket: a safetensors file (mpo) or one flattened buffer of every dtype (SGLang)
-        if self.engine == "mpo":
-            load_format, payload = MPO_FORMAT, encode_mpo_bucket(bucket)
-        else:
-            load_format, payload = SGLANG_FORMAT, flattened_bucket_payload(bucket)
-        self._each(lambda client, tp: client.update_weights_from_tensor([payload] * tp, load_format=load_format,
-                                                                        weight_version=version), pushing=True)
-
-    def _push_cuda_ipc(self, bucket: NamedTensors, version: str) -> None:
-        """SGLang's colocated path: the bucket stays on this GPU and the engine maps it through CUDA IPC handles
-        (torch's ForkingPickler reductions, as sglang's MultiprocessingSerializer writes them), one payload per
-        engine TP rank. NOT RUN ON CPU (no CUDA here): GPU-only, checked on the lent GPU machine when there is one.
-        The engines must run on this node's GPUs; the tensors stay alive until every engine replied."""
-        if not torch.cuda.is_available():
-            raise EngineError(self.clients[0].url, "/update_weights_from_tensor",
-                              "sync.transport='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
-                              retryable=False)
-        device = torch.device("cuda", torch.cuda.current_device())
-        # One buffer (every dtype) per bucket: one IPC handle, one mapping on the engine side
-        on_device = [(name, t.detach().to(device)) for name, t in bucket]
-        payload = cuda_ipc_payload(on_device)
-        torch.cuda.synchronize(device)  # the packed buffer is written before the engines map it
-        for client, tp in self._pushed():
-            client.update_weights_from_tensor([payload] * tp, load_format=SGLANG_FORMAT, weight_version=version)
-        torch.cuda.synchronize(device)
-
-    def _push_shm(self, bucket: NamedTensors, version: str, wait: bool) -> "PendingPush | None":
-        """Same-host mpo engines read the bucket in place: locators for tensors already in a shared slot (strided
-        views included: the streaming sync's q/k/v), one copy into the spill buffer for the rest (a plain list of
-        tensors, as the benches push). A bucket that needed the spill buffer is always waited for (the buffer is reused
-        by the next bucket)."""
-        import json
-
-        from mpo.weight_sync.shared_memory import SharedBuffer, file_name, locate, new_token
-
-        located, missing = [], []
-        for name, tensor in bucket:
-            tensor = tensor.detach()
-            loc = locate(name, tensor)  # None unless it lies in a shared buffer of this process (CPU)
-            (located.append(loc) if loc is not None else missing.append((name, tensor)))
-        if missing:
-            align = 64
-            sizes = [-(-t.numel() * t.element_size() // align) * align for _, t in missing]
-            if self._spill is None or self._spill.numel < sum(sizes):
-                if self._spill is not None:
-                    self._spill.close()
-                self._spill = SharedBuffer(file_name(new_token(), "spill"), max(sum(sizes), self.bucket_bytes),
-                                           torch.uint8, create=True)
-            at = 0
-            for (name, tensor), size in zip(missing, sizes):
-                nbytes = tensor.numel() * tensor.element_size()
-                view = self._spill.tensor[at: at + nbytes].view(tensor.dtype).view(tensor.shape)
-                view.copy_(tensor)
-                located.append(locate(name, view))
-                at += size
-        payload = json.dumps([loc.to_json() for loc in located])
-        live = self._pushed()
-        tp_of = {id(c): tp for c, tp in live}
-        pending = PendingPush(_Calls([c for c, _ in live], lambda client: client.update_weights_from_tensor(
-            [payload] * tp_of[id(client)], load_format=SHM_FORMAT, weight_version=version)), self.timeout_s,
-            self._drop)
-        if wait or missing:
-            pending.wait()
-            return None
-        return pending
-
-    def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-    def _push_distributed(self, bucket: NamedTensors, version: str) -> None:
-        """The bucket packed into one buffer (wire.pack_bucket) and broadcast ONCE per engine group; the engine
-        receives it with load_format="flattened_bucket" (SGLang 0.5.23 allocates FlattenedTensorBucket.empty(names,
-        dtypes, shapes) and takes one broadcast; mpo's engine the same), whatever the number of tensors."""
-        flat, manifest = pack_bucket(bucket, device=self._device())  # alive until every broadcast completed
-        names = [m.name for m in manifest]
-        dtypes = [dtype_name(m.dtype) for m in manifest]
-        shapes = [list(m.shape) for m in manifest]
-        name_of = {c.url: name for members, _, name in self.groups for c in members}
-        calls = _Calls([c for members, _, _ in self.groups for c in members],
-                       lambda c: c.update_weights_from_distributed(
-                           names=names, dtypes=dtypes, shapes=shapes, group_name=name_of[c.url],
-                           load_format=SGLANG_FORMAT, weight_version=version))
-        # in engine order on every sender (see __init__)
-        works = [torch.distributed.broadcast(flat, src=0, group=group, async_op=True) for _, group, _ in self.groups]
-        self.collectives += len(works)
-        # An engine that refuses before receiving (e.g. an unknown group) would leave the broadcasts waiting:
-        # poll both, and fail with the engine's own error as soon as one comes back.
-        deadline = time.monotonic() + self.timeout_s
-        while not (calls.done() and all(w.is_completed() for w in works)):
-            if calls.errors and not all(w.is_completed() for w in works):
-                self.groups = []  # the groups are out of step now; the next push makes new ones
-                calls.raise_first()
-            if time.monotonic() > deadline:
-                raise EngineError(self.clients[0].url, "/update_weights_from_distributed",
-                                  f"bucket of {len(names)} tensors not done after {self.timeout_s:.0f} s")
-            time.sleep(0.001)
-        calls.raise_first()
-
-    # -- the process group (distributed transport) ----------------------------------------------------------------
     def connect(self) -> None:
-        """Create the weight-update group(s) (see __init__): this sender as rank 0 plus every engine's TP ranks
-        (engine i from its rank offset), or one group per engine."""
-        if self.group_per_engine:
-            self.groups = [([c], self._join([c], [tp], f"{self.group_name}_e{i}"), f"{self.group_name}_e{i}")
-                           for i, (c, tp) in enumerate(zip(self.clients, self.tp_sizes))]
-        else:
-            self.groups = [(list(self.clients), self._join(self.clients, self.tp_sizes, self.group_name),
-                            self.group_name)]
-
-    def _join(self, clients: Sequence[EngineClient], tp_sizes: Sequence[int], name: str
-              ) -> torch.distributed.ProcessGroup:
-        port = free_port()
-        world_size, offsets = group_layout(tp_sizes)
-        by_url = dict(zip((c.url for c in clients), offsets))
-        calls = _Calls(clients, lambda c: c.init_weights_update_group(
-            master_address=self.master_address, master_port=port, rank_offset=by_url[c.url], world_size=world_size,
-            group_name=name, backend=self.backend))
-        joined: dict[str, Any] = {}
-
-        def join() -> None:
-            try:
-                joined["group"] = join_weight_update_group(self.master_address, port, world_size, name,
-                                                           backend=self.backend, rank=0,
-                                                           timeout=timedelta(seconds=self.timeout_s))
-            except BaseException as exc:  # noqa: BLE001
-                joined["error"] = exc
-
-        trainer = threading.Thread(target=join, daemon=True)
-        trainer.start()
-        deadline = time.monotonic() + self.timeout_s
-        while trainer.is_alive() or not calls.done():
-            if calls.errors:
-                calls.raise_first()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"weight-update group {name}: not all of {world_size} ranks joined "
-                                   f"within {self.timeout_s:.0f} s")
-            time.sleep(0.01)
-        calls.raise_first()
-        if "error" in joined:
-            raise joined["error"]
-        return joined["group"]
+        """Set up the transport's connection now (distributed: the weight-update groups) instead of at the first
+        push."""
+        self.via.connect()
 
     def close(self) -> None:
-        """Tear the weight-update groups down on the engines and here (distributed transport); free the shm spill."""
-        if self._spill is not None:
-            self._spill.close()
-            self._spill = None
-        groups, self.groups = self.groups, []
-        try:
-            for members, _, name in groups:
-                for client in members:
-                    client.call("/destroy_weights_update_group", {"group_name": name})
-        finally:
-            for _, group, _ in groups:
-                torch.distributed.destroy_process_group(group)
+        """Release the transport's connection and buffers (distributed: its groups on the engines and here)."""
+        self.via.close()
 
 
-def engine_set_sync(engines, bucket_bytes: int) -> WeightSync:
-    """Rank 0's one WeightSync for an EngineSet (mpo.rollout.engines), made on first use and kept on the set (its
-    distributed group, if any, is made once and reused every step; EngineSet.stop closes it). Resolves the set's
-    `transport` ("auto") first."""
-    if engines.sync is None:
-        engines.transport = resolve_transport(engines.transport, engines.engine, started_here=bool(engines.processes),
-                                              is_gpu=torch.cuda.is_available(), shared_memory=engines.shared_memory)
-        sync = WeightSync(engines.clients, engine=engines.engine, transport=engines.transport,
-                          bucket_bytes=bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
-                          master_address=engines.sync_master_address,
-                          per_node=per_node_sync(engines.transport, engines.engine))
-        if engines.transport != "distributed":  # a dead member would leave the group's collectives hanging
-            sync.expendable = engines.exited
-        engines.sync = sync
-    return engines.sync
+def engine_set_sync(engines, section: SyncSection) -> WeightSync:
+    """Rank 0's WeightSync for an EngineSet (mpo.rollout.engines) and the run's sync section: its transport resolved
+    ("auto": shm for engines this run started on a CPU host), its engines' TP sizes asked, engines that died made
+    expendable where the transport allows it. The caller owns it (mpo.weight_sync.publisher.Publisher: made once, its
+    distributed group reused every step, closed with the publisher)."""
+    transport = resolve_transport(section.transport, engines.engine, started_here=bool(engines.processes),
+                                  is_gpu=torch.cuda.is_available(), shared_memory=section.host_shared_memory)
+    sync = WeightSync(engines.clients, engine=engines.engine, transport=transport,
+                      bucket_bytes=section.bucket_bytes, tp_sizes=engines.engine_tp_sizes(),
+                      master_address=section.master_address or "127.0.0.1",
+                      per_node=per_node_sync(transport, engines.engine))
+    if sync.via.drops_dead_engines:
+        sync.expendable = engines.exited
+    return sync

@@ -23,8 +23,9 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     engines = EngineSet(config, Path(out_dir), model_config(config))
     trainer.collector.connect(engines.handles)
     calls = []
+    weights = publisher(trainer, engines)
     try:
-        publisher(trainer, engines).publish(0)
+        weights.publish(0)
         generate = trainer.collector._generate
 
         def recorded(requests):
@@ -64,6 +65,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
         Path(out_dir, "two_turn.json").write_text(json.dumps({"calls": calls, "rows": rows, "metrics": metrics,
                                                              "old_metrics": old_metrics}))
     finally:
+        weights.close()  # its weight-update session, before the engines stop
         engines.stop()
         trainer.task.close()
     torch.distributed.destroy_process_group()

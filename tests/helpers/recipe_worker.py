@@ -44,10 +44,12 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
         engines = EngineSet(config, Path(out_dir) / name, trainer.model_cfg) if trainer.rank == 0 else None
         if engines is not None:
             trainer.collector.connect(engines.handles)
+        weights = publisher(trainer, engines)
         try:
             metrics = trainer.train_step(0)
-            metrics.update(publisher(trainer, engines).publish(1))
+            metrics.update(weights.publish(1))
         finally:
+            weights.close()  # its weight-update session, before the engines stop
             trainer.task.close()
             if engines is not None:
                 engines.stop()

@@ -102,7 +102,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
         finally:
             weights.close()
             if engines is not None and engines is not owner:
-                engines.stop()  # closes its weight-update group; the engine itself belongs to the owner
+                engines.stop()  # the engine itself belongs to the owner
         dist.barrier()
     if restart_race:
         trainer.config = owner_config
@@ -111,7 +111,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
         results["death_race"] = sync_while_the_engine_dies(trainer, owner)
         results["restart_race_s"] = time.perf_counter() - began
     if owner is not None:
-        owner.stop()  # closes its WeightSync, whose spill buffer (shm transport) is the last shared file
+        owner.stop()  # the publishers closed their sessions (shm: the spill buffer) above
     if dist.get_rank() == 0:
         results["leftover_after_stop"] = sorted(p.name for p in Path("/dev/shm").glob(f"mpo-sync-*-p{os.getpid()}-*"))
         Path(out_dir, "sync.json").write_text(json.dumps(results))
@@ -139,7 +139,11 @@ def sync_while_the_pool_restarts(trainer, engines) -> dict | None:
         restarting = threading.Thread(target=engines.handles[0][1], name="pool-restart", daemon=True)
         restarting.start()
     perturb(trainer.gpt, scale=0.01)
-    publisher(trainer, engines).publish(2)
+    weights = publisher(trainer, engines)
+    try:
+        weights.publish(2)
+    finally:
+        weights.close()
     full = gather_full_state(trainer.gpt)
     if engines is None:
         return None
@@ -161,11 +165,11 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
     from mpo.models.full_state import gather_full_state
     from mpo.weight_sync.verify import weights_checksum
     from mpo.trainer.loop import publisher
-    from mpo.weight_sync.transports import engine_set_sync
 
     threads, old_pid = [], None
+    weights = publisher(trainer, engines)
     if engines is not None:
-        sync = engine_set_sync(engines, trainer.config.sync.bucket_mb << 20)
+        sync = weights.engine_session()  # the publisher's own session, the one its stream pushes through
         process, push_bucket = engines.processes[0], sync.push_bucket
         old_pid = process.process.pid
 
@@ -177,13 +181,13 @@ def sync_while_the_engine_dies(trainer, engines) -> dict | None:
             return push_bucket(*args, **kwargs)
 
         sync.push_bucket = dying_push
-    weights = publisher(trainer, engines)
     perturb(trainer.gpt, scale=0.01)
     try:
         weights.publish(3)
     finally:
         if engines is not None:
             sync.push_bucket = push_bucket
+        weights.close()
     full = gather_full_state(trainer.gpt)
     if engines is None:
         return None
@@ -205,7 +209,6 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
-    from mpo.weight_sync.transports import engine_set_sync
 
     results: dict = {}
     trainer = None
@@ -230,8 +233,9 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
                 metrics = weights.publish(i)  # raises if the probe disagrees
             if engines is not None:
                 results[transport] = {"metrics": metrics, "stale_error": stale,
-                                      "tp_sizes": engine_set_sync(engines, 1 << 20).tp_sizes}
+                                      "tp_sizes": weights.engine_session().tp_sizes}
         finally:
+            weights.close()  # its weight-update group, before the engines stop
             if engines is not None:
                 engines.stop()
         dist.barrier()

@@ -43,6 +43,7 @@ def _worker_run(out_dir: str, name: str, overrides: list[str] = ()):
     try:
         yield trainer, engines, sync, results
     finally:
+        sync.close()  # the publisher's weight-update session, before the engines stop
         if engines is not None:
             engines.stop()
     if trainer.rank == 0:
