@@ -94,6 +94,8 @@ class Publisher:
                 dist.broadcast_object_list(again, src=0)
             if not again[0]:
                 break
+        if engines is not None:  # engines given by URL that stopped answering are dropped (EngineSet.check_external)
+            metrics["engines_live"] = float(len(engines.clients))
         if self.config.rollout.engine == "sglang":
             metrics.update(self.verify_by_probe())
         return metrics
