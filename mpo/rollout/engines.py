@@ -1,7 +1,8 @@
 """Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
-die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Its WeightSync comes from
-mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of mpo.weight_sync, which imports it);
-restarts and updates share one lock.
+die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Engines given by URL
+cannot be restarted here: one that stops answering is dropped from the run before the next sync (check_external).
+Its WeightSync comes from mpo.weight_sync.transports.engine_set_sync (the client side imports nothing of
+mpo.weight_sync, which imports it); restarts and updates share one lock.
 
 Engines the set starts always have a key: rollout.api_key, else a random one made here (EngineSet.api_key). A
 keyless engine on loopback serves its weight and memory routes to every user of the host (the port shows in `ps`);
