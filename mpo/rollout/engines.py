@@ -1,5 +1,7 @@
 """Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
-die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). The set keeps no sync
+die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Engines given by URL
+cannot be restarted here: one that stops answering is dropped from the run before the next sync (check_external),
+and `membership` counts such changes so that the publisher forms its session anew. The set keeps no sync
 state: the publisher owns the weight-update session (mpo.weight_sync.publisher; the client side imports nothing of
 mpo.weight_sync, which imports it); restarts and updates share one lock.
 
@@ -27,6 +29,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # The CPU priority (nice) of local engines in the off-policy modes (see EngineSet.local_processes).
 LOCAL_ENGINE_NICE = 10
+# How long an engine given by URL has to answer /model_info before a weight update, or be dropped from the run
+# (EngineSet.check_external): the HTTP front end answers it at once even while the engine generates.
+ANSWER_TIMEOUT_S = 10.0
+
+
+def silence(client, timeout_s: float) -> str | None:
+    """Why `client`'s engine does not answer a light GET (/model_info) within `timeout_s` (one line), or None if it
+    answers: any HTTP answer counts (an error status says the server is up; its calls say what is wrong)."""
+    from mpo.rollout.client import EngineError
+
+    try:
+        client.call("/model_info", method="GET", timeout_s=timeout_s)
+    except EngineError as exc:
+        return None if exc.status is not None else str(exc).removeprefix(f"engine {client.url}: ")
+    return None
 
 
 def masked_key(key: str | None) -> str:
@@ -53,12 +70,18 @@ class EngineSet:
         self._engine_lock = threading.RLock()
         # Engines given by URL were started by the user: their key is the user's setting (rollout.api_key)
         self.api_key: str | None = r.api_key
+        # Engines given by URL that stopped answering, left out of the run: url -> why (check_external)
+        self.dropped: dict[str, str] = {}
+        # Changes of who is in the run (a drop, a re-admission): the publisher's weight-update session was formed
+        # for the engines of one membership, and is formed anew when it changes (its distributed group held them)
+        self.membership = 0
         if r.urls:
-            self.handles = [(EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
-                                          num_layers=model.num_layers, topk=model.router_topk,
-                                          num_experts=model.num_experts, prompt_routes_once=r.engine == "sglang"),
-                             None, None)
-                            for url in r.urls]
+            clients = [EngineClient(url, api_key=r.api_key, timeout_s=r.request_timeout_s,
+                                    num_layers=model.num_layers, topk=model.router_topk,
+                                    num_experts=model.num_experts, prompt_routes_once=r.engine == "sglang")
+                       for url in r.urls]
+            # not restartable by us; takes work unless dropped (or re-admitted and not synced yet)
+            self.handles = [(c, None, functools.partial(self._takes_work, c.url)) for c in clients]
             return
         if r.engine != "mpo":
             raise ValueError("rollout.urls is empty: only rollout.engine='mpo' can be started locally; SGLang servers "
@@ -119,11 +142,64 @@ class EngineSet:
     def updating(self):
         """Rank 0, around a weight update: no engine restart runs meanwhile (one in flight finishes first); a local
         engine found down is restarted before the update, so that its pause / push reach a live engine; one that dies
-        during the update is left out of it (WeightSync.expendable) and restarted after it, stale."""
+        during the update is left out of it (WeightSync.expendable) and restarted after it, stale. Engines given by
+        URL cannot be restarted by us: check_external drops those that stopped answering before the update (and
+        re-admits dropped ones that answer again); one left out of the update (not `distributed`) is dropped after."""
         with self._engine_lock:
             self._restart_exited("before")
+            self.check_external()
             yield
             self._restart_exited("after")
+
+    def drop_lost(self, lost: set[str]) -> None:
+        """After a weight update (rank 0, inside `updating`): engines given by URL that the session left out (they
+        failed in it) are dropped from the run; local ones are restarted by `updating` instead."""
+        if lost and not self.processes:
+            self._drop({url: "it failed during the weight update" for url in lost})
+
+    def _takes_work(self, url: str) -> bool:
+        """An engine given by URL takes rollout work unless dropped, or re-admitted and not synced yet (stale)."""
+        return url not in self.dropped and url not in self.stale
+
+    def check_external(self) -> None:
+        """Before a weight update (rank 0, with the engine lock): every engine given by URL (rollout.urls) that does
+        not answer a light call (/model_info: the HTTP front end, not the busy scheduler) is dropped from the run,
+        and a dropped one that answers again is re-admitted, stale until this update reaches it. A change in the
+        membership closes the WeightSync (its `distributed` group held the old engines): the next push forms one
+        for the live engines. Raises RolloutFailed (one line) when no engine is left."""
+        if self.processes or not self.handles:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.handles)) as pool:  # in parallel: a host that is gone costs one timeout
+            silent = dict(zip((c.url for c, _, _ in self.handles),
+                              pool.map(lambda h: silence(h[0], ANSWER_TIMEOUT_S), self.handles)))
+        back = [url for url in self.dropped if silent[url] is None]
+        for url in back:
+            log.warning("engine %s answers again: re-admitted to the run (it gets this weight update)", url)
+            del self.dropped[url]
+            self.stale.add(url)
+        gone = {url: why for url, why in silent.items() if why is not None and url not in self.dropped}
+        if gone:
+            self._drop(gone)
+        elif back:
+            self.membership += 1
+
+    def _drop(self, gone: dict[str, str]) -> None:
+        """Leave the engines given by URL in `gone` (url -> why) out of the run: one warning line each; the run fails
+        in one line (RolloutFailed) once none is left."""
+        from mpo.rollout.pool import RolloutFailed
+
+        total = len(self.handles)
+        for url, why in gone.items():
+            self.dropped[url] = why
+            log.warning("engine %s stopped answering (%s): dropped from the run, %d of %d engines left (it is "
+                        "re-admitted if it answers again before a weight sync)", url, why, total - len(self.dropped),
+                        total)
+        self.membership += 1
+        if len(self.dropped) == total:
+            raise RolloutFailed("rollout: no engine left, every engine of rollout.urls stopped answering: "
+                                + "; ".join(f"{url} ({why})" for url, why in self.dropped.items()))
 
     def _restart_exited(self, when: str) -> None:
         for process in self.processes:  # exited (a busy engine may answer health checks slowly: not asked)
@@ -133,7 +209,9 @@ class EngineSet:
 
     def exited(self, client) -> bool:
         """Whether `client` is a local engine whose process exited (waited for briefly: a killed engine's connections
-        close just before its process is gone)."""
+        close just before its process is gone), or an engine given by URL that no longer answers."""
+        if not self.processes:
+            return silence(client, ANSWER_TIMEOUT_S) is not None
         for process in self.processes:
             if process.client is client and process.process is not None:
                 try:
@@ -145,7 +223,8 @@ class EngineSet:
 
     @property
     def clients(self):
-        return [handle[0] for handle in self.handles]
+        """The engines in the run: every local one; those given by URL less the dropped ones."""
+        return [handle[0] for handle in self.handles if handle[0].url not in self.dropped]
 
     def engine_tp_sizes(self) -> list[int]:
         """Weight-update ranks of each engine: its own `tp_size` from /server_info (SGLang's --tp; mpo's engine

@@ -42,6 +42,7 @@ class Publisher:
         # This rank's weight-update session (transports.WeightSync): rank 0's for its EngineSet, made once (its
         # distributed group reused every step); another sender's for the engine URLs in self._urls. close() ends it.
         self._sync = None
+        self._membership = 0  # the EngineSet's membership rank 0's session was formed for
         self._urls: tuple = ()
         self.probes: list[list[int]] = []  # SGLang verification probe, grown until it covers every expert
         self.version: int | None = None  # the version last published
@@ -94,11 +95,15 @@ class Publisher:
         for _ in range(2):
             with engines.updating() if engines is not None else contextlib.nullcontext():
                 metrics = self._stream(version)
+                if engines is not None and self._sync is not None:
+                    engines.drop_lost(self._sync.lost)  # engines given by URL that failed in it leave the run
             again = [engines is not None and bool(engines.stale)]
             if not one_rank():
                 dist.broadcast_object_list(again, src=0)
             if not again[0]:
                 break
+        if engines is not None:  # engines given by URL that stopped answering are dropped (EngineSet.check_external)
+            metrics["engines_live"] = float(len(engines.clients))
         if self.config.rollout.engine == "sglang":
             metrics.update(self.verify_by_probe())
         return metrics
@@ -106,10 +111,13 @@ class Publisher:
     def engine_session(self):
         """Rank 0's weight-update session with its EngineSet (transports.WeightSync), made on first use and kept
         until close(): its transport is the resolved sync.transport ("auto" decided here)."""
+        if self._sync is not None and self._membership != self.engines.membership:
+            self.close()  # engines given by URL were dropped or re-admitted: a session for those in the run now
         if self._sync is None:
             from mpo.weight_sync.transports import engine_set_sync
 
             self._sync = engine_set_sync(self.engines, self.config.sync)
+            self._membership = self.engines.membership
         return self._sync
 
     def _sender_sync(self, info: dict):

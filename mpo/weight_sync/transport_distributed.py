@@ -6,6 +6,7 @@ shapes, load_format "flattened_bucket") in a thread while the sender broadcasts 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient, EngineError
 from mpo.weight_sync.transports import TRANSPORTS, NamedTensors, PendingPush, Transport, _Calls
 from mpo.weight_sync.wire import SGLANG_FORMAT, dtype_name, group_layout, join_weight_update_group, pack_bucket
+
+log = logging.getLogger(__name__)
 
 
 @TRANSPORTS.register("distributed")
@@ -177,7 +180,11 @@ class DistributedTransport(Transport):
         try:
             for members, _, name in groups:
                 for client in members:
-                    client.call("/destroy_weights_update_group", {"group_name": name})
+                    try:
+                        client.call("/destroy_weights_update_group", {"group_name": name})
+                    except EngineError as exc:  # a member that is gone (dropped: EngineSet) took its group
+                        # with it and must not keep the others' alive; one that answered with an error is worth a line
+                        (log.debug if exc.status is None else log.warning)("weight-update group %s: %s", name, exc)
         finally:
             for _, group, _ in groups:
                 torch.distributed.destroy_process_group(group)
