@@ -335,3 +335,59 @@ def test_every_extension_point_is_a_registry():
         assert isinstance(registry, Registry), f"{entry} is a {type(registry).__name__}"
         if entry.partition(":")[0] in EXTENSION_POINTS:
             assert registry.names(), f"{entry} has no built-ins"
+
+
+def _assigned_attribute_roots(target: ast.AST):
+    """(root name, dotted target) of every attribute a statement's target assigns into (a.b = ..., a.b.c = ...,
+    tuples of them)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _assigned_attribute_roots(element)
+        return
+    if isinstance(target, ast.Starred):
+        yield from _assigned_attribute_roots(target.value)
+        return
+    if not isinstance(target, ast.Attribute):
+        return
+    node, path = target, []
+    while isinstance(node, ast.Attribute):
+        path.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        yield node.id, ".".join([node.id, *reversed(path)])
+
+
+def _assignment_targets(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            yield node, node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            yield node, [node.target]
+
+
+def test_architecture_the_loop_owns_the_rollouts_and_trainer_is_the_policy():
+    """Issue #44 item 2. The Trainer (mpo/trainer/trainer.py) is the policy: it neither holds nor reads the task, the
+    Collector or the producer (the loop's rollout side, mpo.trainer.rollouts); no other module of mpo assigns into a
+    Trainer's attributes (a variable named `trainer`: nothing patches rollouts or state into it from outside); and no
+    module imports a private name from trainer.py (the object broadcast lives in mpo.parallel.collectives)."""
+    trainer_py = ROOT / "mpo" / "trainer" / "trainer.py"
+    tree = ast.parse(trainer_py.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    rollout_side = {"task", "collector", "producer"}
+    held = sorted({f"self.{n.attr} (trainer.py:{n.lineno})" for n in ast.walk(cls)
+                   if isinstance(n, ast.Attribute) and n.attr in rollout_side
+                   and isinstance(n.value, ast.Name) and n.value.id == "self"})
+    assert not held, "the Trainer holds the rollout side:\n" + "\n".join(held)
+    patched, private = [], []
+    for path in sorted((ROOT / "mpo").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(ROOT)
+        if path != trainer_py:
+            for node, targets in _assignment_targets(tree):
+                patched += [f"{dotted} ({where}:{node.lineno})" for t in targets
+                            for root, dotted in _assigned_attribute_roots(t) if root == "trainer"]
+        private += [f"{a.name} ({where}:{n.lineno})" for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and n.module == "mpo.trainer.trainer"
+                    for a in n.names if a.name.startswith("_")]
+    assert not patched, "assignments into a Trainer's attributes outside trainer.py:\n" + "\n".join(patched)
+    assert not private, "private names imported from mpo.trainer.trainer:\n" + "\n".join(private)

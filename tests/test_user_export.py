@@ -179,12 +179,13 @@ NO_GUARD_SCRIPT = """\
 import sys
 from mpo.config import RECIPES
 from mpo.config_checks import load_config
+from mpo.trainer.rollouts import Rollouts
 from mpo.trainer.trainer import Trainer
 
 config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={sys.argv[1]}", "logging.checkpoint_async=true",
                                                   "model.random_init=true"])
 trainer = Trainer(config)
-trainer.save(1, wait=True)
+trainer.save(1, Rollouts.beside(trainer).state_dict(), wait=True)
 print("saved", flush=True)
 """
 

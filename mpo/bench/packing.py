@@ -74,8 +74,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
                                                            max_tokens_per_microbatch=args.max_tokens))}
 
     def microbatches(name: str):
-        trainer.config = variants[name]
-        return trainer.pass_microbatches([samples])[0]
+        return trainer.pass_microbatches([samples], variants[name].schedule)[0]
 
     # old log-probs of every response, both variants, same weights
     logprobs: dict[str, dict[int, list[float]]] = {}

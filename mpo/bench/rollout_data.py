@@ -2,7 +2,7 @@
 on the wire from the engine, on rank 0, and on every other rank.
 
 Four gloo ranks as DP2 x PP2 build the real Trainer (preset `rollout_bench`: 48 MoE layers, 128 experts, top-8 on a
-tiny width) and run its data path for a step: rank 0's `Trainer.collect` (prompt draw, requests to the engine through
+tiny width) and run its data path for a step: rank 0's `Collector.collect` (prompt draw, requests to the engine through
 EngineClient and the rollout pool, decoding, scoring, advantages) and the distribution to every rank
 (`Trainer.step_batch`, what `train_step` runs), then each rank builds its micro-batches and places its engine routes
 (R3), as the old-logprob pass does. The engine is a stub in its own process that answers /generate in the wire
@@ -186,6 +186,7 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
     from mpo.config import RECIPES
     from mpo.config_checks import load_config
     from mpo.rollout.client import EngineClient
+    from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.trainer import Trainer
 
     config = load_config(RECIPES / "demo_cpu.yaml", [
@@ -195,8 +196,9 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
         f"rollout.samples_per_prompt={PROMPTS_PER_GROUP}", f"logging.out_dir={out}/run", "logging.tensorboard=false",
         "schedule.micro_batch_size=16"])
     trainer = Trainer(config)
+    rollouts = Rollouts.beside(trainer)
     if rank == 0:
-        trainer.collector.connect([(EngineClient(f"http://127.0.0.1:{engine_port}", num_layers=args.layers,
+        rollouts.collector.connect([(EngineClient(f"http://127.0.0.1:{engine_port}", num_layers=args.layers,
                                                  topk=args.topk, num_experts=args.experts, timeout_s=600.0), None)])
     received = ReceivedBytes(rank)
     rows = []
@@ -204,7 +206,7 @@ def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) ->
         dist.barrier()
         received.total = 0
         wall, cpu = time.perf_counter(), time.process_time()
-        samples, _ = trainer.step_batch(repeat)
+        samples, _ = trainer.step_batch(repeat, rollouts.collect)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         got = received.total
         # what this rank trains on: the real rows of its micro-batches, with R3's routes placed (old-logprob pass)

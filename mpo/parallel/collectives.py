@@ -8,6 +8,8 @@ and backend meet, instead of a `.cuda()` at every call site.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -39,3 +41,13 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     dist.all_reduce(moved, op=op, group=group)
     tensor.copy_(moved)
     return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """`src`'s picklable `obj` on every rank of `group` (the others pass anything, e.g. None); `obj` itself on a
+    one-rank group (no pickling round)."""
+    if one_rank(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

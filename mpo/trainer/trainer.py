@@ -1,6 +1,8 @@
-"""The RL trainer: one instance per rank (torchrun), rank 0 also drives the rollout engines.
+"""The RL trainer, the policy side of a run: one instance per rank (torchrun). It holds the model, the optimizer, the
+algorithm and their checkpoints; the rollout side (task, Collector, producer: mpo.trainer.rollouts) is the run loop's
+and hands the trainer each step's batch source and its state for checkpoints.
 
-One step: rank 0 samples prompts, gets G responses per prompt from the engines (log-probs and routed experts included),
+One step: rank 0 samples prompts gets G responses per prompt from the engines (log-probs and routed experts included),
 scores them (with algorithm.dynamic_sampling, drawing further prompt groups until enough have non-zero reward
 variance), computes advantages and drops zero-variance groups; rank 0 sends every rank its data-parallel share with
 its stage's routes (mpo.trainer.distribute); an old-logprob forward records the routing (replaying the engines' routes
@@ -22,11 +24,9 @@ from mpo.algorithms import CorrectionConfig, get_loss, make_loss_config
 from mpo.algorithms.step_advantages import StepAdvantages
 from mpo.config import TrainConfig, to_dict
 from mpo.config_checks import model_config, resolve_rollout_correction
-from mpo.data.retirement import PromptRetirement
 from mpo.model_import import refuse_without_weights
-from mpo.models.forward import MicroBatch
+from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import one_rank
-from mpo.trainer.collect import Collector
 from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
 from mpo.trainer.offload import TrainerOffload, offload_enabled
 from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
@@ -35,16 +35,12 @@ from mpo.trainer.update import PolicyUpdate
 log = logging.getLogger(__name__)
 
 
+# The rollout side's keys in trainer_state.json (Rollouts.state_dict), in the order checkpoints have always had them.
+ROLLOUT_KEYS = ("advantage_state", "retirement", "task")
+
+
 class NonFiniteStop(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
-
-
-def _broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
-    if one_rank(group):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 class Trainer:
@@ -60,10 +56,7 @@ class Trainer:
         from mpo.trainer.phases import PhaseClock
 
         self.config = config
-        # Off-policy modes, rank 0: the rollout producer process (mpo.trainer.producer), which then owns the rollout
-        # state (advantages, retirement, data position) that checkpoints keep; set by loop.run.
-        self.producer = None
-        self.sft_steps_done = 0  # supervised warm-start steps taken (loop.run), kept in checkpoints
+        self.sft_steps_done = 0  # supervised warm-start steps taken (mpo.trainer.warm_start), kept in checkpoints
         self.clock = PhaseClock(enabled=config.logging.phase_times)  # time/<phase>_s per step (bench step_profile)
         refuse_without_weights(config, where="the trainer")  # never random weights in place of hf_dir's
         self.model_cfg = model_config(config)
@@ -103,13 +96,6 @@ class Trainer:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.critic = None  # built by set_algorithm for gae / vapo
         self.set_algorithm(config.algorithm)
-        from mpo.trainer.tasks import make_task
-
-        self.task = make_task(config, rank=self.rank)
-        retire = config.data.retire_pass_rate
-        self.collector = Collector(self.config, self.task, clock=self.clock,  # rank 0 samples, retires, keeps the set
-                                   retirement=PromptRetirement(retire) if retire is not None else None,
-                                   context_length=self.model_cfg.max_position_embeddings, advantages=self.advantages)
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -126,7 +112,7 @@ class Trainer:
     # -- set-up helpers ------------------------------------------------------------------------------------------
     def set_algorithm(self, algorithm) -> None:
         """Use another algorithm section (loss, replay, KL) from the next step on; the reference policy for KL is
-        the weights at this moment."""
+        the weights at this moment. The rollout side follows with Rollouts.set_algorithm(config, advantages)."""
         self.config = replace(self.config, algorithm=algorithm)
         self._offload = None  # the critic or the KL reference may change below: TrainerOffload made anew
         loss_spec = get_loss(algorithm.loss)
@@ -136,10 +122,6 @@ class Trainer:
         kind = resolve_rollout_correction(algorithm.rollout_correction, self.config.schedule.mode)
         correction = CorrectionConfig(kind, **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages.for_algorithm(algorithm)
-        if getattr(self, "collector", None) is not None:
-            self.collector.set_algorithm(self.config, self.advantages)
-        if getattr(self, "producer", None) is not None:  # off-policy: the producer process's own Collector
-            self.producer.set_algorithm(self.config)
         if self.advantages.config.needs_critic and getattr(self, "critic", None) is None:
             from mpo.trainer.critic import Critic
 
@@ -184,12 +166,13 @@ class Trainer:
             return None
         return uniform_length(samples, multiple)
 
-    def pass_microbatches(self, minis: list[list[Sample]]) -> list[list[MicroBatch]]:
+    def pass_microbatches(self, minis: list[list[Sample]], schedule=None) -> list[list[MicroBatch]]:
         """This rank's micro-batches of every mini-batch of one pass: packed by schedule.max_tokens_per_microbatch
-        when it is set (balanced DP shares, mpo.trainer.packing), else padded rows (one [b, s] under PP or TP)."""
+        when it is set (balanced DP shares, mpo.trainer.packing), else padded rows (one [b, s] under PP or TP).
+        `schedule`: another schedule section's batching (default: the config's; mpo.bench.packing compares two)."""
         from mpo.trainer.rows import _microbatch_multiple
 
-        schedule, (dp_rank, dp_size) = self.config.schedule, self._dp()
+        schedule, (dp_rank, dp_size) = schedule or self.config.schedule, self._dp()
         if schedule.max_tokens_per_microbatch:
             from mpo.trainer.packing import pack_pass
 
@@ -205,10 +188,9 @@ class Trainer:
     def _dp(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
 
-    def step_batch(self, step: int, source=None) -> tuple[list[Sample], dict[str, float]]:
-        """Step `step`'s samples on every rank (rank 0 collects them from `source`, default the Collector's) and the rollout
-        metrics (rank 0's)."""
-        source = source or self.collector.collect
+    def step_batch(self, step: int, source) -> tuple[list[Sample], dict[str, float]]:
+        """Step `step`'s samples on every rank (rank 0 collects them from `source`: step -> (samples, metrics)) and
+        the rollout metrics (rank 0's)."""
         with self.clock("collect"):
             samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
         # Every other rank waits here while rank 0 generates: on the gloo object group
@@ -230,9 +212,9 @@ class Trainer:
                                            first_k_dense=self.model_cfg.first_k_dense)
         return self._distribute
 
-    def train_step(self, step: int, source=None) -> dict[str, float]:
+    def train_step(self, step: int, source) -> dict[str, float]:
         """One RL step on every rank; returns the step's metrics (complete on rank 0). source: rank 0's step ->
-        (samples, metrics), the schedule's (mpo.trainer.schedule) in loop.run; default: collect."""
+        (samples, metrics): the schedule's (mpo.trainer.schedule) in loop.run, or Rollouts.collect."""
         cfg = self.config
         # Colocated engines: every rank's trainer memory is on the host while rank 0's engines generate (they share
         # every rank's GPU); the engines release theirs when the batch is done (RolloutSchedule.take), then the
@@ -305,11 +287,22 @@ class Trainer:
             self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
             self.nonfinite_total += int(skipped)
 
-    def stop_if_nonfinite(self, next_step: int) -> None:
-        """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint, then stop saying why."""
+    def supervised_update(self, microbatches: list[MicroBatch], loss_fn) -> list[dict]:
+        """One supervised warm-start step (mpo.trainer.warm_start) over this rank's micro-batches with `loss_fn`;
+        returns run_microbatches' outputs (the last stage's)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = run_microbatches(self.model, microbatches, vocab_size=self.model_cfg.vocab_size, loss_fn=loss_fn)
+        self.optimizer.step()
+        self.sft_steps_done += 1
+        return outs
+
+    def stop_if_nonfinite(self, next_step: int, rollouts) -> None:
+        """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint (with `rollouts.state_dict()`,
+        the rollout side's state), then stop saying why."""
         limit = self.config.schedule.max_nonfinite_steps
         if self.nonfinite_in_row >= limit:
-            self.save(next_step, wait=True)
+            self.save(next_step, rollouts.state_dict(), wait=True)
             raise NonFiniteStop(f"{self.nonfinite_in_row} consecutive steps had a non-finite loss or gradient "
                                 f"(schedule.max_nonfinite_steps={limit}); checkpoint saved at step {next_step}")
 
@@ -322,29 +315,30 @@ class Trainer:
             parts.append(Part("critic.", self.critic.gpt, self.critic.optimizer))
         return parts
 
-    def trainer_state(self, step: int) -> dict[str, Any]:
-        """The loop's own state (JSON): the data position (the step, and the task's stream position when the task has
-        one), counters, the advantage estimator's and the prompt retirement's state, the config and the layout."""
-        rollouts = (self.producer or self.collector).state_dict()  # off-policy: the producer process owns them
+    def trainer_state(self, step: int, rollouts: dict[str, Any]) -> dict[str, Any]:
+        """The run's own state (JSON): the step, counters, the rollout side's state (Rollouts.state_dict: the advantage
+        estimator's, the prompt retirement's and the task's data position), the config and the layout."""
         return {"step": step, "nonfinite_total": self.nonfinite_total, "sft_steps_done": self.sft_steps_done,
-                "advantage_state": rollouts["advantage_state"], "retirement": rollouts["retirement"],
-                "task": rollouts["task"], "layout": layout_of(self.ctx), "config": to_dict(self.config)}
+                **{k: rollouts[k] for k in ROLLOUT_KEYS}, "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 
-    def save(self, step: int, *, wait: bool = False) -> None:
-        """Collective: a checkpoint of step `step` (mpo.trainer.dist_checkpoint) in logging.checkpoint_format; the
-        run's last save is the export: fully reshardable, finished before returning (as with `wait=True`); other
-        async saves finish at the next save."""
+    def save(self, step: int, rollouts: dict[str, Any], *, wait: bool = False) -> None:
+        """Collective: a checkpoint of step `step` (mpo.trainer.dist_checkpoint) in logging.checkpoint_format, with
+        `rollouts` (Rollouts.state_dict(), rank 0's counts) beside the trainer's state; the run's last save is the
+        export: fully reshardable, finished before returning (as with `wait=True`); other async saves finish at the
+        next save."""
         last = step >= self.config.schedule.steps
-        self.checkpoints.save(step, self._checkpoint_parts(), self.trainer_state(step), wait=wait or last, export=last)
+        self.checkpoints.save(step, self._checkpoint_parts(), self.trainer_state(step, rollouts), wait=wait or last,
+                              export=last)
 
-    def resume(self) -> int:
+    def resume(self) -> tuple[int, dict[str, Any] | None]:
         """Load the newest checkpoint if there is one (a fully_reshardable one saved at any layout, a dp_reshardable
-        one at its own); returns the step to continue from."""
+        one at its own); returns the step to continue from and the rollout side's state to load
+        (Rollouts.load_state_dict; None without a checkpoint)."""
         parts = self._checkpoint_parts()
         # a damaged newest checkpoint falls back to an intact one
         path = self.checkpoints.resume_point(parts, group=self.ctx.object_group)
         if path is None:
-            return 0
+            return 0, None
         trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
         from mpo.trainer.lr_schedule import steps_change_line
 
@@ -355,6 +349,6 @@ class Trainer:
         self.nonfinite_total = int(trainer_state.get("nonfinite_total", 0))
         # checkpoints from before the key: all taken after the whole warm start
         self.sft_steps_done = int(trainer_state.get("sft_steps_done", self.config.schedule.sft_steps))
-        self.collector.load_state_dict(trainer_state)  # advantages, retirement, the data position (rank 0's)
         log.info("resumed from %s (step %d)", path, trainer_state["step"])
-        return int(trainer_state["step"])
+        # advantages, retirement, the data position (rank 0's)
+        return int(trainer_state["step"]), {k: trainer_state.get(k) for k in ROLLOUT_KEYS}

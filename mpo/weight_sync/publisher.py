@@ -275,7 +275,7 @@ class Publisher:
     def _score_replaying(self, probes: list[list[int]], routes: list) -> tuple[list[list[float]], bool]:
         """Collective: score_probes with this stage's routers forced to the engine's `routes` (routing replay, one
         record per micro-batch the scorer runs: probes grouped by length in order of first appearance, as
-        mpo.trainer.loop._trainer_probe_logprobs does); natural routing where this rank has no routing hooks."""
+        mpo.trainer.probes.trainer_probe_logprobs does); natural routing where this rank has no routing hooks."""
         from mpo.routing.capture import CaptureConfig, _tap_for
         from mpo.routing.records import MicroBatchRouting
         from mpo.routing.records import route_slots

@@ -12,10 +12,10 @@ import torch
 def run(out_dir: str, name: str, overrides: list[str]) -> None:
     from helpers.trainer_worker import _worker_run
 
-    with _worker_run(out_dir, name, overrides) as (trainer, engines, sync, results):
+    with _worker_run(out_dir, name, overrides) as (trainer, rollouts, engines, sync, results):
         device = trainer.ctx.device
         results["device"] = {"device": str(device.device), "backend": device.backend, "spec": device.layer_spec,
                              "gpu": torch.cuda.get_device_name() if device.is_gpu else None}
-        metrics = trainer.train_step(0)
+        metrics = trainer.train_step(0, rollouts.collect)
         metrics.update(sync(trainer, engines, "v1"))
         results["step"] = metrics

@@ -20,7 +20,7 @@ def score(run_dir: str, sequences: list[list[int]], result_path: str, export_dir
 
     config = load_config(Path(run_dir) / "config.yaml")
     trainer = Trainer(config)
-    step = trainer.resume()
+    step, _ = trainer.resume()  # the policy only: no rollouts here
     scored: list = [None] * len(sequences)
     with torch.no_grad():
         for i, seq in enumerate(sequences):  # one row per micro-batch: no padding to reason about
@@ -34,6 +34,5 @@ def score(run_dir: str, sequences: list[list[int]], result_path: str, export_dir
     dist_checkpointing.save(trainer.gpt.sharded_state_dict(), export_dir)
     if dist.get_rank() == 0:
         Path(result_path).write_text(json.dumps({"step": step, "logprobs": next(g for g in gathered if g)}))
-    trainer.task.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -15,18 +15,20 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config_checks import load_config, model_config
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher
+    from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.rows import rank_microbatches
     from mpo.trainer.trainer import Trainer
 
     config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", *overrides])
     trainer = Trainer(config)
+    rollouts = Rollouts.beside(trainer)
     engines = EngineSet(config, Path(out_dir), model_config(config))
-    trainer.collector.connect(engines.handles)
+    rollouts.collector.connect(engines.handles)
     calls = []
-    weights = publisher(trainer, engines)
+    weights = publisher(trainer, engines, rollouts)
     try:
         weights.publish(0)
-        generate = trainer.collector._generate
+        generate = rollouts.collector._generate
 
         def recorded(requests):
             results, restarts = generate(requests)
@@ -35,8 +37,8 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
                           for q, r in zip(requests, results)])
             return results, restarts
 
-        trainer.collector._generate = recorded
-        samples, metrics = trainer.collector.collect(0)
+        rollouts.collector._generate = recorded
+        samples, metrics = rollouts.collector.collect(0)
         mbs = rank_microbatches(samples, dp_rank=0, dp_size=1, micro_batch_size=len(samples))
         records, old_metrics = trainer.policy.old_forward(mbs)
         mb, record = mbs[0], records[0]
@@ -67,5 +69,5 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     finally:
         weights.close()  # its weight-update session, before the engines stop
         engines.stop()
-        trainer.task.close()
+        rollouts.close()
     torch.distributed.destroy_process_group()

@@ -119,7 +119,6 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, layouts: dict[str, list[str]]
         samples = long_samples(trainer.model_cfg, routes="r3" in name) if name.startswith("packed") else \
             fixed_samples()
         world = dist.get_world_size()
-        trainer.collector.collect = lambda step: (samples, {})  # noqa: B023 - fixed rollouts, same on every layout
         captured: list = []
         original = trainer.policy.old_forward
 
@@ -129,7 +128,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, layouts: dict[str, list[str]]
             return out
 
         trainer.policy.old_forward = old_forward
-        metrics = trainer.train_step(0)
+        metrics = trainer.train_step(0, lambda step: (samples, {}))  # noqa: B023 - fixed rollouts, every layout's
         grads = gather_full_state(trainer.gpt, grads=True)
         probe = isolation(trainer) if name == "packed-dp2" else None
         rows: list = [None] * world

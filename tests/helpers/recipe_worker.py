@@ -31,6 +31,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
     from mpo.config_checks import load_config
     from mpo.rollout.engines import EngineSet
     from mpo.trainer.loop import publisher
+    from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.trainer import Trainer
 
     results: dict = {}
@@ -41,16 +42,17 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
                                       f"logging.out_dir={out_dir}/{name}",
                                       f"rollout.urls=[{urls[probe.rollout.engine]}]"])
         trainer = Trainer(config)
+        rollouts = Rollouts.beside(trainer)
         engines = EngineSet(config, Path(out_dir) / name, trainer.model_cfg) if trainer.rank == 0 else None
         if engines is not None:
-            trainer.collector.connect(engines.handles)
-        weights = publisher(trainer, engines)
+            rollouts.collector.connect(engines.handles)
+        weights = publisher(trainer, engines, rollouts)
         try:
-            metrics = trainer.train_step(0)
+            metrics = trainer.train_step(0, rollouts.collect)
             metrics.update(weights.publish(1))
         finally:
             weights.close()  # its weight-update session, before the engines stop
-            trainer.task.close()
+            rollouts.close()
             if engines is not None:
                 engines.stop()
         results[name] = {"engine": config.rollout.engine, "sync": config.sync.transport, "task": config.data.task,

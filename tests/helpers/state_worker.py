@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -20,11 +21,15 @@ LAYOUTS = {  # name -> config overrides (on top of the demo recipe, one rank sin
     "cp2": ["parallel.context_parallel=2", "parallel.expert_parallel=1"],
 }
 PROMPTS_PER_STEP = 16
+# trainer -> its rollout side (mpo.trainer.rollouts), built beside it as the run loop does: the task draws the prompts
+# and its state goes into every checkpoint
+_ROLLOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def make_trainer(out_dir: str, layout: str, *, distributed_optimizer: bool, extra: list[str] = ()):
     from mpo.config import RECIPES
     from mpo.config_checks import load_config
+    from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.trainer import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
@@ -32,7 +37,21 @@ def make_trainer(out_dir: str, layout: str, *, distributed_optimizer: bool, extr
                                                      "schedule.micro_batch_size=8",
                                                      f"parallel.distributed_optimizer={distributed_optimizer}",
                                                      "schedule.steps=100", *LAYOUTS[layout], *extra])
-    return Trainer(config)
+    trainer = Trainer(config)
+    _ROLLOUTS[trainer] = Rollouts.beside(trainer)
+    return trainer
+
+
+def save(trainer, step: int) -> None:
+    """trainer.save with its rollout side's state, as the run loop saves."""
+    trainer.save(step, _ROLLOUTS[trainer].state_dict())
+
+
+def resume(trainer) -> int:
+    """trainer.resume, its rollout side loading what the checkpoint kept; the step to continue from."""
+    start, rollout_state = trainer.resume()
+    _ROLLOUTS[trainer].load_state_dict(rollout_state)
+    return start
 
 
 def train_step(trainer, step: int) -> float:
@@ -42,7 +61,7 @@ def train_step(trainer, step: int) -> float:
     from mpo.trainer.rows import Sample, rank_microbatches
 
     cfg = trainer.config
-    prompts = trainer.task.prompts(cfg.seed + 104729, step, PROMPTS_PER_STEP)
+    prompts = _ROLLOUTS[trainer].task.prompts(cfg.seed + 104729, step, PROMPTS_PER_STEP)
     samples = [Sample(ids=list(p.ids + p.answer), prompt_len=len(p.ids), group=0, reward=0.0) for p in prompts]
     dp_rank, dp_size = trainer._dp()
     mbs = rank_microbatches(samples, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=cfg.schedule.micro_batch_size,
@@ -114,7 +133,7 @@ def bad_checkpoints(out_dir: str, intact: Path) -> dict:
     for name, root, extra in (("damaged", damaged, []), ("other_model", other, ["model.preset=tiny-2layer"])):
         trainer = make_trainer(str(root.parent), "ep2", distributed_optimizer=False, extra=extra)
         try:
-            start = trainer.resume()
+            start = resume(trainer)
             results[name] = {"start": start, "loss": train_step(trainer, start)}
         except Exception as exc:  # noqa: BLE001 - the test reads it
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -139,7 +158,7 @@ def dp_reshardable(out_dir: str, save_at: int, more: int) -> dict:
     results["params"] = sum(p.numel() for p in trainer.gpt.parameters())
     for step in range(save_at):
         train_step(trainer, step)
-    trainer.save(save_at)
+    save(trainer, save_at)
     results["reference"] = [train_step(trainer, s) for s in range(save_at, save_at + more)]
     step_dir = routine / "checkpoints" / f"step_{save_at}"
     results["routine"] = {"files": _shard_files(step_dir),
@@ -147,13 +166,13 @@ def dp_reshardable(out_dir: str, save_at: int, more: int) -> dict:
     del trainer
     gc.collect()
     trainer = make_trainer(str(routine), "dp2", distributed_optimizer=True)
-    start = trainer.resume()
+    start = resume(trainer)
     results["resumed_same"] = {"start": start, "losses": [train_step(trainer, s) for s in range(start, start + more)]}
     del trainer
     gc.collect()
     trainer = make_trainer(str(routine), "ep2", distributed_optimizer=True)
     try:
-        results["resumed_other"] = {"start": trainer.resume()}
+        results["resumed_other"] = {"start": resume(trainer)}
     except Exception as exc:  # noqa: BLE001 - the test reads it
         results["resumed_other"] = {"error": f"{type(exc).__name__}: {exc}"}
     del trainer
@@ -161,14 +180,14 @@ def dp_reshardable(out_dir: str, save_at: int, more: int) -> dict:
     trainer = make_trainer(str(export), "dp2", distributed_optimizer=True, extra=[f"schedule.steps={save_at}"])
     for step in range(save_at):
         train_step(trainer, step)
-    trainer.save(save_at)
+    save(trainer, save_at)
     step_dir = export / "checkpoints" / f"step_{save_at}"
     results["export"] = {"files": _shard_files(step_dir),
                          "formats": json.loads((step_dir / "trainer_state.json").read_text())["optimizer_formats"]}
     del trainer
     gc.collect()
     trainer = make_trainer(str(export), "ep2", distributed_optimizer=True, extra=[f"schedule.steps={save_at + more}"])
-    start = trainer.resume()
+    start = resume(trainer)
     results["export_resumed_ep2"] = {"start": start,
                                      "losses": [train_step(trainer, s) for s in range(start, start + more)]}
     del trainer
@@ -193,7 +212,7 @@ def four_ranks(out_dir: str, ckpt_dir: str, save_at: int, more: int) -> None:
                            extra=["logging.checkpoint_async=true", "logging.checkpoint_format=fully_reshardable"])
     for step in range(save_at):
         train_step(trainer, step)
-    trainer.save(save_at)
+    save(trainer, save_at)
     results["latest_while_saving"] = str(trainer.checkpoints.latest())
     results["reference_losses"] = [train_step(trainer, s) for s in range(save_at, save_at + more)]
     trainer.checkpoints.wait()
@@ -207,7 +226,7 @@ def two_ranks(out_dir: str, ckpt_dir: str, more: int, killed_dir: str) -> None:
     results: dict = {f"distributed_vs_plain_{layout}": distributed_vs_plain(out_dir, layout) for layout in ("dp2", "ep2")}
     for layout in ("ep2", "pp2", "dp2"):
         trainer = make_trainer(ckpt_dir, layout, distributed_optimizer=True)
-        start = trainer.resume()
+        start = resume(trainer)
         results[f"resumed_{layout}"] = {"start": start,
                                         "losses": [train_step(trainer, s) for s in range(start, start + more)],
                                         "optimizer": type(trainer.optimizer.chained_optimizers[0]).__name__}
@@ -215,7 +234,7 @@ def two_ranks(out_dir: str, ckpt_dir: str, more: int, killed_dir: str) -> None:
         gc.collect()
     trainer = make_trainer(killed_dir, "ep2", distributed_optimizer=False)
     latest = trainer.checkpoints.latest()
-    start = trainer.resume()
+    start = resume(trainer)
     results["resumed_after_kill"] = {"latest": str(latest), "start": start, "loss": train_step(trainer, start)}
     del trainer
     gc.collect()
@@ -232,13 +251,13 @@ def context_parallel_resume(out_dir: str, ckpt_dir: str, save_at: int, more: int
                            extra=["logging.checkpoint_format=fully_reshardable"])
     for step in range(save_at):
         train_step(trainer, step)
-    trainer.save(save_at)
+    save(trainer, save_at)
     trainer.checkpoints.wait()
     results = {"reference": [train_step(trainer, s) for s in range(save_at, save_at + more)]}
     del trainer
     gc.collect()
     trainer = make_trainer(ckpt_dir, "dp2", distributed_optimizer=True)
-    start = trainer.resume()
+    start = resume(trainer)
     results["resumed"] = {"start": start, "losses": [train_step(trainer, s) for s in range(start, start + more)]}
     _write(out_dir, "context_parallel.json", results)
     dist.destroy_process_group()
@@ -249,11 +268,11 @@ def killed_in_save(out_dir: str) -> None:
     mpo.trainer.dist_checkpoint.STALL_ENV) until the test kills it with SIGKILL."""
     trainer = make_trainer(out_dir, "ep2", distributed_optimizer=False)
     train_step(trainer, 0)
-    trainer.save(1)
+    save(trainer, 1)
     loss = train_step(trainer, 1)
     if dist.get_rank() == 0:
         Path(out_dir, "step1_loss.json").write_text(json.dumps({"loss": loss}))
-    trainer.save(2)
+    save(trainer, 2)
     dist.destroy_process_group()
 
 

@@ -15,8 +15,10 @@ def _trainer(out_dir: str, overrides: list[str]):
     from mpo.config import RECIPES
     from mpo.config_checks import load_config
     from mpo.rollout.engines import EngineSet
-    from mpo.trainer.loop import publisher, supervised_warm_start
+    from mpo.trainer.loop import publisher
+    from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.trainer import Trainer
+    from mpo.trainer.warm_start import supervised_warm_start
 
     # A short warm start: rewards then vary within groups, so every loss sees non-zero advantages.
     # The demo recipe before its issue #17 tuning (loss gspo, lr 2e-3) and at its layout before issue #32 (2 ranks,
@@ -26,22 +28,30 @@ def _trainer(out_dir: str, overrides: list[str]):
                                                      "data.prompts_per_step=4", "algorithm.loss=gspo",
                                                      "schedule.lr=0.002", *overrides])
     trainer = Trainer(config)
-    supervised_warm_start(trainer)
+    rollouts = Rollouts.beside(trainer)
+    supervised_warm_start(trainer, rollouts.task)
     engines = EngineSet(config, Path(out_dir), trainer.model_cfg) if trainer.rank == 0 else None
     if engines is not None:
-        trainer.collector.connect(engines.handles)
-    weights = publisher(trainer, engines)
+        rollouts.collector.connect(engines.handles)
+    weights = publisher(trainer, engines, rollouts)
     weights.publish(0)
-    return trainer, engines, weights
+    return trainer, rollouts, engines, weights
+
+
+def _use(trainer, rollouts, algorithm) -> None:
+    """Trainer.set_algorithm with the rollout side following, as the run loop would."""
+    trainer.set_algorithm(algorithm)
+    rollouts.set_algorithm(trainer.config, trainer.advantages)
 
 
 @contextmanager
 def _worker_run(out_dir: str, name: str, overrides: list[str] = ()):
-    """Trainer + engines for one worker; afterwards the engines stop and rank 0 writes `results` to <name>.json."""
-    trainer, engines, sync = _trainer(out_dir, list(overrides))
+    """Trainer, its rollout side and engines for one worker; afterwards the engines stop and rank 0 writes `results`
+    to <name>.json."""
+    trainer, rollouts, engines, sync = _trainer(out_dir, list(overrides))
     results: dict = {}
     try:
-        yield trainer, engines, sync, results
+        yield trainer, rollouts, engines, sync, results
     finally:
         sync.close()  # the publisher's weight-update session, before the engines stop
         if engines is not None:
@@ -58,22 +68,22 @@ def every_loss(out_dir: str, losses: list[str]) -> None:
 
     from helpers.sync_worker import forbid_full_gather
 
-    with _worker_run(out_dir, "every_loss") as (trainer, engines, sync, results), forbid_full_gather():
+    with _worker_run(out_dir, "every_loss") as (trainer, rollouts, engines, sync, results), forbid_full_gather():
         # Every step and sync below runs with gather_full_state raising: the step loop never gathers the model.
         for step, loss in enumerate(losses):
-            trainer.set_algorithm(AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
+            _use(trainer, rollouts, AlgorithmSection(loss=loss, loss_args=LOSS_ARGS.get(loss, {}),
                                                    filter_zero_variance=False))
-            metrics = trainer.train_step(step)
+            metrics = trainer.train_step(step, rollouts.collect)
             metrics.update(sync.publish(step + 1))
             results[loss] = metrics
-        trainer.set_algorithm(AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
-        results["gspo+kl"] = trainer.train_step(len(losses))
+        _use(trainer, rollouts, AlgorithmSection(loss="gspo", kl_coef=0.1, filter_zero_variance=False))
+        results["gspo+kl"] = trainer.train_step(len(losses), rollouts.collect)
         results["gspo+kl"].update(sync.publish(99))
         # The engine dies between steps: the pool restarts it and it must serve the current weights.
-        trainer.set_algorithm(AlgorithmSection(loss="gspo", filter_zero_variance=False))
+        _use(trainer, rollouts, AlgorithmSection(loss="gspo", filter_zero_variance=False))
         if engines is not None:
             engines.processes[0].kill()
-        results["after_engine_crash"] = trainer.train_step(len(losses) + 1)
+        results["after_engine_crash"] = trainer.train_step(len(losses) + 1, rollouts.collect)
 
 
 ALGORITHMS_V2 = {  # name -> AlgorithmSection fields (one RL step each)
@@ -98,10 +108,10 @@ def algorithms_v2(out_dir: str, layout: list[str] = ()) -> None:
     from mpo.config import AlgorithmSection
 
     with _worker_run(out_dir, "algorithms_v2", ["rollout.engine_dtype=bf16", *layout]) as (
-            trainer, engines, sync, results):
+            trainer, rollouts, engines, sync, results):
         for step, (name, fields) in enumerate(ALGORITHMS_V2.items()):
-            trainer.set_algorithm(AlgorithmSection(filter_zero_variance=False, **fields))
-            results[name] = trainer.train_step(step)
+            _use(trainer, rollouts, AlgorithmSection(filter_zero_variance=False, **fields))
+            results[name] = trainer.train_step(step, rollouts.collect)
             sync.publish(step + 1)
             if fields.get("advantage") == "reinforce_ema":
                 results["ema_state"] = trainer.advantages.state_dict()
@@ -115,14 +125,14 @@ def replay_modes(out_dir: str) -> None:
     from mpo.config import AlgorithmSection
     from mpo.routing import router_shift
 
-    with _worker_run(out_dir, "replay") as (trainer, _, _, results):
+    with _worker_run(out_dir, "replay") as (trainer, rollouts, _, _, results):
         for step, mode in enumerate(("r3_in_sync", "none", "r3", "r2")):
-            trainer.set_algorithm(AlgorithmSection(loss="gspo", replay=mode.removesuffix("_in_sync"),
+            _use(trainer, rollouts, AlgorithmSection(loss="gspo", replay=mode.removesuffix("_in_sync"),
                                                    filter_zero_variance=False))
-            results[mode] = trainer.train_step(step)
+            results[mode] = trainer.train_step(step, rollouts.collect)
         sessions = _record_sessions(trainer)
-        trainer.set_algorithm(AlgorithmSection(loss="rspo", replay="r3", filter_zero_variance=False))
-        results["rspo_r3"] = trainer.train_step(4)
+        _use(trainer, rollouts, AlgorithmSection(loss="rspo", replay="r3", filter_zero_variance=False))
+        results["rspo_r3"] = trainer.train_step(4, rollouts.collect)
         probe = next(r for kw, r in sessions if kw.get("gather_at") is not None and not kw.get("backward"))
         update = next((kw, r) for kw, r in sessions if kw.get("backward"))
         old = update[0]["gather_at"]
@@ -162,14 +172,14 @@ def nonfinite(out_dir: str, where: str = "loss") -> None:
         return logprobs.sum() + (torch.sqrt(zero) if rank == 1 else 0.0), {}
 
     overrides = ["schedule.max_nonfinite_steps=2", "schedule.updates_per_step=1", "algorithm.filter_zero_variance=false"]
-    with _worker_run(out_dir, "nonfinite", overrides) as (trainer, _, _, results):
+    with _worker_run(out_dir, "nonfinite", overrides) as (trainer, rollouts, _, _, results):
         before = {k: v.clone() for k, v in trainer.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
         trainer.policy.loss_fn = lambda *denominators: blow_up
         results["steps"] = []
         try:
             for step in range(3):
-                results["steps"].append(trainer.train_step(step))
-                trainer.stop_if_nonfinite(step + 1)
+                results["steps"].append(trainer.train_step(step, rollouts.collect))
+                trainer.stop_if_nonfinite(step + 1, rollouts)
         except NonFiniteStop as exc:
             results["stopped"] = str(exc)
         after = trainer.gpt.state_dict()
@@ -182,40 +192,40 @@ def retirement(out_dir: str, steps: int) -> None:
     set cleared and restored by resume(), more steps; then, as the control, as many steps without retirement. Rank 0
     records each step's prompts."""
     overrides = ["data.digits=2", "algorithm.filter_zero_variance=false", "data.retire_pass_rate=0.0"]
-    with _worker_run(out_dir, "retirement", overrides) as (trainer, _, _, results):
+    with _worker_run(out_dir, "retirement", overrides) as (trainer, rollouts, _, _, results):
         sampled: list[list[list[int]]] = []
-        collect = trainer.collector.collect
+        collect = rollouts.collector.collect
 
         def collect_and_record(step):
             samples, metrics = collect(step)
             sampled.append(sorted({tuple(s.ids[: s.prompt_len]) for s in samples}))
             return samples, metrics
 
-        trainer.collector.collect = collect_and_record
         for step in range(steps):
-            trainer.train_step(step)
-        trainer.save(steps)
-        retirement = trainer.collector.retirement
+            trainer.train_step(step, collect_and_record)
+        trainer.save(steps, rollouts.state_dict())
+        retirement = rollouts.collector.retirement
         if retirement is not None:  # rank 0 samples prompts and holds the set
             results["retired_before_resume"] = len(retirement.retired)
             retirement.retired = set()  # what a new process starts with; resume() must bring it back
-        start = trainer.resume()
+        start, rollout_state = trainer.resume()
+        rollouts.load_state_dict(rollout_state)
         if retirement is not None:
             results["retired_after_resume"] = len(retirement.retired)
         for step in range(start, 2 * steps):
-            trainer.train_step(step)
+            trainer.train_step(step, collect_and_record)
         results["sampled"], sampled[:] = list(sampled), []
-        trainer.collector.retirement = None
+        rollouts.collector.retirement = None
         for step in range(100, 100 + 2 * steps):
-            trainer.train_step(step)
+            trainer.train_step(step, collect_and_record)
         results["sampled_without_retirement"] = sampled
 
 
 def layout_step(out_dir: str, layout: list[str]) -> None:
     """One RL step at a given layout with variable-length prompts and responses (warm start included)."""
     with _worker_run(out_dir, "layout", ["parallel.expert_parallel=1", "schedule.sft_steps=2", *layout]) as (
-            trainer, _, _, results):
-        results["step"] = trainer.train_step(0)
+            trainer, rollouts, _, _, results):
+        results["step"] = trainer.train_step(0, rollouts.collect)
 
 
 def critic_fits(out_dir: str, updates: int) -> None:
@@ -224,10 +234,11 @@ def critic_fits(out_dir: str, updates: int) -> None:
     from mpo.config import AlgorithmSection
     from mpo.trainer.rows import rank_microbatches
 
-    with _worker_run(out_dir, "critic", ["algorithm.filter_zero_variance=false"]) as (trainer, _, _, results):
-        trainer.set_algorithm(AlgorithmSection(loss="grpo", advantage="gae", filter_zero_variance=False,
+    with _worker_run(out_dir, "critic", ["algorithm.filter_zero_variance=false"]) as (
+            trainer, rollouts, _, _, results):
+        _use(trainer, rollouts, AlgorithmSection(loss="grpo", advantage="gae", filter_zero_variance=False,
                                                critic_lr=0.001, value_clip=10.0))
-        samples, _ = trainer.collector.collect(0) if trainer.rank == 0 else (None, {})
+        samples, _ = rollouts.collector.collect(0) if trainer.rank == 0 else (None, {})
         box = [samples]
         torch.distributed.broadcast_object_list(box, src=0)
         dp_rank, dp_size = trainer._dp()
@@ -244,8 +255,9 @@ def joined_old_pass(out_dir: str) -> None:
     from mpo.config import AlgorithmSection
     from mpo.trainer.rows import rank_microbatches
 
-    with _worker_run(out_dir, "joined", ["algorithm.filter_zero_variance=false"]) as (trainer, _, _, results):
-        samples, _ = trainer.collector.collect(0) if trainer.rank == 0 else (None, {})
+    with _worker_run(out_dir, "joined", ["algorithm.filter_zero_variance=false"]) as (
+            trainer, rollouts, _, _, results):
+        samples, _ = rollouts.collector.collect(0) if trainer.rank == 0 else (None, {})
         box = [samples]
         torch.distributed.broadcast_object_list(box, src=0)
         dp_rank, dp_size = trainer._dp()
@@ -255,7 +267,7 @@ def joined_old_pass(out_dir: str) -> None:
                                  seq_len=narrow[0].input_ids.shape[1] + 3)  # padded 3 positions further
         mbs = [mb for pair in zip(narrow, wide) for mb in pair]  # each joined forward mixes the two widths
         for replay in ("none", "r3"):
-            trainer.set_algorithm(AlgorithmSection(loss="grpo", replay=replay, filter_zero_variance=False))
+            _use(trainer, rollouts, AlgorithmSection(loss="grpo", replay=replay, filter_zero_variance=False))
             runs = {}
             for rows in (None, 3, 8):
                 trainer.policy.forward_rows = rows
