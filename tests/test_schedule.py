@@ -153,3 +153,38 @@ def test_samples_log_is_the_batch_each_step_trained(mode, k):
         schedule.after_sync(step + 1)
     schedule.stop()
     assert logged == [[{"step": s}] for s in range(steps)]
+
+
+@pytest.mark.parametrize("mode, k", [("one_step_off", 1), ("async", 2)])
+def test_checkpoint_keeps_the_rollout_state_of_the_batch_trained_last(mode, k):
+    """Off-policy the producer draws ahead of training: at a checkpoint its own state (the data position) already
+    counts batches no step trained, and a resume from it skipped their prompts (the rehearsal's resumed one_step_off
+    run trained step 2's prompts at step 1). The checkpoint keeps the state read right after the batch it trained
+    was drawn, so the resumed run draws the next batch again."""
+    from mpo.trainer.loop import _trained_state
+
+    source = {"position": 0}
+
+    def collect(step: int, version: int):
+        source["position"] += 1  # one batch's prompts drawn
+        return [Sample(ids=[1, 2, 3], prompt_len=1, group=0, reward=0.0, versions=[version])], {}
+
+    class Rollouts:  # the rollout side's own state: where the producer is now
+        def state_dict(self):
+            return dict(source)
+
+    steps = 5
+    schedule = RolloutSchedule(collect, mode, k, start=0, steps=steps, state=lambda: dict(source))
+    kept, ahead = [], []
+    for step in range(steps):
+        schedule.take(step)
+        schedule.before_sync()
+        schedule.after_sync(step + 1)
+        deadline = time.monotonic() + 5
+        while source["position"] == step + 1 and step + 1 < steps and time.monotonic() < deadline:
+            time.sleep(0.005)  # the producer draws the next batch meanwhile, as it does while a step checkpoints
+        ahead.append(Rollouts().state_dict()["position"] > step + 1)
+        kept.append(_trained_state(schedule, Rollouts())["position"])
+    schedule.stop()
+    assert any(ahead), "the producer never drew ahead: the test did not meet the case it is for"
+    assert kept == [step + 1 for step in range(steps)]

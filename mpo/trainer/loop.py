@@ -68,6 +68,14 @@ def _evaluate(evaluator: Evaluator | None, step: int, metrics_log: MetricsLog | 
     return metrics
 
 
+def _trained_state(schedule: RolloutSchedule | None, rollouts: Rollouts) -> dict:
+    """The rollout state a checkpoint keeps: as of the batch trained last (RolloutSchedule.taken_state, off-policy,
+    where the producer has drawn ahead), else the rollout side's own."""
+    if schedule is not None and schedule.taken_state is not None:
+        return schedule.taken_state
+    return rollouts.state_dict()
+
+
 def run(config: TrainConfig) -> None:
     """Train to config.schedule.steps on every rank (under torchrun); resumes from the newest checkpoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
@@ -133,7 +141,7 @@ def run(config: TrainConfig) -> None:
             schedule = RolloutSchedule(rollouts.collect, config.schedule.mode, config.schedule.max_staleness,
                                        start=start, steps=config.schedule.steps, on_versions=metrics_log.log_versions,
                                        memory=_memory_hook(engines) if config.rollout.colocate else None,
-                                       rows=lambda: rollouts.samples_log)
+                                       rows=lambda: rollouts.samples_log, state=rollouts.state_dict)
         if trainer.rank == 0 and config.eval.every:
             evaluator = Evaluator(config, engines.handles)
         freeze_startup_heap()  # the model, the optimizer and the warm start's leftovers: out of every collection
@@ -157,11 +165,11 @@ def run(config: TrainConfig) -> None:
                 with trainer.clock("metrics_write"):
                     metrics_log.log(step, metrics)
                     metrics_log.log_samples(schedule.samples_log)
-            trainer.stop_if_nonfinite(step + 1, rollouts)
+            trainer.stop_if_nonfinite(step + 1, lambda: _trained_state(schedule, rollouts))
             every = config.logging.checkpoint_every
             if (every and (step + 1) % every == 0) or step + 1 == config.schedule.steps:
                 with trainer.clock("checkpoint"):
-                    trainer.save(step + 1, rollouts.state_dict())
+                    trainer.save(step + 1, _trained_state(schedule, rollouts))
         # The final policy: its own row, step = schedule.steps, eval metrics only (again on a rerun of a finished run,
         # whose resume dropped it with every row past the checkpoint).
         final = _evaluate(evaluator, config.schedule.steps, metrics_log)

@@ -84,6 +84,7 @@ class _Produced:
     samples: list
     metrics: dict[str, float]
     rows: list[dict]  # its samples.jsonl rows
+    state: dict | None  # the rollout state right after it was drawn (off-policy; see RolloutSchedule.state)
 
 
 @dataclass
@@ -107,6 +108,12 @@ class RolloutSchedule:
     # rows logged with a step are that step's (off-policy, the source has moved on to the next batch by then).
     rows: Callable[[], list[dict]] | None = None
     samples_log: list[dict] = field(default_factory=list)  # the rows of the batch take() last returned
+    # Off-policy, the rollout state (data position, retirement, advantages) read right after each collect: the
+    # producer draws ahead of training, so at a checkpoint its own state already counts batches no step trained; a
+    # resume from it would skip their prompts. A checkpoint keeps the state of the batch trained last instead, and the
+    # resumed run draws the batches after it again.
+    state: Callable[[], dict] | None = None
+    taken_state: dict | None = None  # the state of the batch take() last returned (None: read the source's own)
     version: int = 0
     _batches: dict[int, _Produced] = field(default_factory=dict)
     _busy: list[tuple[float, float]] = field(default_factory=list)  # engine generating intervals (perf_counter)
@@ -140,10 +147,11 @@ class RolloutSchedule:
             try:
                 samples, metrics = self.collect(step, self.version)
                 rows = list(self.rows()) if self.rows is not None else []
+                state = self.state() if self.state is not None and self.mode != "sync" else None
             finally:
                 with self._cv:
                     self._busy.append((began, time.perf_counter()))
-        return _Produced(samples, metrics, rows)
+        return _Produced(samples, metrics, rows, state)
 
     def _produce(self) -> None:
         try:
@@ -181,6 +189,7 @@ class RolloutSchedule:
                 produced = self._batches.pop(step)
         self._trainer_from = time.perf_counter()
         self.samples_log = produced.rows
+        self.taken_state = produced.state
         limit = step - (self.lag if self.mode != "sync" else 0)
         # per sample, not per token: each sample's versions are one array (its oldest token decides)
         kept, dropped, oldest, tokens, age_sum = [], 0, step, 0, 0

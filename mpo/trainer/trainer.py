@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -297,12 +297,12 @@ class Trainer:
         self.sft_steps_done += 1
         return outs
 
-    def stop_if_nonfinite(self, next_step: int, rollouts) -> None:
-        """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint (with `rollouts.state_dict()`,
-        the rollout side's state), then stop saying why."""
+    def stop_if_nonfinite(self, next_step: int, rollout_state: Callable[[], dict[str, Any]]) -> None:
+        """After schedule.max_nonfinite_steps non-finite steps in a row: checkpoint (with `rollout_state()`, the
+        rollout side's state as of the batch trained last), then stop saying why."""
         limit = self.config.schedule.max_nonfinite_steps
         if self.nonfinite_in_row >= limit:
-            self.save(next_step, rollouts.state_dict(), wait=True)
+            self.save(next_step, rollout_state(), wait=True)
             raise NonFiniteStop(f"{self.nonfinite_in_row} consecutive steps had a non-finite loss or gradient "
                                 f"(schedule.max_nonfinite_steps={limit}); checkpoint saved at step {next_step}")
 

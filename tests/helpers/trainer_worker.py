@@ -179,7 +179,7 @@ def nonfinite(out_dir: str, where: str = "loss") -> None:
         try:
             for step in range(3):
                 results["steps"].append(trainer.train_step(step, rollouts.collect))
-                trainer.stop_if_nonfinite(step + 1, rollouts)
+                trainer.stop_if_nonfinite(step + 1, rollouts.state_dict)
         except NonFiniteStop as exc:
             results["stopped"] = str(exc)
         after = trainer.gpt.state_dict()
