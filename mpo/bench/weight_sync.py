@@ -410,9 +410,12 @@ def shape(args) -> int:
         return cpu, cpu / max(wall, 1e-9)
 
     (cpu_alone, cores_alone), (cpu_together, cores_together) = busy("alone"), busy("together")
+    engine_cpu = {mode: statistics.median(rnd[0][mode]["engine_cpu_s"] for rnd in rounds)
+                  for mode in ("alone", "together")}
     print(f"  CPU (4 ranks + engine): stages in turns {cpu_alone:.2f} cpu-s ({cores_alone:.2f} cores busy), at once "
-          f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); this host: {os.cpu_count()} cores, load "
-          f"average {os.getloadavg()[0]:.1f}")
+          f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); of which the engine (one process, its Python "
+          f"serialised by the GIL) {engine_cpu['alone']:.2f} / {engine_cpu['together']:.2f} cpu-s; this host: "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     fp8 = _fp8_ratio(args.preset)
     print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
           f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")
