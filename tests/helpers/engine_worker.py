@@ -96,7 +96,7 @@ def covering_probe_in_the_loop(out_dir: str) -> None:
     from mpo.bench._util import push_whole
     from mpo.weight_sync.transports import WeightSync
 
-    with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, engines, weights, results):
+    with _worker_run(out_dir, "covering_probe", ["schedule.sft_steps=0"]) as (trainer, _, engines, weights, results):
         results["fresh"] = weights.verify_by_probe()
         full = gather_full_state(trainer.gpt)
         layer, expert = trainer.model_cfg.num_layers - 1, trainer.model_cfg.num_experts - 1
