@@ -14,7 +14,7 @@ CPU (tests/helpers/sglang_server.py; its only fakes are the CPU stand-ins of tes
 updates in flight. Emulated: the nodes are one machine (Slurm's MULTIPLE_SLURMD) and the model is tiny.
 Without SLURM or SGLang the module skips loudly (fails under CI=true): helpers/tiers.py.
 
-Opt-in (MPO_REHEARSAL=1; the skip says so in every summary): 12 minutes idle, ~16 on 2 shared cores, two SGLang
+Opt-in (MPO_REHEARSAL=1; the skip says so in every summary): 12-16 minutes on 2 shared cores, two SGLang
 start-ups and four Slurm jobs, more than CI's time holds beside the suite yet (docs/rehearsal.md).
 """
 
