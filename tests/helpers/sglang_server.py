@@ -201,13 +201,54 @@ def start_sglang_server(
                          api_key=api_key, ready_timeout=ready_timeout)
 
 
+# The watchdog's whole program (no imports beyond the standard library: it starts in ~20 ms). It polls once a second
+# whether its parent (the test process) is still its parent; once it is re-parented (the test process died, even by
+# SIGKILL, when no teardown runs), it ends the server's process group: SIGTERM, then SIGKILL after 20 s. It exits on
+# its own when the group is gone (a normal stop()).
+_WATCHDOG = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+def alive():
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while alive():
+    if os.getppid() != parent:
+        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and alive():
+                time.sleep(0.5)
+        break
+    time.sleep(1.0)
+"""
+
+
+def watch_for_parent_death(group: int) -> subprocess.Popen:
+    """A watchdog that ends process group `group` when this process dies: a test run killed by a timeout (SIGKILL,
+    no fixture teardown) must not leave a server spinning a core for the rest of the session. The watchdog has its
+    own session, so a signal to the test's process group does not take it down with its parent."""
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(group)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
 def launch_server(cmd: list[str], env: dict[str, str], *, port: int, log_path: Path, cwd: Path,
                   api_key: str | None, ready_timeout: float) -> SGLangServer:
-    """Start a server command in its own session (stop() takes its children), logging to `log_path`, and wait until
-    it generates on 127.0.0.1:`port`; a server that never gets ready is stopped before the error propagates."""
+    """Start a server command in its own session (stop() takes its children), watched so that it dies with this
+    process (watch_for_parent_death), logging to `log_path`, and wait until it generates on 127.0.0.1:`port`; a server
+    that never gets ready is stopped before the error propagates."""
     with open(log_path, "ab") as log:  # the child holds its own descriptor
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=str(cwd))
+    watch_for_parent_death(proc.pid)
     server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, api_key)
     try:
         server.wait_ready(ready_timeout)
