@@ -116,18 +116,19 @@ class DistributedTransport(Transport):
         # in engine order on every sender (see __init__)
         works = [torch.distributed.broadcast(flat, src=0, group=group, async_op=True) for _, group, _ in self.groups]
         self.collectives += len(works)
-        # An engine that refuses before receiving (e.g. an unknown group) would leave the broadcasts waiting:
-        # poll both, and fail with the engine's own error as soon as one comes back.
+        # An engine answers only once it has received the bucket, so every call returning means every broadcast
+        # reached its engine; an engine that refuses before receiving (e.g. an unknown group) would leave the
+        # broadcasts waiting: the first refusal ends the wait, with the engine's own error.
         deadline = time.monotonic() + timeout_s
-        while not (calls.done() and all(w.is_completed() for w in works)):
-            if calls.errors and not all(w.is_completed() for w in works):
-                self.groups = []  # the groups are out of step now; the next push makes new ones
-                calls.raise_first()
-            if time.monotonic() > deadline:
-                raise EngineError(self.session.clients[0].url, "/update_weights_from_distributed",
-                                  f"bucket of {len(names)} tensors not done after {timeout_s:.0f} s")
-            time.sleep(0.001)
-        calls.raise_first()
+        if not calls.settled.wait(timeout_s):
+            raise EngineError(self.session.clients[0].url, "/update_weights_from_distributed",
+                              f"bucket of {len(names)} tensors not done after {timeout_s:.0f} s")
+        if calls.errors and not all(w.is_completed() for w in works):
+            self.groups = []  # the groups are out of step now; the next push makes new ones
+            calls.raise_first()
+        calls.join(max(0.0, deadline - time.monotonic()))  # raises the first error, if one came after the broadcasts
+        for work in works:
+            work.wait()
         return None
 
     def connect(self) -> None:

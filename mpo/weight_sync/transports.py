@@ -208,6 +208,12 @@ class _Calls:
 
     def __init__(self, clients: Sequence[EngineClient], call: Callable[[EngineClient], Any]) -> None:
         self.errors: dict[str, BaseException] = {}
+        # set once every call returned or one failed: a caller that must react to the first refusal blocks on it
+        # instead of polling (a poll per millisecond per sender took the cores concurrent stages push with)
+        self.settled = threading.Event()
+        self._left, self._lock = len(clients), threading.Lock()
+        if not clients:
+            self.settled.set()
         self.threads = [threading.Thread(target=self._run, args=(client, call), daemon=True) for client in clients]
         for thread in self.threads:
             thread.start()
@@ -217,6 +223,11 @@ class _Calls:
             call(client)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             self.errors[client.url] = exc
+        finally:
+            with self._lock:
+                self._left -= 1
+                if self._left == 0 or self.errors:
+                    self.settled.set()
 
     def done(self) -> bool:
         return not any(t.is_alive() for t in self.threads)

@@ -168,7 +168,7 @@ def manifest_of(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tupl
     must be packed_order's)."""
     manifest, offset = [], 0
     for name, dtype, shape in specs:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if offset % itemsize:
             raise ValueError(f"tensor {name!r} ({dtype_name(dtype)}) would start at byte {offset}, not a multiple of "
                              f"{itemsize}: order a flattened bucket by dtype size, largest first")
