@@ -236,11 +236,6 @@ def routing_parts(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, *, 
     }
 
 
-def routing_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, **kwargs) -> int:
-    """The sum of routing_parts."""
-    return sum(routing_parts(m, parallel, pp_rank, **kwargs).values())
-
-
 @dataclass(frozen=True)
 class RoleMemory:
     """One GPU role's bytes, by item (printed in this order), and whether they fit."""
@@ -508,7 +503,7 @@ class SyncShape:
     Attributes:
         transport: the resolved sync.transport.
         senders: senders, one per pipeline stage (EP owners hand their experts to their stage's).
-        at_once: whether the senders push at once (mpo.weight_sync.transports.stages_at_once) or take turns.
+        at_once: whether the senders push at once (Transport.stages_at_once) or take turns.
         engines, engine_tp: the engines and their TP ranks.
         groups_per_engine_gpu: distributed: one group per sender (with every engine, or with one engine when
             stages push at once), so each engine GPU is in `senders` groups; 0 for the other transports.

@@ -286,7 +286,7 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
     from mpo.weight_sync.gather import WeightStreamer
-    from mpo.weight_sync.transports import WeightSync, stages_at_once
+    from mpo.weight_sync.transports import WeightSync
     from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
     tp, ep, pp = layout
@@ -302,7 +302,7 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport="distributed",
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender or rank == 0 else None)
     if sync is not None and streamer.is_sender:
-        sync.via.prepare(stages_at_once("distributed", len(streamer.senders), len(sync.clients)))
+        sync.via.prepare(sync.via.stages_at_once(len(streamer.senders), len(sync.clients)))
         sync.connect()  # group creation is once per run, not part of a sync
 
     def one_sync(version: int, sequential: bool, verify: bool) -> dict:

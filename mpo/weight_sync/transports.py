@@ -1,13 +1,7 @@
-"""The transports (see mpo.weight_sync): how a bucket reaches the engines, which engines each one can reach, and the
-weight-update session every transport pushes inside.
-
-A transport is one class (a `Transport` subclass) registered once in TRANSPORTS: the built-ins are the modules
-transport_tensor, transport_distributed, transport_cuda_ipc and transport_shm of this package (listed by module path,
-imported on the first lookup); a user's class is named as `sync.transport=module:attr` or `path/to/file.py:attr`.
-The class says what it can reach (engine kinds, those that must share the trainer's node, whether stages may push at
-once, whether the engines read buckets in place), and an instance, made by the session, connects, pushes one bucket
-and closes. `check_transport` is the one compatibility check; config validation (engine kinds), the launcher (engine
-placement) and WeightSync (engine URLs, on every sender) all ask it. "auto" is a resolution rule (resolve_transport),
+"""The transports (see mpo.weight_sync): the Transport base class, the TRANSPORTS registry (built-ins by module path,
+a user's class as `sync.transport=module:attr` or `path/to/file.py:attr`), the one compatibility check
+(`check_transport`: config validation, the launcher's placement and WeightSync on every sender all ask it) and
+WeightSync, the weight-update session every transport pushes inside. "auto" is a resolution rule (resolve_transport),
 not a transport.
 """
 
@@ -158,12 +152,6 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
                          f"sync.transport='distributed'")
 
 
-def stages_at_once(transport: str, senders: int, engines: int) -> bool:
-    """Whether the pipeline stages' senders push at once (else they take turns): the transport's rule
-    (Transport.stages_at_once; only "distributed" ever takes turns)."""
-    return transport_class(transport).stages_at_once(senders, engines)
-
-
 NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
 
 
@@ -186,14 +174,6 @@ def per_node_sync(transport: str, engine: str) -> bool:
     from mpo.weight_sync.relay import NODE_HOST_ENV
 
     return same_host(transport, engine) and bool(os.environ.get(NODE_HOST_ENV))
-
-
-def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
-    """Raise ValueError (one line) when engines colocated on the trainer's GPUs cannot be synced (the transport's
-    own rule, Transport.check_colocated: "distributed" would put one GPU twice into an NCCL group). Over several
-    trainer nodes (`trainer_nodes`) the same-host transports reach each node's engines from that node's leader
-    (mpo.weight_sync.relay)."""
-    transport_class(transport).check_colocated(engine)
 
 
 log = logging.getLogger(__name__)
@@ -337,14 +317,14 @@ class WeightSync:
         """(client, TP size) of the engines still in the session."""
         return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
 
-    def _pushed(self) -> list[tuple[EngineClient, int]]:
+    def pushed(self) -> list[tuple[EngineClient, int]]:
         """(client, TP size) of the engines still in the session that this rank pushes buckets to (push_to)."""
         return [(c, tp) for c, tp in self._live() if self.push_to is None or c.url in self.push_to]
 
     def _each(self, call: Callable[[EngineClient, int], Any], *, pushing: bool = False) -> None:
         """call(client, TP size) on each engine still in the session (pushing: that this rank pushes to), in turn;
         one that fails in transport and is expendable is dropped from the session."""
-        for client, tp in (self._pushed() if pushing else self._live()):
+        for client, tp in (self.pushed() if pushing else self._live()):
             try:
                 call(client, tp)
             except EngineError as exc:
@@ -361,10 +341,6 @@ class WeightSync:
                     "weights streamed again)", url, exc)
         self.lost.add(url)
         return True
-
-    def pushed(self) -> list[tuple[EngineClient, int]]:
-        """(client, TP size) of the engines still in the session that this rank pushes buckets to (push_to)."""
-        return self._pushed()
 
     def push_bucket(self, bucket: NamedTensors, version: int, *, wait: bool = True) -> PendingPush | None:
         """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it), tagged
