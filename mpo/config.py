@@ -95,18 +95,14 @@ class RolloutSection:
             (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
             trains (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident (when both
             fit, it saves the host copies' time every step).
-        env: multi-turn episodes (mpo.envs): a registered environment (calculator) or a plug-in "module:Class" or
-            "path/to/file.py:Class" (mpo.plugins) built from each data row, whose reset() gives the opening messages and step(assistant_text) answers
-            each turn with (messages, reward, done); the episode's reward is the sum of its turns' rewards, and
-            only generated tokens carry loss. The environment scores: reward.fn must be unset; its workers use
-            reward.timeout_s (per call), reward.workers and reward.max_memory_mb. Text tasks with a chat template.
+        env: multi-turn episodes (mpo.envs has the protocol): a registered environment (calculator) or a plug-in
+            "module:Class" or "path/to/file.py:Class" (mpo.plugins) built from each data row. The environment
+            scores: reward.fn must be unset; its workers use reward.timeout_s (per call), reward.workers and
+            reward.max_memory_mb. Text tasks with a chat template.
         max_turns: assistant turns per episode at most (rollout.env).
         max_tokens_per_turn: generation budget of one turn (rollout.env); null: rollout.max_new_tokens.
-        max_env_state_bytes: cap on an environment's pickled state (rollout.env). The state travels through rank 0
-            between turns and rank 0 holds one per live episode, so this times the episodes in flight bounds that
-            memory; a state over it ends its episode as an error (reward 0, counted in env_errors). 1 MiB by
-            default: an environment's state is its conversation and task (kilobytes); keep large resources out of
-            it (re-open them lazily in step()).
+        max_env_state_bytes: cap on an environment's pickled state (rollout.env; mpo.envs says why): a state over
+            it ends its episode as an error (reward 0, counted in env_errors).
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"

@@ -316,8 +316,8 @@ class Trainer:
         return parts
 
     def trainer_state(self, step: int, rollouts: dict[str, Any]) -> dict[str, Any]:
-        """The run's own state (JSON): the step, counters, the rollout side's state (Rollouts.state_dict: the advantage
-        estimator's, the prompt retirement's and the task's data position), the config and the layout."""
+        """The run's own state (JSON): the step, counters, the rollout side's state (Rollouts.state_dict), the config
+        and the layout."""
         return {"step": step, "nonfinite_total": self.nonfinite_total, "sft_steps_done": self.sft_steps_done,
                 **{k: rollouts[k] for k in ROLLOUT_KEYS}, "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 

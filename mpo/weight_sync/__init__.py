@@ -31,12 +31,9 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
     `mpo_safetensors`, SGLang a `flattened_bucket`, every dtype in one buffer);
   - "distributed": per sender, the sender (rank 0 of the group, hosting the rendezvous) and every engine rank join
     one process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before
-    it); per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes, load_format
-    "flattened_bucket") in a thread while the sender broadcasts the bucket packed into ONE buffer (wire.pack_bucket):
-    one collective per bucket, whatever its tensors. An engine serves one collective at a time, so two stages'
-    broadcasts over groups spanning several engines could deadlock: with such groups stages take turns; while
-    engines <= senders each sender instead makes one group per engine (Transport.stages_at_once) and every stage
-    pushes at once, each engine applying the buckets in whatever order they arrive within the session;
+    it); per bucket every engine gets /update_weights_from_distributed in a thread while the sender broadcasts the
+    bucket packed into ONE buffer (wire.pack_bucket): one collective per bucket, whatever its tensors. When stages
+    push at once and when they take turns (one collective at a time per engine): DistributedTransport.__init__;
   - "cuda_ipc" (GPU only): SGLang engines on the trainer's GPUs get a flattened bucket whose tensor (one buffer per
     bucket, every dtype) is a CUDA IPC handle: one handle per bucket;
   - "shm" (CPU, mpo engines on the trainer's host): a bucket in a shared slot travels as locators (`mpo_shm`); the

@@ -109,7 +109,6 @@ def _as_transport(name: str, obj: Any) -> type[Transport]:
     return obj
 
 
-# The transports by name: built-ins by module path (each registers its class when imported), plug-ins from user code.
 TRANSPORTS: Registry[type[Transport]] = Registry(
     "transport", adapt=_as_transport,
     builtins=("mpo.weight_sync.transport_tensor", "mpo.weight_sync.transport_distributed",
@@ -291,14 +290,11 @@ class WeightSync:
         caller). pause=False for a caller that knows nothing is generating (a synchronous schedule syncs between
         rollouts): two HTTP round trips less per sync.
 
-        The pause RETRACTS the requests in flight (PAUSE_MODE; docs/weight_updates_in_flight.md): SGLang frees their
-        KV and puts them back in its queue with the tokens they have, so each update's cache flush (flush_cache,
-        sent with every update) succeeds and empties the radix cache of old-weight prefixes; on continue they are
-        prefilled again under the new weights and go on. Every token is then sampled from a context computed by
-        one set of weights, the version it is stamped with (SGLang's meta_info.weight_versions), and keeps the
-        log-prob it was sampled with. An `in_place` pause keeps the old KV, which a new-weights decode would extend
-        (neither policy's tokens), and SGLang refuses its flush while requests run: HTTP 400 at the first sync of
-        an off-policy run. mpo's engine follows the same rules (mpo.engine.generator)."""
+        The pause RETRACTS the requests in flight (PAUSE_MODE; docs/weight_updates_in_flight.md): they are prefilled
+        again under the new weights on continue, so every token is sampled from a context computed by one set of
+        weights, the version it is stamped with. An `in_place` pause keeps the old KV, which a new-weights decode
+        would extend (neither policy's tokens), and SGLang refuses its cache flush while requests run: HTTP 400 at
+        the first sync of an off-policy run. mpo's engine follows the same rules (mpo.engine.generator)."""
         self.lost = set()
         self.paused = pause
         self._each(lambda client, _: (pause and client.pause_generation(mode=PAUSE_MODE),
