@@ -345,13 +345,10 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
 
 
 def _fp8_ratio(preset: str) -> float:
-    """Bytes of the model's HF tensors in fp8_block over bf16, through mpo.weight_sync.fp8.to_engine_format when it
-    exists (nan otherwise)."""
-    try:
-        from mpo.weight_sync.fp8 import to_engine_format
-    except ImportError:
-        return float("nan")
+    """Bytes of the model's HF tensors in fp8_block over bf16, through mpo.weight_sync.fp8.to_engine_format."""
     import torch
+
+    from mpo.weight_sync.fp8 import to_engine_format
 
     named = [(name, t.to(torch.bfloat16)) for name, t in _named_tensors(preset, seed=0)]
     size = lambda fmt: sum(t.numel() * t.element_size() for _, t in to_engine_format(named, fmt))
@@ -409,9 +406,8 @@ def shape(args) -> int:
           f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); of which the engine (one process, its Python "
           f"serialised by the GIL) {engine_cpu['alone']:.2f} / {engine_cpu['together']:.2f} cpu-s; this host: "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    fp8 = _fp8_ratio(args.preset)
     print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
-          f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")
+          f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={_fp8_ratio(args.preset):.3f}")
     return 0
 
 
