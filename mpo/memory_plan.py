@@ -528,7 +528,7 @@ class SyncShape:
     link_bytes: int
     estimate_s: float
     link_gb_s: float
-    call_unit: str = "HTTP payloads"  # what one call is (the transport's Transport.call_unit)
+    call_unit: str = "HTTP payloads"
     nodes: int = 1  # per-node routing (mpo.weight_sync.relay): trainer nodes whose leaders push to their own engines
 
     def format(self) -> str:
