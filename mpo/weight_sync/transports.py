@@ -268,9 +268,7 @@ class WeightSync:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.timeout_s = master_address, timeout_s
         # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
-        # (EngineSet: a local engine whose process died; it is restarted after the session, and the publisher streams
-        # the weights once more for it).
-        # None: every engine error fails the sync.
+        # (EngineSet.exited, set by engine_set_sync where the transport allows it); None: every error fails the sync.
         self.expendable: Callable[[EngineClient], bool] | None = None
         self.lost: set[str] = set()  # URLs left out of the current session
         self.paused = True  # whether the current session paused generation (begin_session)
