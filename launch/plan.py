@@ -30,7 +30,7 @@ from pathlib import Path
 from mpo.config import TrainConfig
 from mpo.rollout.engine_command import REDACTED, SECRET_ENV, EngineSettings, engine_command
 from mpo.weight_sync.relay import NODE_HOST_ENV
-from mpo.weight_sync.transports import check_colocated, check_transport, same_host
+from mpo.weight_sync.transports import check_transport, same_host, transport_class
 from mpo.weight_sync.wire import group_layout
 
 
@@ -281,7 +281,7 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
             node = candidates[i // slots] if gpus_per_engine else candidates[i % len(candidates)]
             try:
                 if placement == "colocated" and gpus_per_engine:  # SGLang on trainer GPUs: first, it says why
-                    check_colocated(config.sync.transport, r.engine, trainer_nodes=trainer_nodes)
+                    transport_class(config.sync.transport).check_colocated(r.engine)
                 if node >= trainer_nodes:
                     check_transport(config.sync.transport, r.engine,
                                     off_host=f"engine{i} is placed on rollout node {hosts[node]}")

@@ -81,32 +81,25 @@ class RolloutSection:
         router_in_front: engines sit behind an sglang-router (its PyPI build drops routed experts: R3 impossible).
         engine_dtype: dtype of locally started engines (None: model.dtype). A bf16 engine for an fp32 trainer is
             the usual train/inference mismatch that R3 and RSPO exist for.
-        engine_weights: the parameter format the weight sync pushes. "bf16": every weight as the trainer holds it
-            (the engine stores it in its dtype). "fp8_block": for engines serving a block-FP8 checkpoint
-            (DeepSeek-V3 / Qwen3-FP8 style, e.g. SGLang started on one): linear weights quantized to float8_e4m3fn
-            with a float32 `weight_scale_inv` per 128 x 128 block, embeddings, LM head, norms and routers left as
-            they are (mpo.weight_sync.fp8); about half the bytes of bf16. mpo's engine dequantizes on load. The
-            mismatch it adds shows in sync_fp8_weight_rel_rmse and the train-vs-rollout log-prob metrics.
+        engine_weights: the parameter format the weight sync pushes: "bf16" (every weight as the trainer holds it)
+            or "fp8_block", for engines serving a block-FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8 style;
+            mpo.weight_sync.fp8 says what is quantized), about half the bytes of bf16. The mismatch it adds shows in
+            sync_fp8_weight_rel_rmse and the train-vs-rollout log-prob metrics.
         tensor_parallel: GPUs per SGLang engine (its --tp); the launcher (launch/) places gpus_per_node //
             tensor_parallel engines on each rollout node.
         colocate: the engines share the trainer's GPUs: they release their memory while the trainer runs and resume
             it for the weight sync and generation (SGLang needs --enable-memory-saver; schedule.mode=sync only).
-        offload_trainer: with colocated engines, every trainer rank moves its parameters and optimizer state to
-            (pinned) host memory and frees its gradients while the engines generate, and takes them back before it
-            trains (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident (when both
-            fit, it saves the host copies' time every step).
-        env: multi-turn episodes (mpo.envs): a registered environment (calculator) or a plug-in "module:Class" or
-            "path/to/file.py:Class" (mpo.plugins) built from each data row, whose reset() gives the opening messages and step(assistant_text) answers
-            each turn with (messages, reward, done); the episode's reward is the sum of its turns' rewards, and
-            only generated tokens carry loss. The environment scores: reward.fn must be unset; its workers use
-            reward.timeout_s (per call), reward.workers and reward.max_memory_mb. Text tasks with a chat template.
+        offload_trainer: with colocated engines, every trainer rank's device memory goes to the host while the
+            engines generate (mpo.trainer.offload). None: on when colocate is; false keeps the trainer resident
+            (when both fit, it saves the host copies' time every step).
+        env: multi-turn episodes (mpo.envs has the protocol): a registered environment (calculator) or a plug-in
+            "module:Class" or "path/to/file.py:Class" (mpo.plugins) built from each data row. The environment
+            scores: reward.fn must be unset; its workers use reward.timeout_s (per call), reward.workers and
+            reward.max_memory_mb. Text tasks with a chat template.
         max_turns: assistant turns per episode at most (rollout.env).
         max_tokens_per_turn: generation budget of one turn (rollout.env); null: rollout.max_new_tokens.
-        max_env_state_bytes: cap on an environment's pickled state (rollout.env). The state travels through rank 0
-            between turns and rank 0 holds one per live episode, so this times the episodes in flight bounds that
-            memory; a state over it ends its episode as an error (reward 0, counted in env_errors). 1 MiB by
-            default: an environment's state is its conversation and task (kilobytes); keep large resources out of
-            it (re-open them lazily in step()).
+        max_env_state_bytes: cap on an environment's pickled state (rollout.env; mpo.envs says why): a state over
+            it ends its episode as an error (reward 0, counted in env_errors).
     """
 
     engine: Literal["mpo", "sglang"] = "mpo"
@@ -189,10 +182,8 @@ class AlgorithmSection:
         kl_estimator: k1 | k2 | k3 | k3_unbiased (k3 times pi/pi_old, TRL's bias-corrected KL).
         rollout_correction: none | tis_token | tis_seq | icepop_token | mis_seq | decoupled_token | decoupled_seq:
             importance weights / masks for the engine-vs-trainer log-prob mismatch (the mismatch metrics are logged
-            every step either way). null (the default): none in schedule.mode=sync; in one_step_off and async,
-            whose samples come from older policies, tis_token: the decoupled objective (trust region around the
-            trainer's proximal forward) with the behaviour weight pi_prox / pi_behav truncated at 2
-            (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says why); an explicit none there is an error.
+            every step either way). null (the default): none in schedule.mode=sync, tis_token in one_step_off and
+            async (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says why); an explicit none there is an error.
         rollout_correction_args: its bounds ({cap}, {lower, upper}); unset ones take the kind's defaults.
         positive_nll_coef: VAPO's positive-example LM loss weight (0 disables it); positive_nll_threshold is the
             reward at which a response counts as positive.

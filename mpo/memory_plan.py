@@ -236,11 +236,6 @@ def routing_parts(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, *, 
     }
 
 
-def routing_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, **kwargs) -> int:
-    """The sum of routing_parts."""
-    return sum(routing_parts(m, parallel, pp_rank, **kwargs).values())
-
-
 @dataclass(frozen=True)
 class RoleMemory:
     """One GPU role's bytes, by item (printed in this order), and whether they fit."""
@@ -508,18 +503,14 @@ class SyncShape:
     Attributes:
         transport: the resolved sync.transport.
         senders: senders, one per pipeline stage (EP owners hand their experts to their stage's).
-        at_once: whether the senders push at once (mpo.weight_sync.transports.stages_at_once) or take turns.
+        at_once: whether the senders push at once (Transport.stages_at_once) or take turns.
         engines, engine_tp: the engines and their TP ranks.
-        groups_per_engine_gpu: distributed: one group per sender (with every engine, or with one engine when
-            stages push at once), so each engine GPU is in `senders` groups; 0 for the other transports.
+        groups_per_engine_gpu: process groups each engine GPU joins (Transport.groups_per_engine_gpu).
         stage_bytes: HF bytes each stage's sender pushes (the trainer's dtype), per stage.
         stage_buckets: buckets per stage (consecutive units up to sync.bucket_mb, as mpo.weight_sync.plan cuts them).
-        calls_per_sync: collectives (distributed), IPC handles (cuda_ipc), locator messages (shm) or HTTP payloads
-            (tensor) in one sync, over every sender and engine: one per bucket per engine (distributed in turns: one
-            per bucket, its broadcast reaching every engine), whatever the number of tensors.
-        link_bytes: bytes on the busiest sender link over the sync (at once: its stage's bytes x engines; in
-            turns: the stage's bytes once; tensor transport: x engines x TP x 4/3 base64; 0 for cuda_ipc/shm,
-            which copy nothing over a link).
+        calls_per_sync: engine-side calls in one sync over every sender and engine (Transport.calls_per_bucket per
+            bucket), whatever the number of tensors.
+        link_bytes: bytes on the busiest sender link over the sync (a stage's bytes x Transport.link_copies).
         estimate_s: the sync's time at `link_gb_s` per sender link plus SYNC_CALL_S per call: the busiest stage
             when stages push at once, the sum of the stages in turns.
         call_unit: what one call is ("collectives", "HTTP payloads", ...: the transport's Transport.call_unit).
@@ -537,7 +528,7 @@ class SyncShape:
     link_bytes: int
     estimate_s: float
     link_gb_s: float
-    call_unit: str = "HTTP payloads"  # what one call is (the transport's Transport.call_unit)
+    call_unit: str = "HTTP payloads"
     nodes: int = 1  # per-node routing (mpo.weight_sync.relay): trainer nodes whose leaders push to their own engines
 
     def format(self) -> str:

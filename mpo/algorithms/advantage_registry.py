@@ -49,7 +49,6 @@ def _adapt_advantage(name: str, obj: Any) -> AdvantageSpec:
                          bool(getattr(obj, "needs_critic", False)))
 
 
-# The estimator modules register themselves on import (listed by path: this module imports none of them).
 ADVANTAGE_REGISTRY: Registry[AdvantageSpec] = Registry(
     "advantage estimator", adapt=_adapt_advantage,
     builtins=("mpo.algorithms.advantages", "mpo.algorithms.token_advantages"))

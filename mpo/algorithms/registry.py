@@ -60,7 +60,6 @@ def _adapt_loss(name: str, obj: Any) -> LossSpec:
     return LossSpec(name, obj, config_cls, dict(getattr(obj, "defaults", {})), bool(getattr(obj, "router_shift", False)))
 
 
-# The loss modules register themselves on import (listed by path: this module imports none of them).
 LOSS_REGISTRY: Registry[LossSpec] = Registry(
     "loss", plural="losses", adapt=_adapt_loss,
     builtins=("mpo.algorithms.token_losses", "mpo.algorithms.sequence_losses", "mpo.algorithms.dppo"))

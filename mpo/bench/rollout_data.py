@@ -11,19 +11,15 @@ format mpo's engine answers with (the same encoding functions), with response le
 prompt alone, as a prefill's are); `--wire sglang` makes it answer SGLang's JSON (base64 int32 routes) instead.
 
 Measured (median over --repeats, after one warm-up step):
-* bytes_per_rank_vs_share: the bytes a non-zero rank receives in the distribution (counted at torch.distributed's
-  broadcast / scatter / recv, the payload tensors), over the bytes of that rank's own share in compact form: ids,
-  log-probs and versions at 4 bytes a token, routes of its stage's MoE layers at 1 byte (2 above 256 experts). The
-  worst non-zero rank is reported.
+* bytes_per_rank_vs_share: the bytes a non-zero rank receives in the distribution (ReceivedBytes), over the bytes
+  of that rank's own share in compact form (share_bytes). The worst non-zero rank is reported.
 * route_bytes_per_token: bytes of the engine's responses' routes on the wire, per generated token (the routes cover
   the prompt's positions too, for R3's replay of them; a call's samples of one prompt send those once:
   mpo.rollout.frames).
 * rank0_s_per_mtoken: rank 0's CPU seconds (its process, every thread) in collect + distribute, per million generated
   tokens. CPU time, not wall time: the stub engine shares the machine's cores, its time is not rank 0's.
 
-Last line:
-
-    rollout-data bytes_per_rank_vs_share=<x> route_bytes_per_token=<y> rank0_s_per_mtoken=<z>
+Last line: `rollout-data bytes_per_rank_vs_share=<x> route_bytes_per_token=<y> rank0_s_per_mtoken=<z>`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,28 @@
 """Weight-sync throughput: WeightSync's tensor path (and distributed path) into a locally started mpo engine vs a
-plain in-process memcpy (torch `copy_`) of the same bytes, in one run.
+plain in-process memcpy (torch `copy_`) of the same bytes, in one run. The tensors carry the engine model's HF names
+and shapes (random values), so the engine stages and applies them as a real sync. Each path runs `--rounds` times;
+the table shows the median and best bytes/s; the memcpy line is the upper bound for moving those bytes once.
 
-`--sweep`: the trainer's real streaming sync (mpo.weight_sync.gather, as mpo.weight_sync.publisher drives it) from 4 gloo
-ranks holding a megatron model at TP2xEP2 into a locally started mpo engine of the same shape, at two model sizes
-(presets sync_bench_1l / sync_bench_12l: ~36M and ~342M parameters, same largest tensor). By default the way a
-CPU trainer syncs an engine on its own host: pieces written into the sender's shared-memory slots, the engine
-reading the buckets from them (`--transport shm`); `--transport distributed --gloo-gather` is the all-gloo path
-(pieces and buckets over TCP loopback), the shape of what NCCL does on GPU. Per rank it records the
-peak RSS increase during each sync (Linux: VmHWM after resetting it with /proc/self/clear_refs, minus VmRSS before;
-every allocation of the sync path counts, page cache does not) and the push time (first gather to the last bucket
-acknowledged by the engine; the engine's own apply at /end_weight_update is reported apart; the engine's checksum
-is verified by one more, unmeasured, sync). The last line is
+`--sweep`: the trainer's real streaming sync (mpo.weight_sync.gather, as the publisher drives it) from 4 gloo ranks
+holding a megatron model at TP2xEP2 into a local mpo engine of the same shape, at two model sizes (presets
+sync_bench_1l / sync_bench_12l: ~36M and ~342M parameters, same largest tensor). By default over the sender's
+shared-memory slots (`--transport shm`, how a CPU trainer syncs an engine on its host); `--transport distributed
+--gloo-gather` is the all-gloo path, the shape of what NCCL does on GPU. Per rank it records the peak RSS increase
+during each sync (Linux: VmHWM after resetting it with /proc/self/clear_refs, minus VmRSS before; page cache does
+not count) and the push time (first gather to the last bucket acknowledged; the engine's apply at
+/end_weight_update apart; the checksum is verified by one more, unmeasured, sync). The last line is
 `sync-scaling peak_growth=<x> size_ratio=<y> bytes_per_s_vs_memcpy=<z>`: the larger run's peak per-rank increase
 over the smaller run's, the parameter ratio, and the larger run's median push bytes/s over a single-thread memcpy
-of 4 MiB tensors (median of rounds, the same bytes in memory once, as in the table above).
-
-The tensors carry the engine model's HF names and shapes (random values), so the engine stages and applies them as a
-real sync. Each path runs `--rounds` times; the table shows the median and best bytes/s. The memcpy line is the upper
-bound for moving those bytes once in memory; the ratio shows what serialisation, HTTP (or the gloo collective), and
-the engine's staging/apply cost on top.
+of 4 MiB tensors.
 
 `--shape`: the sync's shape (issue #50) at PP2 x EP2 (`--layout 1,2,2`) of preset sync_shape_bench (1536 expert
 tensors of 16 x 16, the shape of Qwen3-30B-A3B's ~18k at a size two CPU cores sync in seconds) over the distributed
 transport into one local mpo engine, every round once with the stages taking turns and once all at once. The last
 line is `sync-shape collectives_per_sync_vs_buckets=<x> stage_overlap=<y> fp8_bytes_vs_bf16=<z>`: collectives
 issued per bucket, the stages' wall time at once over the sum of their turns alone (median of rounds), and the
-bytes of the model's tensors in fp8_block over bf16 (mpo.weight_sync.fp8; nan where that module is absent). On a
-host whose cores are shared the stages compete for CPU, not links: y there says little about a cluster. The line
-before it states the CPU seconds the ranks and the engine spent per sync and the cores that kept busy, in turns and
-at once, with the host's cores and load: once the stages in turns already keep the host's free cores busy, at once
-cannot be faster (y >= 1 on a loaded 2-core host).
+bytes of the model's tensors in fp8_block over bf16. The line before it states the CPU seconds the ranks and the
+engine spent per sync, in turns and at once, against the host's cores and load: on a host whose cores are shared
+the stages compete for CPU, not links, so y there says little about a cluster (y >= 1 on a loaded 2-core host).
 """
 
 from __future__ import annotations
@@ -286,7 +279,7 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
     from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
     from mpo.weight_sync.gather import WeightStreamer
-    from mpo.weight_sync.transports import WeightSync, stages_at_once
+    from mpo.weight_sync.transports import WeightSync
     from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
     tp, ep, pp = layout
@@ -302,7 +295,7 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport="distributed",
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender or rank == 0 else None)
     if sync is not None and streamer.is_sender:
-        sync.via.prepare(stages_at_once("distributed", len(streamer.senders), len(sync.clients)))
+        sync.via.prepare(sync.via.stages_at_once(len(streamer.senders), len(sync.clients)))
         sync.connect()  # group creation is once per run, not part of a sync
 
     def one_sync(version: int, sequential: bool, verify: bool) -> dict:
@@ -352,13 +345,10 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
 
 
 def _fp8_ratio(preset: str) -> float:
-    """Bytes of the model's HF tensors in fp8_block over bf16, through mpo.weight_sync.fp8.to_engine_format when it
-    exists (nan otherwise)."""
-    try:
-        from mpo.weight_sync.fp8 import to_engine_format
-    except ImportError:
-        return float("nan")
+    """Bytes of the model's HF tensors in fp8_block over bf16, through mpo.weight_sync.fp8.to_engine_format."""
     import torch
+
+    from mpo.weight_sync.fp8 import to_engine_format
 
     named = [(name, t.to(torch.bfloat16)) for name, t in _named_tensors(preset, seed=0)]
     size = lambda fmt: sum(t.numel() * t.element_size() for _, t in to_engine_format(named, fmt))
@@ -416,9 +406,8 @@ def shape(args) -> int:
           f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); of which the engine (one process, its Python "
           f"serialised by the GIL) {engine_cpu['alone']:.2f} / {engine_cpu['together']:.2f} cpu-s; this host: "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    fp8 = _fp8_ratio(args.preset)
     print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
-          f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={'nan' if math.isnan(fp8) else f'{fp8:.3f}'}")
+          f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={_fp8_ratio(args.preset):.3f}")
     return 0
 
 

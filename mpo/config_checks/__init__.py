@@ -86,11 +86,11 @@ def validate(config: TrainConfig) -> None:
     if r.colocate and config.schedule.mode != "sync":
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
-    if r.colocate:  # engines on the trainer's GPUs: the transport must reach every one (one node of NODE_GPUS)
-        from mpo.weight_sync.transports import NODE_GPUS, check_colocated
+    if r.colocate:  # engines on the trainer's GPUs: the transport must reach every one
+        from mpo.weight_sync.transports import transport_class
 
         try:
-            check_colocated(config.sync.transport, r.engine, trainer_nodes=-(-config.world_size // NODE_GPUS))
+            transport_class(config.sync.transport).check_colocated(r.engine)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if r.offload_trainer and not r.colocate:

@@ -177,11 +177,9 @@ class JsonlSource:
         return None if _WHITESPACE[buf[k]] else k
 
     def _scan(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Offsets of the rows; their 1-based line numbers only when skipped lines made them differ.
-
-        Each chunk is examined once: a line that spans chunks is tracked by its start, length and first
-        non-whitespace byte (with a few bytes for the error message), never joined into one buffer.
-        """
+        """Offsets of the rows; their 1-based line numbers only when skipped lines made them differ. A line that
+        spans chunks is tracked by its start, length and first non-whitespace byte (and a few bytes for the error
+        message), never joined into one buffer."""
         offsets: list[np.ndarray] = []
         lines: list[np.ndarray] = []
         dense = True  # every line so far was a row: row i is line i + 1, and no line numbers need keeping

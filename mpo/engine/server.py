@@ -3,12 +3,10 @@
 Routes and response shapes follow sglang 0.5.23's HTTP server: errors are HTTP 400 with
 {"success": false, "message": ...}; weight updates must run between /begin_weight_update and /end_weight_update.
 
-One request harms no one else (ServerLimits): a connection gets a slot (a thread; 503 beyond) only once its request
-headers, and a small body, arrived whole within a total deadline (mpo.engine.admission: trickling clients hold no
-slot), the API key and the declared body size are checked from the headers before the body is read (401, 413), a
-larger body is read under a deadline that grows with its size (a trickled one is cut), idle connections time out,
-every /generate field and its row count are validated before anything is queued (400 naming the field), a request
-whose client went away is aborted, and the generator isolates a failure to the request it belongs to.
+One request harms no one else: ServerLimits says what one client can take (mpo.engine.admission: trickling clients
+hold no slot); the API key and the declared body size are checked from the headers before the body is read (401,
+413), every /generate field and its row count are validated before anything is queued (400 naming the field), a
+request whose client went away is aborted, and the generator isolates a failure to the request it belongs to.
 """
 
 from __future__ import annotations

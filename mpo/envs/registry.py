@@ -20,7 +20,6 @@ def _adapt_env(name: str, cls: Any) -> type:
 
 
 ENV_REGISTRY: Registry[type] = Registry("environment", adapt=_adapt_env)
-# Built-in environments, imported on first use.
 ENV_REGISTRY.register_lazy("calculator", "mpo.envs.calculator:CalculatorEnv")
 
 

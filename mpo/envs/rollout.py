@@ -16,7 +16,7 @@ Token accounting of a row (GenerateResult-shaped, so the trainer builds its Samp
 
 An episode ends when the environment says done, after rollout.max_turns turns, when the context has no room for
 another turn, or when its environment fails (reset, step or an unrenderable observation): reward 0, counted in
-env_errors. The episode's reward is the sum of its turns' rewards.
+env_errors.
 """
 
 from __future__ import annotations

@@ -141,13 +141,6 @@ class MoEModelConfig:
         return replace(self, **overrides)
 
 
-def supported_architectures() -> tuple[str, ...]:
-    """The HF architectures mpo builds: one per registered family (mpo.models.families)."""
-    from mpo.models.families import architectures
-
-    return architectures()
-
-
 # config.json fields read as integers / numbers: a wrong type fails here, naming the field, not deep in arithmetic.
 _HF_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",

@@ -21,15 +21,19 @@ def _upcast_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     return (hidden, *args[1:]), kwargs
 
 
+def _output_layer(model: Any) -> Any:
+    """The head under DDP / Float16Module wrappers; None on a pipeline stage without one."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "output_layer", None)
+
+
 def apply_fp32_lm_head(model: torch.nn.Module) -> bool:
     """Make the LM head fp32 on this rank (no-op on pipeline stages without a head). Returns whether a head was found.
 
     Call after any Float16Module wrapping. Idempotent.
     """
-    gpt = model
-    while not hasattr(gpt, "output_layer") and hasattr(gpt, "module"):
-        gpt = gpt.module
-    head = getattr(gpt, "output_layer", None)
+    head = _output_layer(model)
     if head is None:
         return False
     if getattr(head, "_mpo_fp32_head", False):
@@ -42,7 +46,4 @@ def apply_fp32_lm_head(model: torch.nn.Module) -> bool:
 
 
 def is_fp32_lm_head(model: Any) -> bool:
-    gpt = model
-    while not hasattr(gpt, "output_layer") and hasattr(gpt, "module"):
-        gpt = gpt.module
-    return bool(getattr(getattr(gpt, "output_layer", None), "_mpo_fp32_head", False))
+    return bool(getattr(_output_layer(model), "_mpo_fp32_head", False))

@@ -76,28 +76,3 @@ def gather_full_state(model: torch.nn.Module, *, grads: bool = False, dst: int =
         target[index] = data
     return full
 
-
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full (layout-free) tensors into this rank's shards: the inverse of gather_full_state, by the same
-    sharding metadata. Every local shard must be covered; dtype is converted on copy."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)
-    missing = []
-    with torch.no_grad():
-        for item in nested_values(sharded):
-            if not isinstance(item, ShardedTensor):
-                continue
-            source = full.get(item.key)
-            if source is None:
-                missing.append(item.key)
-                continue
-            prepend = len(item.global_shape) - item.data.dim()
-            offset = item.global_offset
-            index = tuple(offset[:prepend]) + tuple(slice(o, o + n) for o, n in zip(offset[prepend:],
-                                                                                    item.data.shape))
-            item.data.copy_(source[index])
-    if missing:
-        raise KeyError(f"full state lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")

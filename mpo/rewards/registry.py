@@ -16,7 +16,6 @@ def _adapt_reward(name: str, obj: Any) -> RewardFn:
     return obj
 
 
-# The built-ins register themselves on import (listed by path: this module imports none of them).
 REWARD_REGISTRY: Registry[RewardFn] = Registry("reward", adapt=_adapt_reward, builtins=("mpo.rewards.builtin",))
 # Called once in each pool worker before it takes work, so slow imports (sympy: ~2 s) do not eat the first
 # completions' timeout. A plug-in module does its slow imports at module level instead (imported before work too).

@@ -36,25 +36,14 @@ SGLANG_KEY_LAUNCHER = (
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What an engine serves, independent of where it runs (the config fields an engine depends on).
-
-    Attributes:
-        engine: "mpo" (mpo's own engine, CPU) or "sglang".
-        dtype: "fp32" or "bf16": rollout.engine_dtype, else model.dtype.
-        fp32_lm_head: keep the LM head in fp32 (model.fp32_lm_head).
-        seed: init seed of an mpo engine without a checkpoint (config.seed, so it starts as the trainer does).
-        preset: mpo engine's model preset (model.preset).
-        hf_dir: the checkpoint engines load (model.hf_dir): SGLang and mpo's engine both take it as --model-path.
-        mcore_dir: the torch_dist checkpoint an mpo engine loads when there is no hf_dir (None: seeded init).
-        tensor_parallel: GPUs per SGLang engine (rollout.tensor_parallel; mpo's engine runs at TP1).
-        api_key: bearer token the engine requires (rollout.api_key); passed in the environment, never on argv.
-        max_batch: mpo engine's largest decode batch.
-        mem_fraction: SGLang --mem-fraction-static (None: SGLang's default).
-        bucket_mb: the weight-sync bucket (sync.bucket_mb): mpo's engine accepts request bodies of a bucket after
-            base64 plus headroom (--max-body-mb), never less than its default.
-        memory_saver: colocated engines (rollout.colocate): SGLang gets --enable-memory-saver, so it can release and
-            resume its GPU memory (mpo's engine serves the same endpoints without a flag).
-    """
+    """What an engine serves, independent of where it runs: the config fields an engine depends on (from_config names
+    each; `dtype` is rollout.engine_dtype, else model.dtype). mpo's engine only: `seed` (its init without a
+    checkpoint: config.seed, so it starts as the trainer does), `preset`, `mcore_dir` (loaded when there is no
+    hf_dir; None: seeded init) and `max_batch` (its largest decode batch); it runs at TP1. `api_key` travels in the
+    environment, never on argv. `bucket_mb`: mpo's engine accepts request bodies of a bucket after base64 plus
+    headroom (--max-body-mb). `memory_saver` (rollout.colocate): SGLang gets --enable-memory-saver to release and
+    resume its GPU memory (mpo's engine serves the same endpoints without a flag). `mem_fraction`: SGLang's
+    --mem-fraction-static (None: its default)."""
 
     engine: Literal["mpo", "sglang"] = "mpo"
     dtype: Literal["fp32", "bf16"] = "fp32"

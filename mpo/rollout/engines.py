@@ -1,9 +1,7 @@
-"""Rank 0's engines (EngineSet): connects to configured URLs, or starts local mpo engines and restarts them if they
-die, stale (no rollout work) until a weight sync reaches them (mpo.weight_sync tells how). Engines given by URL
-cannot be restarted here: one that stops answering is dropped from the run before the next sync (check_external),
-and `membership` counts such changes so that the publisher forms its session anew. The set keeps no sync
-state: the publisher owns the weight-update session (mpo.weight_sync.publisher; the client side imports nothing of
-mpo.weight_sync, which imports it); restarts and updates share one lock.
+"""Rank 0's engines (EngineSet): connects to configured URLs (dropped while they stop answering: check_external), or
+starts local mpo engines and restarts them if they die, stale (no rollout work) until a weight sync reaches them. The
+set keeps no sync state: the publisher owns the weight-update session (the client side imports nothing of
+mpo.weight_sync, which imports it).
 
 Engines the set starts always have a key: rollout.api_key, else a random one made here (EngineSet.api_key). A
 keyless engine on loopback serves its weight and memory routes to every user of the host (the port shows in `ps`);

@@ -232,9 +232,7 @@ class DistCheckpointer:
         return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
-        """The checkpoint to resume from (mpo.model_files.latest_checkpoint): the one `latest` names; None for a run
-        that never completed one; a pointer that names nothing loadable falls back to the newest complete one, saying
-        so, and is a CheckpointError when there is none."""
+        """The checkpoint to resume from (mpo.model_files.latest_checkpoint)."""
         return latest_checkpoint(self.root)
 
     def resume_point(self, parts: list[Part], group: Any = None) -> Path | None:

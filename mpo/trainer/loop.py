@@ -41,8 +41,6 @@ def publisher(trainer: Trainer, engines: EngineSet | None, rollouts: Rollouts | 
                         score_probes=functools.partial(trainer_probe_logprobs, trainer))
     distribute = trainer.distributor()  # collective when new, as this is
     distribute.on_republish = lambda: weights.publish(weights.version)
-    # sync mode: a collect whose engines were all restarted (stale) has every rank publish again (off-policy, rank 0's
-    # producer thread must not start a collective)
     if rollouts is not None and trainer.config.schedule.mode == "sync":
         rollouts.on_stale(distribute.republish)
     return weights

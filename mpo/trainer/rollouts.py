@@ -66,7 +66,7 @@ class Rollouts:
         return (self.producer or self.collector).samples_log
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps (JSON): the advantage estimator's, the prompt retirement's and the task's states."""
+        """What a checkpoint keeps (Collector.state_dict)."""
         return (self.producer or self.collector).state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:

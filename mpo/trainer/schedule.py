@@ -22,11 +22,8 @@ every token's version with logging.versions_per_token).
 
 The engine log-probs of a stale sample come from an older policy (the behaviour policy, per token: mpo's engine keeps
 each token's log-prob from when it was sampled, also across an in-flight update) than the trainer's old-logprob
-forward (the proximal policy, at the current version). Off-policy modes therefore train with AReaL's decoupled
-objective by default (algorithm.rollout_correction unset -> tis_token: the trust region around the proximal policy,
-each token weighted by min(pi_prox / pi_behav, 2)); an explicit `none` is a config error
-(mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says what the alternatives measured, and why AReaL's zeroing
-of weights above the cap, decoupled_token / decoupled_seq, collapses late in a run). They also replay the routes each
+forward (the proximal policy, at the current version). Off-policy modes therefore train with the decoupled objective
+by default (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says what and why) and replay the routes each
 sample was generated with (algorithm.replay unset -> r3): on the demo's MoE, one_step_off without replay collapsed
 late at seed 1 (exact 0.91 -> 0.11) and learned with it (0.85; sync 0.86).
 Measured on the demo before it (python -m mpo.bench rl_modes's async run, k=2, no correction): the mismatch
@@ -37,15 +34,11 @@ norm spiked to 113 (sync: <= 20) and the exact-answer rate fell back (held-out m
 Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
 they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages
 around the weight sync: /resume_memory_occupation {"tags": ["weights"]}, the push, then {"tags": ["kv_cache"]}.
-The trainer's side (rollout.offload_trainer, on with colocate; mpo.trainer.offload): every rank moves its
-parameters and optimizer state to (pinned) host memory and frees its gradients at the start of Trainer.train_step,
-before rank 0 generates, and takes them back once the batch has arrived (after the engines released theirs). One
-step is then: trainer offloaded while the engines generate, engines release, trainer reloads and trains, engines
-resume their weights, the push (reads the trainer's resident parameters), engines resume the KV cache. The warm
-start and the first push run before the first step, resident. Logged per step: offload/bytes (device bytes freed
-on the reporting rank), offload/host_bytes, offload/offload_s, offload/reload_s. On CPU there is no device memory to
-hand over (the protocol runs and is tested: storages freed to 0 bytes, bit-exact reloads, a colocated run equal to
-a resident one), and real SGLang's release calls CUDA and dies without it, so the GPU path is unverified.
+The trainer's side (rollout.offload_trainer; mpo.trainer.offload says what moves) is offloaded at the start of
+Trainer.train_step, before rank 0 generates, and reloaded once the batch has arrived. One step is then: trainer
+offloaded while the engines generate, engines release, trainer reloads and trains, engines resume their weights,
+the push (reads the trainer's resident parameters), engines resume the KV cache. The warm start and the first push
+run before the first step, resident. Real SGLang's release calls CUDA, so on CPU the GPU path is unverified.
 
 The producer is a thread of rank 0 that keeps the gating below (versions, the one_step_off lock, busy intervals); in
 the off-policy modes what it calls, `collect`, is a child process's (mpo.trainer.producer.ProducerProcess: it owns a

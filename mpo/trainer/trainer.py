@@ -1,6 +1,5 @@
-"""The RL trainer, the policy side of a run: one instance per rank (torchrun). It holds the model, the optimizer, the
-algorithm and their checkpoints; the rollout side (task, Collector, producer: mpo.trainer.rollouts) is the run loop's
-and hands the trainer each step's batch source and its state for checkpoints.
+"""The RL trainer, the policy side of a run (mpo.trainer.loop builds both sides): one instance per rank (torchrun),
+holding the model, the optimizer, the algorithm and their checkpoints.
 
 One step: rank 0 samples prompts gets G responses per prompt from the engines (log-probs and routed experts included),
 scores them (with algorithm.dynamic_sampling, drawing further prompt groups until enough have non-zero reward
@@ -316,8 +315,8 @@ class Trainer:
         return parts
 
     def trainer_state(self, step: int, rollouts: dict[str, Any]) -> dict[str, Any]:
-        """The run's own state (JSON): the step, counters, the rollout side's state (Rollouts.state_dict: the advantage
-        estimator's, the prompt retirement's and the task's data position), the config and the layout."""
+        """The run's own state (JSON): the step, counters, the rollout side's state (Rollouts.state_dict), the config
+        and the layout."""
         return {"step": step, "nonfinite_total": self.nonfinite_total, "sft_steps_done": self.sft_steps_done,
                 **{k: rollouts[k] for k in ROLLOUT_KEYS}, "layout": layout_of(self.ctx), "config": to_dict(self.config)}
 

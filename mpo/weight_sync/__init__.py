@@ -31,27 +31,20 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
     `mpo_safetensors`, SGLang a `flattened_bucket`, every dtype in one buffer);
   - "distributed": per sender, the sender (rank 0 of the group, hosting the rendezvous) and every engine rank join
     one process group (/init_weights_update_group; engine i's ranks start at 1 + the TP sizes of the engines before
-    it); per bucket every engine gets /update_weights_from_distributed (names, dtypes, shapes, load_format
-    "flattened_bucket") in a thread while the sender broadcasts the bucket packed into ONE buffer (wire.pack_bucket):
-    one collective per bucket, whatever its tensors. An engine serves one collective at a time, so two stages'
-    broadcasts over groups spanning several engines could deadlock: with such groups stages take turns; while
-    engines <= senders each sender instead makes one group per engine (Transport.stages_at_once) and every stage
-    pushes at once, each engine applying the buckets in whatever order they arrive within the session;
+    it); per bucket every engine gets /update_weights_from_distributed in a thread while the sender broadcasts the
+    bucket packed into ONE buffer (wire.pack_bucket): one collective per bucket, whatever its tensors. When stages
+    push at once and when they take turns (one collective at a time per engine): DistributedTransport.__init__;
   - "cuda_ipc" (GPU only): SGLang engines on the trainer's GPUs get a flattened bucket whose tensor (one buffer per
     bucket, every dtype) is a CUDA IPC handle: one handle per bucket;
   - "shm" (CPU, mpo engines on the trainer's host): a bucket in a shared slot travels as locators (`mpo_shm`); the
     engine copies the values out before it answers, so the sender may reuse the slot right after.
   Why every sender talks to the engines itself rather than forwarding to rank 0: at 32 GPUs with PP4 the stages'
   bytes leave from four NICs instead of converging on one, and no rank holds more than its buckets.
-* relay.py (colocated on several trainer nodes, a same-host transport: "shm", "cuda_ipc", SGLang's "tensor"):
-  each node's leader (its lowest trainer rank) pushes to that node's engines; a sender pushes its buckets to its own
-  node's engines and hands each (one packed buffer) point to point to the other nodes' leaders, which receive it
-  (on CPU into a shared-memory file the engines read in place) and push it on. Trainer nodes are told apart by
-  MPO_NODE_HOST, which the launcher sets. "distributed" stays refused there (a GPU twice in one NCCL group).
-* fp8.py: `rollout.engine_weights: fp8_block` (engines serving a block-FP8 checkpoint, DeepSeek-V3 style): each
-  sender converts its HF buckets into that parameter format before pushing (float8_e4m3fn linears, a float32
-  `weight_scale_inv` per 128 x 128 block, embeddings / LM head / norms / routers as they are); mpo's engine
-  dequantizes on load, and the sync reports the error it adds (sync_fp8_weight_rel_rmse).
+* relay.py (colocated on several trainer nodes, a same-host transport): each node's leader (its lowest trainer rank)
+  receives the other nodes' buckets point to point and pushes them to its node's engines. "distributed" stays
+  refused there (a GPU twice in one NCCL group).
+* fp8.py: `rollout.engine_weights: fp8_block`: each sender converts its HF buckets into block-FP8 before pushing;
+  mpo's engine dequantizes on load, and the sync reports the error it adds (sync_fp8_weight_rel_rmse).
 * publisher.py (Publisher, made once per run in mpo.trainer.loop.run; it owns its rank's WeightSync and closes it):
   rank 0 holds the engines (EngineSet, in mpo.rollout.engines, which keeps no sync state; rank 0's WeightSync comes
   from transports.engine_set_sync) and opens the session on every
@@ -65,6 +58,5 @@ gathering every shard on every rank would move ~61 GB of pickles per rank per st
 * verify.py: mpo's engine reports sha256 over (name, per-tensor sha256) in name order. Each sender hashes the
   tensors it pushed as the engine stores them (engine dtype); only the name -> digest map meets on rank 0, which
   compares the combined checksum with every engine's. SGLang has no checksum for MoE models: the engines'
-  log-probs of a probe are compared with the trainer's, the probe extended until the engine's own routed experts
-  touch every expert of every MoE layer, so one expert left stale changes some probe log-prob.
+  log-probs of a probe covering every expert of every MoE layer are compared with the trainer's.
 """

@@ -114,14 +114,6 @@ def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: str) -> Ite
             yield name, tensor
 
 
-def engine_shapes(hf_shapes: dict[str, tuple[int, ...]], fmt: str) -> dict[str, tuple[int, ...]]:
-    """The names and shapes a checkpoint (or a sync) in `fmt` carries for a model of `hf_shapes`: the scales added."""
-    shapes = dict(hf_shapes)
-    if fmt == "fp8_block":
-        shapes.update({scale_name(n): scale_shape(s) for n, s in hf_shapes.items() if is_quantized(n, s)})
-    return shapes
-
-
 def wire_bytes(shape: Iterable[int], element_size: int, fmt: str, name: str) -> int:
     """Bytes one HF tensor of `shape` (elements of `element_size` bytes in the trainer) takes in format `fmt`."""
     shape = tuple(shape)

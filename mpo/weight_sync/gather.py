@@ -181,7 +181,7 @@ class WeightStreamer:
         with wait() (WeightSync.push_bucket(wait=False)): the bucket's slot is reused only after it returned, so the
         sender places the next bucket while the engines read this one. sequential: stages take turns (each stage
         pushing alone, timed in result.turn_s), else every stage pushes at once (the publisher picks:
-        mpo.weight_sync.transports.stages_at_once). digest(name, tensor): per-tensor digests to collect (mpo engine
+        Transport.stages_at_once). digest(name, tensor): per-tensor digests to collect (mpo engine
         verification). hf_views: push gets views of the slot with no conversion copies (ModelMapping.to_hf(views=
         True): q/k/v keep their head-group axis), for a push that reads strided memory (the shm transport)."""
         started = time.perf_counter()

@@ -87,10 +87,9 @@ class Publisher:
                          shared=device.type == "cpu" and transport_class(info["transport"]).in_place)
 
     def publish(self, version: int) -> dict[str, float]:
-        """Collective: stream the weights of `version` to every engine bucket by bucket and verify them (mpo engines
-        by weights checksum, SGLang engines by the log-probs of a probe covering every expert). A local engine that
-        died during the stream is restarted after it and streamed to once more (no rank keeps a copy of the weights
-        for it). Returns the sync metrics."""
+        """Collective: stream the weights of `version` to every engine bucket by bucket and verify them
+        (mpo.weight_sync says how, and what becomes of an engine that died during the stream). Returns the sync
+        metrics."""
         engines, self.version = self.engines, version
         for _ in range(2):
             with engines.updating() if engines is not None else contextlib.nullcontext():
@@ -242,11 +241,10 @@ class Publisher:
         return metrics
 
     def verify_by_probe(self) -> dict[str, float]:
-        """Collective, after the push: rank 0 extends the probe until the first engine's routed experts (at the
-        weights just pushed) touch every expert of every MoE layer, so a stale expert changes some log-prob; every
-        rank scores the probe replaying that engine's routes (so the comparison sees weights, not routing flips);
-        rank 0 compares every engine's log-probs with the trainer's by robust statistics bounded by dtype
-        (mpo.weight_sync.verify.check_probe: a wrong tensor fails, drift warns) and returns what it measured."""
+        """Collective, after the push: rank 0 extends the probe until the first engine's routed experts cover every
+        expert (verify.covering_probe_runs); every rank scores the probe replaying that engine's routes (so the
+        comparison sees weights, not routing flips); rank 0 compares every engine's log-probs with the trainer's
+        (verify.check_probe: a wrong tensor fails, drift warns) and returns what it measured."""
         from mpo.rollout.protocol import route_dtype
         from mpo.weight_sync.verify import ProbeCoverage, check_probe, covering_probe_runs, probe_bounds
 

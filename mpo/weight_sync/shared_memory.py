@@ -1,11 +1,7 @@
 """Host shared memory for same-host weight movement (CPU): files in /dev/shm mapped by every process that needs them.
 
-On GPU, pieces of a bucket move between trainer ranks over NCCL and reach colocated SGLang engines through CUDA IPC
-handles (sync.transport=cuda_ipc). On CPU, gloo's only intra-host path is TCP over loopback (about a tenth of memcpy
-speed here), so the same-host steps of a sync use shared memory instead, with the same shape of protocol: a sender
-allocates a bucket slot as a shared file, same-host holders write their pieces straight into it (mpo.rollout.
-streaming), and mpo's engine reads the converted bucket in place from a small locator message
-(sync.transport=shm, load_format "mpo_shm") instead of receiving its bytes.
+On CPU, gloo's only intra-host path is TCP over loopback (about a tenth of memcpy speed here), so the same-host steps
+of a sync use shared memory (mpo.weight_sync says how: the sender's slots, the "shm" transport's locators).
 
 Files are named `mpo-sync-<token>-p<pid>-...` in MPO_SHM_DIR (default /dev/shm), created exclusively, preallocated
 with posix_fallocate (a full tmpfs fails here with ENOSPC, one line naming the size and the room left, instead of

@@ -1,6 +1,4 @@
-"""The "cuda_ipc" transport (see mpo.weight_sync; GPU only): SGLang engines on the trainer's own GPUs get a flattened
-bucket whose tensor (one buffer per bucket, every dtype) is a CUDA IPC handle: one handle per bucket, one mapping on
-the engine side, no bytes over a link."""
+"""The "cuda_ipc" transport (see mpo.weight_sync; GPU only): no bytes over a link."""
 
 from __future__ import annotations
 
@@ -29,7 +27,6 @@ class CudaIpcTransport(Transport):
                               "sync.transport='cuda_ipc' needs CUDA (colocated engines on the trainer's GPUs)",
                               retryable=False)
         device = torch.device("cuda", torch.cuda.current_device())
-        # One buffer (every dtype) per bucket: one IPC handle, one mapping on the engine side
         on_device = [(name, t.detach().to(device)) for name, t in bucket]
         payload = cuda_ipc_payload(on_device)
         torch.cuda.synchronize(device)  # the packed buffer is written before the engines map it

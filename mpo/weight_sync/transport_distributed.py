@@ -1,8 +1,4 @@
-"""The "distributed" transport (see mpo.weight_sync): per sender, the sender (rank 0 of the group, hosting the
-rendezvous) and every engine rank join one process group (/init_weights_update_group; engine i's ranks start at 1 +
-the TP sizes of the engines before it); per bucket every engine gets /update_weights_from_distributed (names, dtypes,
-shapes, load_format "flattened_bucket") in a thread while the sender broadcasts the bucket packed into ONE buffer
-(wire.pack_bucket): one collective per bucket, whatever its tensors. NCCL on GPU, gloo on CPU; engines on any node."""
+"""The "distributed" transport (see mpo.weight_sync). NCCL on GPU, gloo on CPU; engines on any node."""
 
 from __future__ import annotations
 
@@ -98,9 +94,7 @@ class DistributedTransport(Transport):
             else torch.device("cpu")
 
     def push(self, bucket: NamedTensors, version: str, *, wait: bool) -> PendingPush | None:
-        """The bucket packed into one buffer (wire.pack_bucket) and broadcast ONCE per engine group; the engine
-        receives it with load_format="flattened_bucket" (SGLang 0.5.23 allocates FlattenedTensorBucket.empty(names,
-        dtypes, shapes) and takes one broadcast; mpo's engine the same), whatever the number of tensors."""
+        """The bucket broadcast ONCE per engine group (see mpo.weight_sync; the wire: wire.pack_bucket)."""
         if not self.groups:
             self.connect()
         timeout_s = self.session.timeout_s

@@ -1,6 +1,4 @@
-"""The "shm" transport (see mpo.weight_sync; CPU, mpo engines on the trainer's host): a bucket in a shared slot
-(mpo.weight_sync.shared_memory) travels as locators (`mpo_shm`); the engine copies the values out before it answers,
-so the sender may reuse the slot right after. Tensors not in a shared slot go through one spill buffer."""
+"""The "shm" transport (see mpo.weight_sync; CPU, mpo engines on the trainer's host); slots: shared_memory.py."""
 
 from __future__ import annotations
 

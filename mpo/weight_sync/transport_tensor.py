@@ -1,7 +1,5 @@
-"""The "tensor" transport (see mpo.weight_sync): each bucket in the HTTP body of /update_weights_from_tensor, one
-payload per bucket (wire.py): mpo's engine takes a safetensors file (`mpo_safetensors`), SGLang a `flattened_bucket`
-(every dtype in one buffer). SGLang engines must share the trainer's node (their loader reads the payload's tensors
-where the trainer put them); mpo's engine decodes the bytes wherever it runs."""
+"""The "tensor" transport (see mpo.weight_sync). SGLang engines must share the trainer's node (their loader reads the
+payload's tensors where the trainer put them); mpo's engine decodes the bytes wherever it runs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The transports (see mpo.weight_sync): how a bucket reaches the engines, which engines each one can reach, and the
-weight-update session every transport pushes inside.
-
-A transport is one class (a `Transport` subclass) registered once in TRANSPORTS: the built-ins are the modules
-transport_tensor, transport_distributed, transport_cuda_ipc and transport_shm of this package (listed by module path,
-imported on the first lookup); a user's class is named as `sync.transport=module:attr` or `path/to/file.py:attr`.
-The class says what it can reach (engine kinds, those that must share the trainer's node, whether stages may push at
-once, whether the engines read buckets in place), and an instance, made by the session, connects, pushes one bucket
-and closes. `check_transport` is the one compatibility check; config validation (engine kinds), the launcher (engine
-placement) and WeightSync (engine URLs, on every sender) all ask it. "auto" is a resolution rule (resolve_transport),
+"""The transports (see mpo.weight_sync): the Transport base class, the TRANSPORTS registry (built-ins by module path,
+a user's class as `sync.transport=module:attr` or `path/to/file.py:attr`), the one compatibility check
+(`check_transport`: config validation, the launcher's placement and WeightSync on every sender all ask it) and
+WeightSync, the weight-update session every transport pushes inside. "auto" is a resolution rule (resolve_transport),
 not a transport.
 """
 
@@ -115,7 +109,6 @@ def _as_transport(name: str, obj: Any) -> type[Transport]:
     return obj
 
 
-# The transports by name: built-ins by module path (each registers its class when imported), plug-ins from user code.
 TRANSPORTS: Registry[type[Transport]] = Registry(
     "transport", adapt=_as_transport,
     builtins=("mpo.weight_sync.transport_tensor", "mpo.weight_sync.transport_distributed",
@@ -158,12 +151,6 @@ def check_transport(transport: str, engine: str, *, off_host: str | None = None)
                          f"sync.transport='distributed'")
 
 
-def stages_at_once(transport: str, senders: int, engines: int) -> bool:
-    """Whether the pipeline stages' senders push at once (else they take turns): the transport's rule
-    (Transport.stages_at_once; only "distributed" ever takes turns)."""
-    return transport_class(transport).stages_at_once(senders, engines)
-
-
 NODE_GPUS = 8  # GPUs of a node where no allocation is known (check-config, mpo plan): H100 / H200 nodes
 
 
@@ -186,14 +173,6 @@ def per_node_sync(transport: str, engine: str) -> bool:
     from mpo.weight_sync.relay import NODE_HOST_ENV
 
     return same_host(transport, engine) and bool(os.environ.get(NODE_HOST_ENV))
-
-
-def check_colocated(transport: str, engine: str, *, trainer_nodes: int) -> None:
-    """Raise ValueError (one line) when engines colocated on the trainer's GPUs cannot be synced (the transport's
-    own rule, Transport.check_colocated: "distributed" would put one GPU twice into an NCCL group). Over several
-    trainer nodes (`trainer_nodes`) the same-host transports reach each node's engines from that node's leader
-    (mpo.weight_sync.relay)."""
-    transport_class(transport).check_colocated(engine)
 
 
 log = logging.getLogger(__name__)
@@ -300,9 +279,7 @@ class WeightSync:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address, self.timeout_s = master_address, timeout_s
         # expendable(client): whether that engine, having failed a call, may be left out of the rest of the session
-        # (EngineSet: a local engine whose process died; it is restarted after the session, and the publisher streams
-        # the weights once more for it).
-        # None: every engine error fails the sync.
+        # (EngineSet.exited, set by engine_set_sync where the transport allows it); None: every error fails the sync.
         self.expendable: Callable[[EngineClient], bool] | None = None
         self.lost: set[str] = set()  # URLs left out of the current session
         self.paused = True  # whether the current session paused generation (begin_session)
@@ -322,14 +299,11 @@ class WeightSync:
         caller). pause=False for a caller that knows nothing is generating (a synchronous schedule syncs between
         rollouts): two HTTP round trips less per sync.
 
-        The pause RETRACTS the requests in flight (PAUSE_MODE; docs/weight_updates_in_flight.md): SGLang frees their
-        KV and puts them back in its queue with the tokens they have, so each update's cache flush (flush_cache,
-        sent with every update) succeeds and empties the radix cache of old-weight prefixes; on continue they are
-        prefilled again under the new weights and go on. Every token is then sampled from a context computed by
-        one set of weights, the version it is stamped with (SGLang's meta_info.weight_versions), and keeps the
-        log-prob it was sampled with. An `in_place` pause keeps the old KV, which a new-weights decode would extend
-        (neither policy's tokens), and SGLang refuses its flush while requests run: HTTP 400 at the first sync of
-        an off-policy run. mpo's engine follows the same rules (mpo.engine.generator)."""
+        The pause RETRACTS the requests in flight (PAUSE_MODE; docs/weight_updates_in_flight.md): they are prefilled
+        again under the new weights on continue, so every token is sampled from a context computed by one set of
+        weights, the version it is stamped with. An `in_place` pause keeps the old KV, which a new-weights decode
+        would extend (neither policy's tokens), and SGLang refuses its cache flush while requests run: HTTP 400 at
+        the first sync of an off-policy run. mpo's engine follows the same rules (mpo.engine.generator)."""
         self.lost = set()
         self.paused = pause
         self._each(lambda client, _: (pause and client.pause_generation(mode=PAUSE_MODE),
@@ -348,14 +322,14 @@ class WeightSync:
         """(client, TP size) of the engines still in the session."""
         return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
 
-    def _pushed(self) -> list[tuple[EngineClient, int]]:
+    def pushed(self) -> list[tuple[EngineClient, int]]:
         """(client, TP size) of the engines still in the session that this rank pushes buckets to (push_to)."""
         return [(c, tp) for c, tp in self._live() if self.push_to is None or c.url in self.push_to]
 
     def _each(self, call: Callable[[EngineClient, int], Any], *, pushing: bool = False) -> None:
         """call(client, TP size) on each engine still in the session (pushing: that this rank pushes to), in turn;
         one that fails in transport and is expendable is dropped from the session."""
-        for client, tp in (self._pushed() if pushing else self._live()):
+        for client, tp in (self.pushed() if pushing else self._live()):
             try:
                 call(client, tp)
             except EngineError as exc:
@@ -372,10 +346,6 @@ class WeightSync:
                     "weights streamed again)", url, exc)
         self.lost.add(url)
         return True
-
-    def pushed(self) -> list[tuple[EngineClient, int]]:
-        """(client, TP size) of the engines still in the session that this rank pushes buckets to (push_to)."""
-        return self._pushed()
 
     def push_bucket(self, bucket: NamedTensors, version: int, *, wait: bool = True) -> PendingPush | None:
         """One bucket of HF-named tensors to every engine, inside an open session (any sender may call it), tagged

@@ -303,19 +303,19 @@ class ProbeCoverage:
 
 
 def covering_probes(client: EngineClient, base: Sequence[Sequence[int]], coverage: ProbeCoverage) -> list[list[int]]:
-    """The base probe sequences, extended with deterministic pseudo-random sequences until the engine's own routed
-    experts touch every (MoE layer, expert): a stale expert then changes the log-prob of some probe token. Each
-    round doubles the probe (one batched /generate per round). Raises EngineError naming the engine and the first
-    uncovered pairs when max_sequences are not enough (coverage.strict; else see covering_probe_runs)."""
+    """The probe sequences of covering_probe_runs."""
     return covering_probe_runs(client, base, coverage)[0]
 
 
 def covering_probe_runs(client: EngineClient, base: Sequence[Sequence[int]],
                         coverage: ProbeCoverage) -> tuple[list[list[int]], list[ProbeRun], int]:
-    """covering_probes, with the engine's runs of every probe sequence (their routes: what the trainer replays) and
-    the number of (layer, expert) pairs left uncovered. Not coverage.strict: reaching max_sequences logs a warning
-    naming sync.probe_max_sequences and verifies what the probe covers (a trained model may have experts its router
-    never picks: no probe reaches them, and the run must not die of it)."""
+    """The base probe sequences, extended with deterministic pseudo-random sequences until the engine's own routed
+    experts touch every (MoE layer, expert): a stale expert then changes the log-prob of some probe token. Each
+    round doubles the probe (one batched /generate per round). Returns the probes, the engine's runs of every
+    probe sequence (their routes: what the trainer replays) and the number of (layer, expert) pairs left uncovered.
+    Raises EngineError naming the engine and the first uncovered pairs when max_sequences are not enough
+    (coverage.strict); else logs a warning naming sync.probe_max_sequences and verifies what the probe covers (a
+    trained model may have experts its router never picks: the run must not die of it)."""
     probes = [list(p) for p in base]
     if not probes:
         probes = [coverage.extension(0)]

@@ -17,16 +17,11 @@ wire, written without importing sglang (the trainer's venv has none):
   and `WeightUpdater._update_weights_from_flattened_bucket` reads only the attributes `name, shape, dtype,
   start_idx, end_idx, numel` of each item. So we send `SimpleNamespace`s with those fields.
   (Pickling a reference to the real class is not possible without sglang: pickle must import a class to save it.)
-* `dtype_name`: the dtype strings `/update_weights_from_distributed` resolves with `getattr(torch, name)`.
-* `cuda_ipc_payload`: the flattened bucket with its tensor as a CUDA IPC handle (GPU only).
-* `pack_bucket` / `unpack_bucket`: a whole bucket as ONE contiguous uint8 buffer plus a manifest (name, shape, dtype,
-  byte offsets), the layout of sglang 0.5.23's multi-dtype `FlattenedTensorBucket` (`supports_multi_dtypes`: each
-  tensor's bytes back to back in manifest order, offsets in bytes, every offset a multiple of its dtype's size).
-  One bucket then costs one collective (`/update_weights_from_distributed` with `load_format="flattened_bucket"`:
-  sglang allocates `FlattenedTensorBucket.empty(names, dtypes, shapes)` and receives ONE broadcast into it), one
-  CUDA IPC handle, or one HTTP payload, whatever the number of tensors (Qwen3-30B-A3B: ~18k expert tensors per
-  sync, each a latency-bound call before). The manifest orders tensors by dtype size, largest first, so every
-  offset is aligned without padding (sglang's receive side allows none).
+* `pack_bucket` / `unpack_bucket`: a whole bucket as ONE contiguous uint8 buffer plus a manifest, the layout of
+  sglang 0.5.23's multi-dtype `FlattenedTensorBucket` (`supports_multi_dtypes`; its receive side allows no padding,
+  hence packed_order). One bucket then costs one collective (sglang allocates `FlattenedTensorBucket.empty(names,
+  dtypes, shapes)` and receives ONE broadcast into it), one CUDA IPC handle, or one HTTP payload, whatever the
+  number of tensors (Qwen3-30B-A3B: ~18k expert tensors per sync, each a latency-bound call before).
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
@@ -54,10 +48,6 @@ def encode_mpo_bucket(bucket: NamedTensors) -> str:
     # Views (a streaming bucket's tensors share one slot) are copied: safetensors refuses tensors sharing storage.
     return base64.b64encode(safetensors_save({name: t.clone() if t._base is not None else t.contiguous()
                                               for name, t in bucket})).decode("ascii")
-
-
-def decode_mpo_bucket(payload: str) -> dict[str, torch.Tensor]:
-    return safetensors_load(base64.b64decode(payload))
 
 
 def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:

@@ -1,14 +1,10 @@
 """The model families mpo builds, registered once: one module per family, keyed by HF architecture / model_type.
 
-A family module (e.g. `mpo.models.families.qwen3_moe`) defines `FAMILY`, a `Family`: how its HF config.json maps to
-mpo's MoEModelConfig and back, its megatron-core TransformerConfig arguments, its HF <-> megatron ParamRule table,
-the transformers model type the engine builds, and its presets. Everything else (config loading, the builder,
-conversion, weight sync, the engine) asks this registry (FAMILIES, a mpo.registry.Registry keyed by architecture;
-each family module registers its FAMILY); adding a family is one module listed in BUILTIN_FAMILIES.
-
-Built-ins are listed by module path and imported on first use, so this module imports none of its users and a family
-module is free to import mpo.models.config. Family modules must not import torch at module level (mpo's light
-commands read configs without it): they import the mapping inside `mapping`.
+A family module (e.g. `mpo.models.families.qwen3_moe`) defines `FAMILY`, a `Family`, and registers it. Everything
+else (config loading, the builder, conversion, weight sync, the engine) asks this registry; adding a family is one
+module listed in BUILTIN_FAMILIES. A family module may import mpo.models.config (this module imports none of its
+users), but not torch at module level (mpo's light commands read configs without it): it imports the mapping inside
+`mapping`.
 """
 
 from __future__ import annotations
@@ -61,7 +57,6 @@ def _adapt_family(name: str, obj: Any) -> Family:
     return obj
 
 
-# Each family module registers its FAMILY under its architecture when imported (listed by path, imported on first use).
 FAMILIES: Registry[Family] = Registry("model family", plural="model families", builtins=BUILTIN_FAMILIES,
                                       adapt=_adapt_family)
 
