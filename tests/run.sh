@@ -19,4 +19,11 @@ if [ "${MPO_SKIP_SGLANG_SETUP:-0}" != 1 ]; then
         echo "warning: sglang setup failed; the real-SGLang tests will be skipped (see above)" >&2
     fi
 fi
+# Two pytest workers (pytest-xdist): the suite's tests mostly wait on process start-up, engines and HTTP, and one
+# worker kept ~1.1 of 2 cores busy. Modules stay whole on one worker, and the ones that share the SLURM cluster or
+# start SGLang servers run one at a time (tests/conftest.py). MPO_TEST_WORKERS=1: one process, as before.
+workers=${MPO_TEST_WORKERS:-2}
+if [ "$workers" -gt 1 ]; then
+    exec "$VENV_PY" -m pytest -n "$workers" --dist loadgroup "$@"
+fi
 exec "$VENV_PY" -m pytest "$@"
