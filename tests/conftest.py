@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # Tests import helpers as `tests.helpers...`-free top-level modules; spawned ranks inherit this sys.path.
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -19,13 +21,12 @@ skip_torch_compile_without_gpu()
 SHARED_RESOURCE_HELPERS = ("cluster_fixture", "serve_module", "start_sglang_server")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     shared: dict[str, bool] = {}  # module file -> whether it names one of SHARED_RESOURCE_HELPERS (also in a function)
     for item in items:
         path = str(item.path)
         if path not in shared:
             text = item.path.read_text(errors="replace")
             shared[path] = any(name in text for name in SHARED_RESOURCE_HELPERS)
-        item.add_marker(pytest.mark.xdist_group("slurm-and-sglang" if shared[path] else path))
+        item.add_marker(pytest.mark.xdist_group("slurm-and-sglang" if shared[path] else item.path.stem))

@@ -169,8 +169,6 @@ TRAIN_CONFIG_USERS: dict[str, str] = {
     "mpo.prestart": "beside the CLI: checks files and engines before any process starts",
     "mpo.model_import": "beside the CLI: converts model.hf_dir before any process starts",
     "mpo.trainer": "the loop, and the rooms it builds from several sections (Trainer, Collector, tasks, evaluation)",
-    "mpo.weight_sync.publisher": "left: the Publisher reads rollout, sync, model and logging; narrowing it to those sections is next",
-    "mpo.rollout.engines": "left: the EngineSet reads rollout, sync and logging; narrowing it to those sections is next",
 }
 
 

@@ -40,12 +40,12 @@ def _norm_numel() -> int:
 @pytest.fixture(scope="module")
 def run_engines(tmp_path_factory):
     """The engine set of a run whose config names no key, as `mpo train` starts it."""
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
 
     out = tmp_path_factory.mktemp("run")
     config = load_config(DEMO, [f"logging.out_dir={out}"])
     assert config.rollout.api_key is None and not config.rollout.urls
-    engines = EngineSet(config, out, model_config(config))
+    engines = engine_set(config, out)
     yield engines
     engines.stop()
 
@@ -125,11 +125,11 @@ def test_hardening_generated_key_is_logged_only_masked(tmp_path, caplog):
     """The key a run makes for its engines is never logged whole (the set's log line shows 4 characters)."""
     import logging
 
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
 
     config = load_config(DEMO, [f"logging.out_dir={tmp_path}"])
     with caplog.at_level(logging.INFO, logger="mpo.rollout.engines"):
-        engines = EngineSet(config, tmp_path, model_config(config), wait=False)
+        engines = engine_set(config, tmp_path, wait=False)
     try:
         assert engines.api_key and engines.api_key not in caplog.text
         assert f"{engines.api_key[:4]}\u2026" in caplog.text

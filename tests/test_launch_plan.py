@@ -152,7 +152,7 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
     """sync.transport=distributed with 4 SGLang engines of TP4 on gpu3/gpu4 and trainer rank 0 on gpu1: the group has
     1 + 16 ranks, each engine its own block of ranks, and a rendezvous the other nodes can route to. The trainer's
     EngineSet, built from the resolved config its ranks read, must make exactly that group."""
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.weight_sync.transports import engine_set_sync
 
     plan = _plan(GSPO, ["rollout.api_key=KEY"])
@@ -167,7 +167,7 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
     config = load_config(resolved)
     assert config.sync.transport == "distributed"
     # external URLs: nothing starts
-    sync = engine_set_sync(EngineSet(config, tmp_path, model_config(config)), config.sync)
+    sync = engine_set_sync(engine_set(config, tmp_path), config.sync)
     assert sync.master_address == "gpu1" and sync.tp_sizes == [4, 4, 4, 4]
     # One local node: engines and trainer share it, loopback is right.
     local = _plan(DEMO, ["rollout.num_engines=2"], hosts=("127.0.0.1",), gpus=0)
@@ -176,12 +176,12 @@ def test_plan_states_the_weight_update_group_the_trainer_makes(tmp_path):
 
 
 def test_engine_set_refuses_distributed_sync_with_loopback_master_and_remote_engines(tmp_path):
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.weight_sync.transports import engine_set_sync
 
     config = load_config(DEMO, ["rollout.urls=[http://engine-host:30000]", "sync.transport=distributed"])
     with pytest.raises(ValueError, match="sync.master_address"):
-        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), config.sync)
+        engine_set_sync(engine_set(config, tmp_path), config.sync)
 
 
 def _without_host_port(argv) -> list[str]:
@@ -197,12 +197,12 @@ def _without_host_port(argv) -> list[str]:
 
 
 def test_engine_set_refuses_tensor_sync_to_sglang_on_another_node(tmp_path):
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.weight_sync.transports import engine_set_sync
 
     config = load_config(GSPO, ["rollout.urls=[http://engine-host:30000]", "sync.transport=tensor"])
     with pytest.raises(ValueError, match="engine http://engine-host:30000 is on another node: set sync.transport="):
-        engine_set_sync(EngineSet(config, tmp_path, model_config(config)), config.sync)
+        engine_set_sync(engine_set(config, tmp_path), config.sync)
 
 
 def test_plan_and_engine_set_start_the_same_engine(tmp_path):
@@ -212,6 +212,7 @@ def test_plan_and_engine_set_start_the_same_engine(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_settings
 
     # validation reads model.mcore_dir's metadata: a real (one-tensor) torch_dist checkpoint
     dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
@@ -219,7 +220,7 @@ def test_plan_and_engine_set_start_the_same_engine(tmp_path):
     plan = _plan(DEMO, overrides, hosts=("n1",), gpus=0, engine_python=sys.executable)
     planned = [p for p in plan.nodes[0].processes if p.kind == "engine"][0]
     demo = load_config(DEMO, overrides)
-    local = EngineSet.local_processes(demo, tmp_path, model_config(demo))[0]
+    local = EngineSet.local_processes(1, engine_settings(demo), tmp_path, model_config(demo))[0]
     assert _without_host_port(planned.argv) == _without_host_port(local.command)
     command = " ".join(planned.argv)
     assert "--dtype bf16" in command and "--seed 7" in command and f"--mcore-dir {tmp_path}/ckpt" in command
@@ -260,12 +261,12 @@ def test_engine_set_stops_the_engines_it_started_when_a_later_one_fails_to_launc
     raises that error, and the first engine, already started, is stopped rather than left to its watchdog."""
     import psutil
 
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
 
     config = load_config(DEMO, ["rollout.num_engines=2"])
     (tmp_path / "logs" / "engine1.log").mkdir(parents=True)
     with pytest.raises(IsADirectoryError):
-        EngineSet(config, tmp_path, model_config(config), wait=False)
+        engine_set(config, tmp_path, wait=False)
     alive = [p for p in psutil.Process().children(recursive=True) if "mpo.engine" in " ".join(p.cmdline())]
     assert alive == []
 
@@ -274,21 +275,21 @@ def test_auto_sync_transport_is_shm_for_engines_a_cpu_run_starts_and_tensor_for_
     """sync.transport unset ("auto"): the demo's own engine (started by the run, on this CPU host) gets its buckets
     through shared memory, unless sync.host_shared_memory=false; engines the run is given as URLs (perhaps on another
     host) through the HTTP body."""
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.weight_sync.transports import engine_set_sync
 
     config = load_config(DEMO)
     assert config.sync.transport == "auto"
     given = load_config(DEMO, ["rollout.urls=[http://127.0.0.1:9]"])  # nothing listens there: asked, then configured
-    assert engine_set_sync(EngineSet(given, tmp_path, model_config(given)), given.sync).transport == "tensor"
-    started = EngineSet(config, tmp_path, model_config(config))
+    assert engine_set_sync(engine_set(given, tmp_path), given.sync).transport == "tensor"
+    started = engine_set(config, tmp_path)
     try:
         sync = engine_set_sync(started, config.sync)
         assert sync.transport == "shm"
     finally:
         started.stop()
     refused = load_config(DEMO, ["sync.host_shared_memory=false"])  # a tiny /dev/shm: auto keeps off it
-    started = EngineSet(refused, tmp_path / "refused", model_config(refused))
+    started = engine_set(refused, tmp_path / "refused")
     try:
         assert engine_set_sync(started, refused.sync).transport == "tensor"
     finally:

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mpo.config import TrainConfig
+    from mpo.config import RolloutSection
     from mpo.models.config import MoEModelConfig
+    from mpo.rollout.engine_command import EngineSettings
+    from mpo.rollout.local_engine import LocalEngineProcess
 
 log = logging.getLogger(__name__)
-# The CPU priority (nice) of local engines in the off-policy modes (see EngineSet.local_processes).
+# The CPU priority (nice) of local engines in the off-policy modes (see mpo.trainer.loop.engine_set).
 LOCAL_ENGINE_NICE = 10
 # How long an engine given by URL has to answer /model_info before a weight update, or be dropped from the run
 # (EngineSet.check_external): the HTTP front end answers it at once even while the engine generates.
@@ -50,15 +52,17 @@ def masked_key(key: str | None) -> str:
 
 
 class EngineSet:
-    """Rank 0's engines for `config`, serving the model `model` (its MoEModelConfig: routed-expert shapes)."""
+    """Rank 0's engines: those at `rollout.urls`, else `rollout.num_engines` local mpo engines started with
+    `settings` (EngineSettings.from_config) at CPU priority `nice`, logging under `out_dir`; serving the model `model`
+    (its MoEModelConfig: routed-expert shapes). mpo.trainer.loop.engine_set builds one from a run's config."""
 
-    def __init__(self, config: TrainConfig, out_dir: Path, model: MoEModelConfig, *, wait: bool = True) -> None:
+    def __init__(self, rollout: RolloutSection, out_dir: Path, model: MoEModelConfig, *,
+                 settings: EngineSettings | None = None, nice: int = 0, wait: bool = True) -> None:
         """wait=False: local engines are launched, not waited for (wait_ready does): loop.run starts them before the
         ranks build their models, so the two start-ups overlap."""
         from mpo.rollout.client import EngineClient
-        from mpo.rollout.local_engine import LocalEngineProcess
 
-        r = config.rollout
+        r = rollout
         self.processes: list[LocalEngineProcess] = []
         self.engine = r.engine
         self.tp_size = r.tensor_parallel if r.engine == "sglang" else 1  # weight-update ranks per engine
@@ -88,8 +92,11 @@ class EngineSet:
             self.api_key = secrets.token_urlsafe(32)
             log.info("local engines: rollout.api_key is unset; they get a random key (%s) that only this run's "
                      "clients send", masked_key(self.api_key))
+        if settings is None:
+            raise ValueError("EngineSet: local engines need their EngineSettings (settings=...)")
         try:  # all launched, then all awaited; one that fails to launch stops those already started
-            for process in self.local_processes(config, out_dir, model, api_key=self.api_key):
+            for process in self.local_processes(r.num_engines, settings, out_dir, model, api_key=self.api_key,
+                                                nice=nice):
                 self.processes.append(process.launch())
         except BaseException:
             self.stop()
@@ -110,22 +117,17 @@ class EngineSet:
             raise
 
     @staticmethod
-    def local_processes(config: TrainConfig, out_dir: Path, model: MoEModelConfig, *,
-                        api_key: str | None = None) -> list:
-        """The `rollout.num_engines` local mpo engines of `config`, not started yet. Their command comes from the
-        same builder as the launcher's (mpo.rollout.engine_command), so both start the same engine. `api_key`
-        (EngineSet's generated key) replaces rollout.api_key when given."""
-        from mpo.rollout.engine_command import EngineSettings
+    def local_processes(count: int, settings: EngineSettings, out_dir: Path, model: MoEModelConfig, *,
+                        api_key: str | None = None, nice: int = 0) -> list:
+        """`count` local mpo engines started with `settings`, not started yet. Their command comes from the same
+        builder as the launcher's (mpo.rollout.engine_command), so both start the same engine. `api_key` (EngineSet's
+        generated key) replaces the settings' key when given."""
         from mpo.rollout.local_engine import LocalEngineProcess
 
-        settings = EngineSettings.from_config(config.model, config.rollout, config.sync, seed=config.seed)
-        # Off-policy, a local engine generates while the ranks train on the same cores: at a lower priority it takes
-        # the cycles the ranks leave idle instead of slowing them (EP/TP ranks wait for their slowest peer).
-        nice = LOCAL_ENGINE_NICE if config.schedule.mode != "sync" else 0
         return [LocalEngineProcess.mpo_engine(log_path=out_dir / "logs" / f"engine{i}.log", settings=settings,
                                               api_key=api_key, num_layers=model.num_layers, topk=model.router_topk,
                                               nice=nice)
-                for i in range(config.rollout.num_engines)]
+                for i in range(count)]
 
     def _restart(self, process) -> None:
         """Restart a local engine, stale until the next weight sync. Waits for a weight update in flight; an engine

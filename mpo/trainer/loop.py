@@ -17,7 +17,7 @@ from mpo.config import TrainConfig
 from mpo.config_checks import model_config
 from mpo.lifecycle import freeze_startup_heap
 from mpo.parallel.init import launch_rank
-from mpo.rollout.engines import EngineSet
+from mpo.rollout.engines import LOCAL_ENGINE_NICE, EngineSet
 from mpo.trainer.evaluation import Evaluator, due
 from mpo.trainer.metrics_log import MetricsLog, print_interval, run_summary, wandb_settings
 from mpo.trainer.probes import trainer_probe_logprobs
@@ -30,14 +30,31 @@ from mpo.trainer.warm_start import supervised_warm_start
 log = logging.getLogger(__name__)
 
 
+def engine_settings(config: TrainConfig):
+    """The settings local engines start with: what a run's model, rollout and sync sections describe."""
+    from mpo.rollout.engine_command import EngineSettings
+
+    return EngineSettings.from_config(config.model, config.rollout, config.sync, seed=config.seed)
+
+
+def engine_set(config: TrainConfig, out_dir: Path, *, wait: bool = True) -> EngineSet:
+    """Rank 0's engines for a run's config: its rollout section, and for local engines engine_settings(config)."""
+    # Off-policy, a local engine generates while the ranks train on the same cores: at a lower priority it takes the
+    # cycles the ranks leave idle instead of slowing them (EP/TP ranks wait for their slowest peer).
+    nice = LOCAL_ENGINE_NICE if config.schedule.mode != "sync" else 0
+    return EngineSet(config.rollout, out_dir, model_config(config), settings=engine_settings(config), nice=nice,
+                     wait=wait)
+
+
 def publisher(trainer: Trainer, engines: EngineSet | None, rollouts: Rollouts | None = None):
     """This rank's weight publisher for `trainer` (collective: every rank makes one), rank 0's with its engines; in
     sync mode `rollouts`' collects republish through it when their engines were all restarted."""
     from mpo.weight_sync.publisher import Publisher
 
-    weights = Publisher(trainer.config, trainer.model_cfg, trainer.gpt,
-                        stage=trainer.ps.get_pipeline_model_parallel_rank(), device=trainer.ctx.device.device,
-                        object_group=trainer.ctx.object_group, engines=engines,
+    c = trainer.config
+    weights = Publisher(c.rollout, c.sync, c.model, trainer.model_cfg, trainer.gpt, pause=c.schedule.mode != "sync",
+                        seed=c.seed, stage=trainer.ps.get_pipeline_model_parallel_rank(),
+                        device=trainer.ctx.device.device, object_group=trainer.ctx.object_group, engines=engines,
                         score_probes=functools.partial(trainer_probe_logprobs, trainer))
     distribute = trainer.distributor()  # collective when new, as this is
     distribute.on_republish = lambda: weights.publish(weights.version)
@@ -89,7 +106,7 @@ def run(config: TrainConfig) -> None:
                  "s" * (config.rollout.num_engines > 1), out_dir / "logs")
     # Rank 0 launches its local engines first: they start while the ranks build their models (~3.5 s each on CPU,
     # paid by every run and most tests), and are waited for once the trainer is up.
-    engines = EngineSet(config, out_dir, model_config(config), wait=False) if first_rank else None
+    engines = engine_set(config, out_dir, wait=False) if first_rank else None
     trainer: Trainer | None = None
     rollouts: Rollouts | None = None
     metrics_log = None

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mpo.parallel.collectives import one_rank
 
 if TYPE_CHECKING:
-    from mpo.config import TrainConfig
+    from mpo.config import ModelSection, RolloutSection, SyncSection
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verified with (then extended to coverage)
@@ -23,18 +23,23 @@ PROBE_TOKENS = 16  # length of the first probe sequence SGLang engines are verif
 
 class Publisher:
     """One rank's side of every weight sync of a run (collective: every rank of the trainer world makes one) for
-    `model` (the unwrapped GPTModel chunk of pipeline `stage`, gathered on `device`). `score_probes` is collective:
-    the trainer's log-probs of probe sequences, on every rank (SGLang verification; small objects travel on
-    `object_group`). `engines`: rank 0's EngineSet, None on every other rank."""
+    `model` (the unwrapped GPTModel chunk of pipeline `stage`, gathered on `device`), as the run's `rollout`, `sync` and
+    `model_section` say; `pause`: engines may be generating during a sync (the off-policy modes); `seed`: the probe's.
+    `score_probes` is collective: the trainer's log-probs of probe sequences, on every rank (SGLang verification; small
+    objects travel on `object_group`). `engines`: rank 0's EngineSet, None on every other rank."""
 
-    def __init__(self, config: TrainConfig, model_cfg, model: torch.nn.Module, *, stage: int,
-                 device: torch.device, object_group, score_probes: Callable[[list[list[int]]], list[list[float]]],
-                 engines=None) -> None:
+    def __init__(self, rollout: RolloutSection, sync: SyncSection, model_section: ModelSection, model_cfg,
+                 model: torch.nn.Module, *, pause: bool, seed: int, stage: int, device: torch.device, object_group,
+                 score_probes: Callable[[list[list[int]]], list[list[float]]], engines=None) -> None:
+        from mpo.config import served_dtype
         from mpo.models.hf_mapping import mapping_for
         from mpo.weight_sync.gather import WeightStreamer
 
-        s = config.sync
-        self.config, self.model_cfg, self.engines, self.model = config, model_cfg, engines, model
+        s = sync
+        self.rollout, self.sync, self.model_section = rollout, sync, model_section
+        self.pause, self.seed = pause, seed
+        self.engine_dtype = served_dtype(model_section, rollout)  # what the engines hold: bf16 or fp32
+        self.model_cfg, self.engines, self.model = model_cfg, engines, model
         self.object_group, self.score_probes = object_group, score_probes
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
                                        bucket_bytes=s.bucket_bytes, device=device,
@@ -103,7 +108,7 @@ class Publisher:
                 break
         if engines is not None:  # engines given by URL that stopped answering are dropped (EngineSet.check_external)
             metrics["engines_live"] = float(len(engines.clients))
-        if self.config.rollout.engine == "sglang":
+        if self.rollout.engine == "sglang":
             metrics.update(self.verify_by_probe())
         return metrics
 
@@ -115,7 +120,7 @@ class Publisher:
         if self._sync is None:
             from mpo.weight_sync.transports import engine_set_sync
 
-            self._sync = engine_set_sync(self.engines, self.config.sync)
+            self._sync = engine_set_sync(self.engines, self.sync)
             self._membership = self.engines.membership
         return self._sync
 
@@ -127,7 +132,7 @@ class Publisher:
         from mpo.rollout.client import EngineClient
         from mpo.weight_sync.transports import WeightSync, per_node_sync
 
-        r = self.config.rollout
+        r = self.rollout
         if self.engines is not None:
             return self.engine_session()
         key = (*info["urls"], info["transport"])
@@ -138,7 +143,7 @@ class Publisher:
                        for url in info["urls"]]
             host = urlsplit(info["urls"][0]).hostname or "127.0.0.1"
             self._sync = WeightSync(clients, engine=info["engine"], transport=info["transport"],
-                                    bucket_bytes=self.config.sync.bucket_bytes, tp_sizes=info["tp_sizes"],
+                                    bucket_bytes=self.sync.bucket_bytes, tp_sizes=info["tp_sizes"],
                                     master_address=routable_address(host),
                                     per_node=per_node_sync(info["transport"], info["engine"]))
             self._urls = key
@@ -155,7 +160,7 @@ class Publisher:
 
         started = time.perf_counter()
         engines, streamer = self.engines, self.streamer
-        r, m = self.config.rollout, self.config.model
+        r, m = self.rollout, self.model_section
         info: list[Any] = [None]
         if engines is not None:
             own = self.engine_session()  # first: making rank 0's WeightSync resolves "auto"
@@ -180,7 +185,7 @@ class Publisher:
             sync.via.prepare(at_once)
         digest = None
         if r.engine == "mpo":
-            engine_dtype = torch.bfloat16 if self.config.engine_dtype == "bf16" else torch.float32
+            engine_dtype = torch.bfloat16 if self.engine_dtype == "bf16" else torch.float32
             fp32_names = {"lm_head.weight"} if m.fp32_lm_head else set()
 
             def digest(name: str, tensor: torch.Tensor) -> str:
@@ -190,7 +195,7 @@ class Publisher:
 
         if engines is not None:
             # A synchronous schedule syncs between rollouts: nothing is generating, no pause (or continue) is needed
-            sync.begin_session(pause=self.config.schedule.mode != "sync")
+            sync.begin_session(pause=self.pause)
         try:
             if not one_rank():
                 dist.barrier()
@@ -248,13 +253,13 @@ class Publisher:
         from mpo.rollout.protocol import route_dtype
         from mpo.weight_sync.verify import ProbeCoverage, check_probe, covering_probe_runs, probe_bounds
 
-        cfg, m = self.model_cfg, self.config.model
+        cfg, m = self.model_cfg, self.model_section
         box: list = [None]
         uncovered = 0
         if self.engines is not None:
             coverage = ProbeCoverage(num_experts=cfg.num_experts, num_layers=cfg.num_layers, topk=cfg.router_topk,
-                                     vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=self.config.seed,
-                                     max_sequences=self.config.sync.probe_max_sequences, strict=False)
+                                     vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=self.seed,
+                                     max_sequences=self.sync.probe_max_sequences, strict=False)
             first = [[1 + (7 * i) % (cfg.vocab_size - 1) for i in range(PROBE_TOKENS)]]
             self.probes, runs, uncovered = covering_probe_runs(self.engines.clients[0], self.probes or first,
                                                                coverage)
@@ -265,7 +270,7 @@ class Publisher:
         reference, replayed = self._score_replaying(probes, routes)
         if self.engines is None:
             return {}
-        metrics = check_probe(self.engines.clients, probes, reference, probe_bounds(self.config.engine_dtype, m.dtype),
+        metrics = check_probe(self.engines.clients, probes, reference, probe_bounds(self.engine_dtype, m.dtype),
                               num_layers=cfg.num_layers, topk=cfg.router_topk, num_experts=cfg.num_experts)
         return {**metrics, "sync_probe_tokens": float(sum(map(len, probes))),
                 "sync_probe_uncovered_experts": float(uncovered), "sync_probe_replayed": float(replayed)}

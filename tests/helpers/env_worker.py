@@ -13,7 +13,7 @@ import torch
 def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config import RECIPES
     from mpo.config_checks import load_config, model_config
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.trainer.loop import publisher
     from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.rows import rank_microbatches
@@ -22,7 +22,7 @@ def two_turn(out_dir: str, overrides: list[str]) -> None:
     config = load_config(RECIPES / "demo_cpu.yaml", [f"logging.out_dir={out_dir}", *overrides])
     trainer = Trainer(config)
     rollouts = Rollouts.beside(trainer)
-    engines = EngineSet(config, Path(out_dir), model_config(config))
+    engines = engine_set(config, Path(out_dir))
     rollouts.collector.connect(engines.handles)
     calls = []
     weights = publisher(trainer, engines, rollouts)

@@ -20,7 +20,7 @@ def fp8_streaming(out_dir: str, transports: list[str]) -> None:
     from mpo.config_checks import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.models.hf_mapping import mapping_for
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
     from mpo.weight_sync.fp8 import dequantize_block, is_quantized, quantize_block, wire_bytes
@@ -38,7 +38,7 @@ def fp8_streaming(out_dir: str, transports: list[str]) -> None:
             f"sync.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
         trainer = trainer or Trainer(config)
         trainer.config = config
-        engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
+        engines = engine_set(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
         owner = owner or engines
         weights = publisher(trainer, engines)
         try:

@@ -29,7 +29,7 @@ SHRINK = ["world_size=2", "parallel.tensor_parallel=1", "parallel.pipeline_paral
 
 def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dict[str, str]) -> None:
     from mpo.config_checks import load_config
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.trainer.loop import publisher
     from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.trainer import Trainer
@@ -43,7 +43,7 @@ def run(out_dir: str, hf_dir: str, mcore_dir: str, recipes: list[str], urls: dic
                                       f"rollout.urls=[{urls[probe.rollout.engine]}]"])
         trainer = Trainer(config)
         rollouts = Rollouts.beside(trainer)
-        engines = EngineSet(config, Path(out_dir) / name, trainer.model_cfg) if trainer.rank == 0 else None
+        engines = engine_set(config, Path(out_dir) / name) if trainer.rank == 0 else None
         if engines is not None:
             rollouts.collector.connect(engines.handles)
         weights = publisher(trainer, engines, rollouts)

@@ -61,7 +61,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
     from mpo.config_checks import load_config
     from mpo.models.full_state import gather_full_state
     from mpo.weight_sync.verify import weights_checksum
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
 
@@ -81,7 +81,7 @@ def streaming(out_dir: str, layout: list[str], transports: list[str], restart_ra
             f"sync.host_shared_memory={'false' if gather == 'gloo' else 'true'}"])
         trainer = trainer or Trainer(config)
         trainer.config = config
-        engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
+        engines = engine_set(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
         weights = publisher(trainer, engines)
         owner_config = owner_config or config
         owner = owner or engines
@@ -206,7 +206,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
     from mpo.config import RECIPES
     from mpo.config_checks import load_config
     from mpo.rollout.client import EngineError
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.trainer.loop import publisher
     from mpo.trainer.trainer import Trainer
 
@@ -220,7 +220,7 @@ def sglang_streaming(out_dir: str, hf_dir: str, mcore_dir: str, url: str, tp_siz
             f"sync.transport={transport}", "sync.bucket_mb=1", "schedule.sft_steps=0"])
         trainer = trainer or Trainer(config)
         trainer.config = config
-        engines = EngineSet(config, Path(out_dir, transport), trainer.model_cfg) if dist.get_rank() == 0 else None
+        engines = engine_set(config, Path(out_dir, transport)) if dist.get_rank() == 0 else None
         weights = publisher(trainer, engines)
         try:
             perturb(trainer.gpt, scale=0.05 * (i + 1))

@@ -14,7 +14,7 @@ LOSS_ARGS = {"drgrpo": {"norm_const": 8.0}}
 def _trainer(out_dir: str, overrides: list[str]):
     from mpo.config import RECIPES
     from mpo.config_checks import load_config
-    from mpo.rollout.engines import EngineSet
+    from mpo.trainer.loop import engine_set
     from mpo.trainer.loop import publisher
     from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.trainer import Trainer
@@ -30,7 +30,7 @@ def _trainer(out_dir: str, overrides: list[str]):
     trainer = Trainer(config)
     rollouts = Rollouts.beside(trainer)
     supervised_warm_start(trainer, rollouts.task)
-    engines = EngineSet(config, Path(out_dir), trainer.model_cfg) if trainer.rank == 0 else None
+    engines = engine_set(config, Path(out_dir)) if trainer.rank == 0 else None
     if engines is not None:
         rollouts.collector.connect(engines.handles)
     weights = publisher(trainer, engines, rollouts)
