@@ -16,17 +16,32 @@ skip_torch_compile_without_gpu()
 
 # Test modules that share one machine-wide resource: the local SLURM cluster (one set of daemons; a module stops it when
 # it started it) or real SGLang servers (~1 core each while they start, and a rehearsal runs two). Under xdist
-# (`tests/run.sh` runs 2 workers) these modules run one after another on one worker; every other module is a group
-# of its own, so a module's tests and its module-scoped fixtures stay on one worker (pytest-xdist `--dist loadgroup`).
+# (`tests/run.sh` runs 2 workers) a module's tests stay on one worker with its module-scoped fixtures, and the modules
+# that name one of these helpers run one after another on one worker.
 SHARED_RESOURCE_HELPERS = ("cluster_fixture", "serve_module", "start_sglang_server")
+SHARED_RESOURCE_GROUP = "slurm-and-sglang"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    shared: dict[str, bool] = {}  # module file -> whether it names one of SHARED_RESOURCE_HELPERS (also in a function)
-    for item in items:
-        path = str(item.path)
-        if path not in shared:
-            text = item.path.read_text(errors="replace")
-            shared[path] = any(name in text for name in SHARED_RESOURCE_HELPERS)
-        item.add_marker(pytest.mark.xdist_group("slurm-and-sglang" if shared[path] else item.path.stem))
+def work_unit(nodeid: str, root: Path) -> str:
+    """The unit of work a test belongs to under xdist: its module file, or SHARED_RESOURCE_GROUP."""
+    module = nodeid.split("::", 1)[0]
+    try:
+        text = (root / module).read_text(errors="replace")
+    except OSError:
+        return module
+    return SHARED_RESOURCE_GROUP if any(name in text for name in SHARED_RESOURCE_HELPERS) else module
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist installed, one process runs everything
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with work_unit as the scope (its `--dist loadgroup` marks are not used: with pytest
+    9.2, xdist 3.8 writes the group into an attribute the test id no longer reads)."""
+    import functools
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        _split_scope = staticmethod(functools.lru_cache(maxsize=None)(
+            functools.partial(work_unit, root=Path(config.rootpath))))
+
+    return ModuleScheduling(config, log)

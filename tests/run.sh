@@ -24,6 +24,6 @@ fi
 # start SGLang servers run one at a time (tests/conftest.py). MPO_TEST_WORKERS=1: one process, as before.
 workers=${MPO_TEST_WORKERS:-2}
 if [ "$workers" -gt 1 ]; then
-    exec "$VENV_PY" -m pytest -n "$workers" --dist loadgroup "$@"
+    exec "$VENV_PY" -m pytest -n "$workers" "$@"
 fi
 exec "$VENV_PY" -m pytest "$@"
