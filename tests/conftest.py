@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 from pathlib import Path
@@ -22,26 +23,28 @@ SHARED_RESOURCE_HELPERS = ("cluster_fixture", "serve_module", "start_sglang_serv
 SHARED_RESOURCE_GROUP = "slurm-and-sglang"
 
 
+@functools.cache  # one read per module file, not one per test
+def _shares_a_resource(module: Path) -> bool:
+    try:
+        text = module.read_text(errors="replace")
+    except OSError:
+        return False
+    return any(name in text for name in SHARED_RESOURCE_HELPERS)
+
+
 def work_unit(nodeid: str, root: Path) -> str:
     """The unit of work a test belongs to under xdist: its module file, or SHARED_RESOURCE_GROUP."""
     module = nodeid.split("::", 1)[0]
-    try:
-        text = (root / module).read_text(errors="replace")
-    except OSError:
-        return module
-    return SHARED_RESOURCE_GROUP if any(name in text for name in SHARED_RESOURCE_HELPERS) else module
+    return SHARED_RESOURCE_GROUP if _shares_a_resource(root / module) else module
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist installed, one process runs everything
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with work_unit as the scope (its `--dist loadgroup` marks are not used: with pytest
     9.2, xdist 3.8 writes the group into an attribute the test id no longer reads)."""
-    import functools
-
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
-        _split_scope = staticmethod(functools.lru_cache(maxsize=None)(
-            functools.partial(work_unit, root=Path(config.rootpath))))
+        _split_scope = staticmethod(functools.partial(work_unit, root=Path(config.rootpath)))
 
     return ModuleScheduling(config, log)

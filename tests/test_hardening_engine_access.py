@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from mpo.config_checks import load_config, model_config
+from mpo.config_checks import load_config
 from mpo.rollout.local_engine import LocalEngineProcess
 
 DEMO = "mpo/recipes/demo_cpu.yaml"

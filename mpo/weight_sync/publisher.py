@@ -35,15 +35,14 @@ class Publisher:
         from mpo.models.hf_mapping import mapping_for
         from mpo.weight_sync.gather import WeightStreamer
 
-        s = sync
         self.rollout, self.sync, self.model_section = rollout, sync, model_section
         self.pause, self.seed = pause, seed
         self.engine_dtype = served_dtype(model_section, rollout)  # what the engines hold: bf16 or fp32
         self.model_cfg, self.engines, self.model = model_cfg, engines, model
         self.object_group, self.score_probes = object_group, score_probes
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
-                                       bucket_bytes=s.bucket_bytes, device=device,
-                                       host_shared_memory=s.host_shared_memory)
+                                       bucket_bytes=sync.bucket_bytes, device=device,
+                                       host_shared_memory=sync.host_shared_memory)
         # This rank's weight-update session (transports.WeightSync): rank 0's for its EngineSet, made once (its
         # distributed group reused every step); another sender's for the engine URLs in self._urls. close() ends it.
         self._sync = None

@@ -12,9 +12,8 @@ import torch
 
 def two_turn(out_dir: str, overrides: list[str]) -> None:
     from mpo.config import RECIPES
-    from mpo.config_checks import load_config, model_config
-    from mpo.trainer.loop import engine_set
-    from mpo.trainer.loop import publisher
+    from mpo.config_checks import load_config
+    from mpo.trainer.loop import engine_set, publisher
     from mpo.trainer.rollouts import Rollouts
     from mpo.trainer.rows import rank_microbatches
     from mpo.trainer.trainer import Trainer

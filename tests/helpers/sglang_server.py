@@ -27,6 +27,7 @@ from mpo.parallel.ports import free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARNESS_DIR = REPO_ROOT / "tests" / "sglang_harness"
 SGLANG_VERSION = "0.5.23"
+PORT_RETRIES = 3  # start-ups that may move to another port because the picked one was taken meanwhile
 
 
 def sglang_venv() -> Path:
@@ -82,14 +83,20 @@ def _tail(path: Path, n: int = 60) -> str:
         return "(no log)"
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port: another process took it after free_port() reported it free."""
+
+
 class SGLangServer:
     """A running server process (own session / process group). Context manager; `.stop()` is idempotent."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, api_key: str | None) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, api_key: str | None,
+                 log_start: int = 0) -> None:
         self.proc = proc
         self.url = url
         self.log_path = log_path
         self.api_key = api_key
+        self.log_start = log_start  # the log's size when this process started: what it wrote begins there
         self.start_seconds: float | None = None
         self.stop_seconds: float | None = None
 
@@ -100,10 +107,24 @@ class SGLangServer:
     def log_tail(self, n: int = 60) -> str:
         return _tail(self.log_path, n)
 
+    def port_was_taken(self) -> bool:
+        """uvicorn failed to bind the port ("[Errno 98] ... address already in use"). SGLang does not exit then: its
+        warm-up thread keeps the process alive for 120 s and then kills it (-9), so this is read from the log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_start)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in text.lower()
+
     def wait_ready(self, timeout: float = 600.0) -> float:
-        """Poll /health_generate until 200; raise RuntimeError with the log tail on exit or timeout."""
+        """Poll /health_generate until 200; raise PortTaken when the port could not be bound, RuntimeError with the
+        log tail on exit or timeout."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
+            if self.port_was_taken():
+                raise PortTaken(f"port {self.url.rsplit(':', 1)[1]} was taken before the server bound it")
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"sglang server exited with {self.proc.returncode} while starting; log {self.log_path}:\n"
@@ -244,18 +265,35 @@ def launch_server(cmd: list[str], env: dict[str, str], *, port: int, log_path: P
                   api_key: str | None, ready_timeout: float) -> SGLangServer:
     """Start a server command in its own session (stop() takes its children), watched so that it dies with this
     process (watch_for_parent_death), logging to `log_path`, and wait until it generates on 127.0.0.1:`port`; a server
-    that never gets ready is stopped before the error propagates."""
-    with open(log_path, "ab") as log:  # the child holds its own descriptor
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=str(cwd))
-    watch_for_parent_death(proc.pid)
-    server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, api_key)
-    try:
-        server.wait_ready(ready_timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    that never gets ready is stopped before the error propagates. A port taken between free_port() and the server's
+    bind (another process's listener or outgoing connection, likely with two pytest workers) moves the server to a
+    newly picked port, PORT_RETRIES times at most, as the launcher's engines do (mpo.rollout.local_engine)."""
+    moves = 0
+    while True:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:  # the child holds its own descriptor
+            log_start = log.tell()
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=str(cwd))
+        watch_for_parent_death(proc.pid)
+        server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, api_key, log_start)
+        try:
+            server.wait_ready(ready_timeout)
+            return server
+        except PortTaken:
+            server.stop()
+            if moves == PORT_RETRIES or "--port" not in cmd:
+                raise
+            moves += 1
+            old, port = port, free_port()
+            at = cmd.index("--port") + 1
+            cmd = [*cmd[:at], str(port), *cmd[at + 1:]]
+            with open(log_path, "a") as log:
+                log.write(f"harness: port {old} was taken before the server bound it; starting again on {port}\n")
+        except BaseException:
+            server.stop()
+            raise
+
 
 
 def serve_module(request, model_dir: Path, api_key: str | None = None, **options):
