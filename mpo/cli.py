@@ -22,7 +22,6 @@ from pathlib import Path
 
 from mpo.config import RECIPES
 from mpo.lifecycle import NoSpaceLeft, RunDirInUse, child_env, lock_run_dir, writing
-from mpo.parallel.ports import free_port
 
 INTERRUPTED_EXIT = 130  # a shell's status for a process stopped by Ctrl-C
 
@@ -64,8 +63,11 @@ def run_local(config_path: str | None, overrides: list[str], *, plot: bool = Tru
         with writing(resolved):
             resolved.write_text(text)
         # mpo.torchrun: torchrun that dies with this process, its ranks with it, and reports a full disk in one line.
-        command = [sys.executable, "-m", "mpo.torchrun", f"--nproc_per_node={config.world_size}",
-                   f"--master_port={free_port()}", "-m", "mpo.trainer", "--config", str(resolved)]
+        # --standalone: torchrun's store binds a port the OS picks (port 0) and the ranks rendezvous on that store. A
+        # port picked here and bound a few seconds later, after torchrun's imports, could be taken meanwhile by
+        # another process on a busy host (seen with SGLang's port under two pytest workers), failing the run.
+        command = [sys.executable, "-m", "mpo.torchrun", "--standalone", f"--nproc_per_node={config.world_size}",
+                   "-m", "mpo.trainer", "--config", str(resolved)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"), **child_env()}
         # The ranks import torch and megatron before their first line (~10 s): say what is starting meanwhile. No "mpo:"
