@@ -237,7 +237,7 @@ class ServerLimits:
             every moment be no further behind (mpo.engine.admission.RequestReader); the connection is closed
             otherwise and its slot freed. A 64 MiB weight bucket sent at loopback speed takes well under a second.
             Bodies larger than GATE_BODY_BYTES are read by at most half the slots at once (503 beyond, before the
-            body is read), so slow large uploads cannot take the slots every other request needs.
+            connection takes a slot), so slow large uploads cannot take the slots every other request needs.
         max_connections: connections served at once, one thread each, taken once a request's headers are complete.
             One more is answered 503 and closed, so clients cannot make the engine grow threads without bound.
         max_pending_connections: new connections waiting for their headers (no thread each); beyond it the oldest
@@ -297,20 +297,35 @@ def gate_body_bytes(head: bytes, api_key: str | None, limits: ServerLimits) -> i
     Content-Length when the handler will read that body (the key matches, or the engine has none; no chunked body,
     no Expect: 100-continue, within the size limits), else 0: such a request is answered from its headers (401,
     413, ...) or has its body read by the handler."""
+    headers = _parsed_headers(head)
+    if headers is None or (headers.get("Expect") or "").strip().lower() == "100-continue":
+        return 0
+    length = _authorized_length(headers, api_key)
+    return length if length <= min(GATE_BODY_BYTES, limits.max_body_bytes) else 0
+
+
+def declares_upload(head: bytes, api_key: str | None, limits: ServerLimits) -> bool:
+    """Whether the request whose line and headers are `head` will have a large body (over GATE_BODY_BYTES, within
+    max_body_bytes) read by the handler: such a connection takes one of the upload places before a slot."""
+    headers = _parsed_headers(head)
+    return headers is not None and GATE_BODY_BYTES < _authorized_length(headers, api_key) <= limits.max_body_bytes
+
+
+def _parsed_headers(head: bytes) -> http.client.HTTPMessage | None:
     _, _, rest = head.partition(b"\n")
     try:
-        headers = http.client.parse_headers(io.BytesIO(rest))
+        return http.client.parse_headers(io.BytesIO(rest))
     except http.client.HTTPException:  # too many or too long header lines: the handler answers them
-        return 0
-    if headers.get("Transfer-Encoding") or (headers.get("Expect") or "").strip().lower() == "100-continue":
-        return 0
-    if not authorized(headers, api_key):
+        return None
+
+
+def _authorized_length(headers: http.client.HTTPMessage, api_key: str | None) -> int:
+    """The declared Content-Length of a request the handler will read a body of (the key matches, or the engine has
+    none; no chunked body), else 0."""
+    if headers.get("Transfer-Encoding") or not authorized(headers, api_key):
         return 0
     text = (headers.get("Content-Length") or "0").strip()
-    if not (text.isascii() and text.isdigit()):
-        return 0
-    length = int(text)
-    return length if length <= min(GATE_BODY_BYTES, limits.max_body_bytes) else 0
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def _logprob_start_len(body: dict[str, Any]) -> int:
@@ -442,7 +457,9 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
                 route, length = self._admit(method)
             except RefusedRequest as exc:
                 return self._refuse(exc)
-            uploads = self.server.uploads if length > GATE_BODY_BYTES else None
+            # a large body takes an upload place; the connection holds one already if its first request was large
+            holds = self.server.holds_upload_place(self.request)
+            uploads = self.server.uploads if length > GATE_BODY_BYTES and not holds else None
             if uploads is not None and not uploads.acquire(blocking=False):
                 return self._refuse(RefusedRequest(HTTPStatus.SERVICE_UNAVAILABLE, (
                     f"engine busy: {self.server.max_uploads} large request bodies are being received; retry later")),
@@ -510,6 +527,11 @@ class EngineHTTPServer(ThreadingHTTPServer):
         # connections reading a body larger than GATE_BODY_BYTES (weight buckets): half the slots at most
         self.max_uploads = max(1, limits.max_connections // 2)
         self.uploads = threading.BoundedSemaphore(self.max_uploads)
+        # connections whose first request declared a large body: they took an upload place before their slot, so
+        # that the connections refused for want of one never hold a slot (they would keep /health at 503), and keep it
+        # until they close
+        self._upload_places: set[socket.socket] = set()
+        self._api_key = api_key
         self._prefixes: dict[socket.socket, bytes] = {}  # what the gate read from a connection handed over
         super().__init__(address, handler)
         self._gate = HeaderGate(self._admit, header_timeout_s=limits.header_timeout_s,
@@ -531,28 +553,46 @@ class EngineHTTPServer(ThreadingHTTPServer):
         super().server_close()
 
     def _admit(self, request: socket.socket, client_address: Any, prefix: bytes) -> None:
-        """Called by the gate for a connection whose request headers are complete: a slot and a thread, or 503."""
+        """Called by the gate for a connection whose request headers are complete: a slot and a thread, or 503. A
+        request declaring a large body first takes an upload place (half the slots at most), or is answered 503."""
+        upload = declares_upload(prefix, self._api_key, self.limits)
+        if upload and not self.uploads.acquire(blocking=False):
+            self._answer_busy(request, f"{self.max_uploads} large request bodies are being received")
+            return
         if not self._slots.acquire(blocking=False):
+            if upload:
+                self.uploads.release()
             self._answer_busy(request)
             return
         self._prefixes[request] = prefix
+        if upload:
+            self._upload_places.add(request)
         try:
             super().process_request(request, client_address)  # starts the connection's thread
         except BaseException:
             self._prefixes.pop(request, None)
-            self._slots.release()
+            self._release(request)
             raise
+
+    def holds_upload_place(self, request: socket.socket) -> bool:
+        return request in self._upload_places
+
+    def _release(self, request: socket.socket) -> None:
+        if request in self._upload_places:
+            self._upload_places.discard(request)
+            self.uploads.release()
+        self._slots.release()
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._release(request)
 
-    def _answer_busy(self, request: socket.socket) -> None:
+    def _answer_busy(self, request: socket.socket, why: str | None = None) -> None:
         """503 (retryable for mpo's pool) without a thread: written by the accept loop, then closed."""
-        body = json.dumps({"success": False, "message": f"engine busy: {self.limits.max_connections} connections "
-                                                        f"open (--max-connections); retry later"}).encode()
+        why = why or f"{self.limits.max_connections} connections open (--max-connections)"
+        body = json.dumps({"success": False, "message": f"engine busy: {why}; retry later"}).encode()
         head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         try:

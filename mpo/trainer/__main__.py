@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from mpo.lifecycle import (
@@ -27,11 +29,26 @@ from mpo.parallel.device import skip_torch_compile_without_gpu  # noqa: E402
 PEER_REPORT_GRACE_S = 10.0  # how long a failing rank waits for a peer's one-line report before its own traceback
 
 
+def _note_interrupts() -> threading.Event:
+    """SIGINT raises KeyboardInterrupt as before, and is also noted: a library may catch it and raise its own error
+    instead (megatron's checkpoint writer turns it into a CheckpointException), which is still a Ctrl-C."""
+    interrupted = threading.Event()
+
+    def on_sigint(signum, frame):
+        interrupted.set()
+        signal.default_int_handler(signum, frame)
+
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
+        signal.signal(signal.SIGINT, on_sigint)
+    return interrupted
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpo.trainer", description=__doc__)
     parser.add_argument("--config", default=None, help="YAML config (see mpo.config.TrainConfig)")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
+    interrupted = _note_interrupts()
     torch.set_num_threads(1)
     skip_torch_compile_without_gpu()
     quiet_no_space_in_threads()
@@ -58,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C, forwarded by torchrun: checkpoints are atomic; `mpo train` says how to resume
         return 130
     except Exception as exc:
+        if interrupted.is_set():  # Ctrl-C inside a library that wrapped it (a checkpoint write: megatron's worker)
+            return 130
         failed = rollout_failure(exc)  # an engine failed past its retries (or refused a call): its one line
         if failed is not None:
             stop_rank_with_one_line(str(failed))
