@@ -220,8 +220,8 @@ def test_rehearsal_sigterm_of_the_job_then_resume_matches_the_uninterrupted_run(
 def test_rehearsal_async_run_survives_an_engine_sigkill(cluster, world, tmp_path):
     """Async (updates reach the engines in flight): after the first step, one engine is SIGKILLed. Given by URL, the
     run cannot restart it: the next sync drops it with one warning line and forms the `distributed` group again for
-    the engine left, which carries the run to its end, every sample accounted for; responses span weight versions
-    (updates reached the engines while they generated). Runs last: it leaves the module one engine."""
+    the engine left, which carries the run to its end, every sample accounted for, every response's weight versions
+    coherent (how many span a sync is timing, and reported). Runs last: it leaves the module one engine."""
     out_dir = tmp_path / "run"
     victim = world["engines"][1]
 
@@ -243,5 +243,14 @@ def test_rehearsal_async_run_survives_an_engine_sigkill(cluster, world, tmp_path
     drops = [line for line in logs.splitlines() if "stopped answering" in line]
     assert len(drops) == 1 and victim.url in drops[0] and "dropped from the run, 1 of 2 engines left" in drops[0], \
         (drops, logs[-4000:])
+    # Whether an update lands while a response is generated is timing here: under a busy second pytest worker the
+    # 48-token responses were once all done before each sync (no response spanned versions). Updates landing
+    # mid-response in real SGLang are proven where the test controls the timing (test_first_contact_inflight.py,
+    # every response across >= 3 versions); here every sample's stamps must be coherent, and the spans are reported.
     versions = _versions(out_dir)
-    assert any(c > 0 for v in versions.values() for c in v["changes"]), versions
+    for step, v in versions.items():
+        for lo, hi, changes in zip(v["min"], v["max"], v["changes"]):
+            assert 0 <= lo <= hi <= step and (changes == 0) == (lo == hi), (step, v)
+    spans = sum(c > 0 for v in versions.values() for c in v["changes"])
+    print(f"\n[rehearsal] async: {spans} of {sum(len(v['changes']) for v in versions.values())} logged responses "
+          "span weight versions", file=sys.stderr)
