@@ -179,14 +179,15 @@ def uninterrupted(cluster, world, tmp_path_factory):
 
 
 def test_rehearsal_one_step_off_finishes_every_step_with_every_sample(uninterrupted):
-    """Each step's batch was generated while the previous step trained (overlap), under one weight version
-    (one_step_off updates between batches), at most one version behind its step."""
+    """Each step's batch was generated ahead, before the previous step's weights reached the engines (version
+    step - 1: a sync-mode run would stamp version `step`), under one weight version (one_step_off updates between
+    batches). How much of that generation fell inside the trainer's busy time (`overlap_frac`) is timing and reported:
+    one CI run gave (0.0, 0.17, 0.0): batch 1 may be done before step 0 begins, when the trainer's start is slower."""
     _check_run(uninterrupted)
-    rows = _steps(uninterrupted)
-    # step 1's batch (version 0, like step 0's) is generated while step 0 trains; later overlaps depend on timing
-    assert rows[0]["overlap_frac"] > 0, [r["overlap_frac"] for r in rows]
     for step, v in _versions(uninterrupted).items():
         assert v["changes"] == [0] * PROMPTS * G and set(v["min"]) == {max(step - 1, 0)}, (step, v)
+    overlaps = [round(r["overlap_frac"], 3) for r in _steps(uninterrupted)]
+    print(f"[rehearsal] one_step_off overlap_frac per step: {overlaps}", file=sys.stderr)
 
 
 def test_rehearsal_sigterm_of_the_job_then_resume_matches_the_uninterrupted_run(cluster, world, uninterrupted,
