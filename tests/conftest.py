@@ -48,3 +48,38 @@ def pytest_xdist_make_scheduler(config, log):
         _split_scope = staticmethod(functools.partial(work_unit, root=Path(config.rootpath)))
 
     return ModuleScheduling(config, log)
+
+
+
+class _WorkLedger:
+    """A plugin on the controller (or the one process): seconds per work unit and per worker, summed from the test
+    reports (set-up, call and tear-down) and printed at the end, so a run past the 30-minute budget says which unit
+    and which worker carried it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.units: dict[str, float] = {}
+        self.unit_worker: dict[str, str] = {}
+        self.workers: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        node = getattr(report, "node", None)  # xdist's WorkerController on the controller; absent in one process
+        worker = node.gateway.id if node is not None else "main"
+        unit = work_unit(report.nodeid, self.root)
+        self.units[unit] = self.units.get(unit, 0.0) + report.duration
+        self.unit_worker[unit] = worker
+        self.workers[worker] = self.workers.get(worker, 0.0) + report.duration
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.workers:
+            return
+        busiest = sorted(self.units.items(), key=lambda item: -item[1])[:8]
+        terminalreporter.write_line(
+            "seconds per worker: " + ", ".join(f"{w} {s:.0f}" for w, s in sorted(self.workers.items())))
+        terminalreporter.write_line(
+            "largest work units: " + ", ".join(f"{u} {s:.0f} ({self.unit_worker[u]})" for u, s in busiest))
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # xdist's workers report to the controller, which sums
+        config.pluginmanager.register(_WorkLedger(Path(config.rootpath)), "mpo-work-ledger")
