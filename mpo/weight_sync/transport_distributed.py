@@ -11,10 +11,10 @@ from typing import Any, Sequence
 
 import torch
 
-from mpo.parallel.ports import free_port
 from mpo.rollout.client import EngineClient, EngineError
 from mpo.weight_sync.transports import TRANSPORTS, NamedTensors, PendingPush, Transport, _Calls
-from mpo.weight_sync.wire import SGLANG_FORMAT, dtype_name, group_layout, join_weight_update_group, pack_bucket
+from mpo.weight_sync.wire import (SGLANG_FORMAT, dtype_name, group_layout, host_weight_update_store,
+                                  join_weight_update_group, pack_bucket)
 
 log = logging.getLogger(__name__)
 
@@ -138,19 +138,19 @@ class DistributedTransport(Transport):
     def _join(self, clients: Sequence[EngineClient], tp_sizes: Sequence[int], name: str
               ) -> torch.distributed.ProcessGroup:
         s = self.session
-        port = free_port()
         world_size, offsets = group_layout(tp_sizes)
+        timeout = timedelta(seconds=s.timeout_s)
+        store = host_weight_update_store(s.master_address, world_size, timeout)  # listening before engines hear of it
         by_url = dict(zip((c.url for c in clients), offsets))
         calls = _Calls(clients, lambda c: c.init_weights_update_group(
-            master_address=s.master_address, master_port=port, rank_offset=by_url[c.url], world_size=world_size,
-            group_name=name, backend=s.backend))
+            master_address=s.master_address, master_port=store.port, rank_offset=by_url[c.url],
+            world_size=world_size, group_name=name, backend=s.backend))
         joined: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                joined["group"] = join_weight_update_group(s.master_address, port, world_size, name,
-                                                           backend=s.backend, rank=0,
-                                                           timeout=timedelta(seconds=s.timeout_s))
+                joined["group"] = join_weight_update_group(s.master_address, store.port, world_size, name,
+                                                           backend=s.backend, rank=0, timeout=timeout, store=store)
             except BaseException as exc:  # noqa: BLE001
                 joined["error"] = exc
 

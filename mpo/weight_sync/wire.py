@@ -57,14 +57,26 @@ def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
     return 1 + sum(tp_sizes), offsets
 
 
+def host_weight_update_store(master_address: str, world_size: int,
+                              timeout: timedelta = timedelta(seconds=120)) -> dist.TCPStore:
+    """The trainer's (rank 0's) TCP store for a weight-update group, listening (on every interface, as a rendezvous
+    store does) on a port the OS picks (port 0) before any engine is told it (`store.port`): a port picked free first
+    and bound later could be taken meanwhile on a busy host, as happened to SGLang's HTTP port under two pytest
+    workers."""
+    return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
 def join_weight_update_group(master_address: str, master_port: int, world_size: int, group_name: str,
                              backend: str = "gloo", rank: int = 0,
-                             timeout: timedelta = timedelta(seconds=120)) -> dist.ProcessGroup:
+                             timeout: timedelta = timedelta(seconds=120),
+                             store: dist.Store | None = None) -> dist.ProcessGroup:
     """Join, as `rank` (0 = the trainer, which hosts the TCP store), the group SGLang creates on
     /init_weights_update_group. Blocks until all `world_size` ranks arrived, so the trainer calls it while the
-    engines' HTTP requests are in flight."""
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
+    engines' HTTP requests are in flight. The trainer passes the store it already hosts (host_weight_update_store);
+    without one, rank 0 binds `master_port` itself."""
+    if store is None:
+        store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                  timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout)
