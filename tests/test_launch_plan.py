@@ -223,7 +223,10 @@ def test_plan_and_engine_set_start_the_same_engine(tmp_path):
     local = EngineSet.local_processes(1, engine_settings(demo), tmp_path, model_config(demo))[0]
     assert _without_host_port(planned.argv) == _without_host_port(local.command)
     command = " ".join(planned.argv)
-    assert "--dtype bf16" in command and "--seed 7" in command and f"--mcore-dir {tmp_path}/ckpt" in command
+    assert "--dtype bf16" in command and "--seed 7" in command
+    # a run's trainer publishes its weights (model.mcore_dir's, loaded by the trainer) before the first rollout: the
+    # engine does not build or load its own (EngineSettings.await_weights)
+    assert "--await-weights" in planned.argv and "--mcore-dir" not in planned.argv
     assert planned.env["MPO_API_KEY"] == local.env["MPO_API_KEY"] == "KEY"
     assert "KEY" not in planned.argv and "KEY" not in local.command
 

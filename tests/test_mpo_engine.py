@@ -205,6 +205,38 @@ def test_weight_sync_tensor_path_checksum_and_logprobs_follow(engines, tmp_path)
     assert (torch.tensor(before.output_logprobs) - torch.tensor(after.output_logprobs)).abs().max() > 1e-3
 
 
+def test_an_engine_awaiting_weights_skips_megatron_and_serves_the_trainers_after_one_sync(tmp_path):
+    """A run's engine (EngineSettings.from_config: await_weights) starts from transformers' random init without
+    importing megatron-core, and one sync makes it serve the trainer's weights: its log-probs then equal the
+    trainer's forward, so every tensor the init left random was replaced."""
+    import subprocess
+
+    from mpo.rollout.engine_command import EngineSettings
+
+    probe = subprocess.run([sys.executable, "-c",
+                            "import sys\nfrom mpo.engine.model import EngineModel\n"
+                            "EngineModel.create(preset='tiny', mcore_dir=None, seed=1, dtype='fp32', fp32_lm_head=True,"
+                            " dist_port=None, await_weights=True)\n"
+                            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))"],
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr[-2000:]
+    engine = LocalEngineProcess.mpo_engine(log_path=tmp_path / "engine.log", api_key="k",
+                                           settings=EngineSettings(await_weights=True)).start()
+    try:
+        assert "--await-weights" in engine.command
+        out = tmp_path / "sync.pt"
+        spawn_ranks(1, engine_worker.perturb_and_sync, str(out), engine.url, "k", 32 << 10)
+        prompt = GenerateRequest((1, 2, 3, 4, 5), SamplingParams(temperature=0, max_new_tokens=4))
+        after = RolloutPool([EngineHandle(engine.client)]).generate([prompt])[0]
+        spawn_ranks(1, engine_worker.score_perturbed, str(tmp_path / "ref.pt"),
+                    list(after.prompt_ids + after.output_ids))
+        ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+        diff = (torch.tensor(after.output_logprobs) - ref[len(after.prompt_ids):]).abs().max().item()
+        assert diff <= 1e-5, f"after one sync, engine vs trainer log-probs differ by {diff:.3g}"
+    finally:
+        engine.stop()
+
+
 def test_weight_update_shape_mismatch_names_engine_and_tensor(engines):
     from mpo.weight_sync.wire import MPO_FORMAT, encode_mpo_bucket
 

@@ -45,6 +45,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="a Hugging Face directory to serve (config.json + safetensors), as SGLang's --model-path; "
                              "overrides --preset and --mcore-dir")
     parser.add_argument("--seed", type=int, default=1234, help="init seed when no checkpoint is given")
+    parser.add_argument("--await-weights", action="store_true",
+                        help="start from transformers' random init instead of the trainer's (--seed / --mcore-dir): "
+                             "the weights arrive by a weight sync before any request (mpo's runs publish first); "
+                             "megatron-core is then not imported. --model-path still loads its checkpoint")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--api-key-file", default=None,
@@ -113,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     from mpo.engine.generator import MpoGenerator
 
     runner = EngineModel.create(preset=args.preset, mcore_dir=args.mcore_dir, seed=args.seed, dtype=args.dtype,
-                                fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port, hf_dir=args.model_path)
+                                fp32_lm_head=args.fp32_lm_head, dist_port=args.dist_port, hf_dir=args.model_path,
+                                await_weights=args.await_weights)
     generator = MpoGenerator(runner, vocab_size=runner.vocab_size, max_batch=args.max_batch,
                              num_experts=runner.model_cfg.num_experts)
     app = EngineApp(generator, info={

@@ -89,28 +89,34 @@ class EngineModel:
 
     @classmethod
     def create(cls, *, preset: str, mcore_dir: str | None, seed: int, dtype: str, fp32_lm_head: bool,
-               dist_port: int | None, hf_dir: str | None = None) -> "EngineModel":
-        """The engine's model: from an HF directory (`hf_dir`: its config.json and safetensors, as SGLang loads it),
-        else the trainer's initial weights: megatron-core's model of `preset` built with `seed` (as a trainer rank
-        builds it), or loaded from the torch_dist checkpoint `mcore_dir`, converted to HF names once."""
+               dist_port: int | None, hf_dir: str | None = None, await_weights: bool = False) -> "EngineModel":
+        """The engine's model: from an HF directory (`hf_dir`: its config.json and safetensors, as SGLang loads it);
+        with `await_weights`, transformers' own random init, for an engine whose weights arrive by a weight sync
+        before it serves (mpo's runs publish before their first rollout); else the trainer's initial weights:
+        megatron-core's model of `preset` built with `seed` (as a trainer rank builds it), or loaded from the
+        torch_dist checkpoint `mcore_dir`, converted to HF names once. Only that last path imports megatron-core
+        (~2.5 s of CPU per engine start)."""
         from mpo.models.config import from_hf_config, preset as get_preset
-        from mpo.parallel import ParallelConfig, initialize_parallel
 
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the engine is its own 1-rank world
             os.environ.pop(var, None)
+        cfg = from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text())) if hf_dir else get_preset(preset)
+        if hf_dir or await_weights:
+            engine = cls(build_hf_model(cfg, dtype=dtype, fp32_lm_head=fp32_lm_head, device=_engine_device()), cfg)
+            if hf_dir:
+                from mpo.models.hf_source import HFCheckpoint
+
+                with HFCheckpoint.open(hf_dir) as source:
+                    for name, shape in engine.mapping.hf_shapes().items():  # one tensor in memory at a time
+                        engine.load_hf({name: source.get(name, shape)})
+            return engine
+        from mpo.parallel import ParallelConfig, initialize_parallel
+
         ctx = initialize_parallel(ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1",
                                   master_port=dist_port)
-        cfg = from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text())) if hf_dir else get_preset(preset)
         engine = cls(build_hf_model(cfg, dtype=dtype, fp32_lm_head=fp32_lm_head, device=ctx.device.device), cfg)
-        if hf_dir:
-            from mpo.models.hf_source import HFCheckpoint
-
-            with HFCheckpoint.open(hf_dir) as source:
-                for name, shape in engine.mapping.hf_shapes().items():  # one tensor in memory at a time
-                    engine.load_hf({name: source.get(name, shape)})
-        else:
-            engine.load_hf(dict(_megatron_weights(cfg, ctx, engine.mapping, seed=seed, mcore_dir=mcore_dir,
-                                                      dtype=dtype, fp32_lm_head=fp32_lm_head)))
+        engine.load_hf(dict(_megatron_weights(cfg, ctx, engine.mapping, seed=seed, mcore_dir=mcore_dir,
+                                              dtype=dtype, fp32_lm_head=fp32_lm_head)))
         return engine
 
     @property
@@ -258,6 +264,14 @@ class EngineModel:
         from mpo.engine.weight_routes import WeightRoutes
 
         WeightRoutes(self, app, group_init_timeout_s=group_init_timeout_s).install()
+
+
+def _engine_device() -> torch.device:
+    """The device megatron-core's 1-rank set-up would give the engine: the first visible GPU, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
 
 
 def _megatron_weights(cfg: MoEModelConfig, ctx: Any, mapping: Any, *, seed: int, mcore_dir: str | None, dtype: str,

@@ -43,7 +43,9 @@ class EngineSettings:
     environment, never on argv. `bucket_mb`: mpo's engine accepts request bodies of a bucket after base64 plus
     headroom (--max-body-mb). `memory_saver` (rollout.colocate): SGLang gets --enable-memory-saver to release and
     resume its GPU memory (mpo's engine serves the same endpoints without a flag). `mem_fraction`: SGLang's
-    --mem-fraction-static (None: its default)."""
+    --mem-fraction-static (None: its default). `await_weights` (every run's engines: the trainer publishes its weights
+    before the first rollout): mpo's engine starts from a random init instead of building the trainer's (`seed`,
+    `mcore_dir`), which the first sync would overwrite; it then does not import megatron-core."""
 
     engine: Literal["mpo", "sglang"] = "mpo"
     dtype: Literal["fp32", "bf16"] = "fp32"
@@ -58,6 +60,7 @@ class EngineSettings:
     mem_fraction: float | None = None
     bucket_mb: int = 64
     memory_saver: bool = False
+    await_weights: bool = False
 
     @property
     def max_body_mb(self) -> int:
@@ -71,7 +74,7 @@ class EngineSettings:
         return cls(engine=r.engine, dtype=served_dtype(m, r), fp32_lm_head=m.fp32_lm_head, seed=seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
                    tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,
-                   mem_fraction=mem_fraction, bucket_mb=sync.bucket_mb, memory_saver=r.colocate)
+                   mem_fraction=mem_fraction, bucket_mb=sync.bucket_mb, memory_saver=r.colocate, await_weights=True)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ def engine_command(settings: EngineSettings, *, python: str, host: str, port: in
             "--max-body-mb", str(s.max_body_mb)]
     if s.hf_dir:  # the same checkpoint SGLang would load
         argv += ["--model-path", s.hf_dir]
+    elif s.await_weights:
+        argv.append("--await-weights")
     elif s.mcore_dir:
         argv += ["--mcore-dir", s.mcore_dir]
     argv.append("--exit-with-parent")
