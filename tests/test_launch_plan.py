@@ -207,7 +207,8 @@ def test_engine_set_refuses_tensor_sync_to_sglang_on_another_node(tmp_path):
 
 def test_plan_and_engine_set_start_the_same_engine(tmp_path):
     """The launcher's engine and the trainer's local EngineSet engine for one config: same command up to host and
-    port, same key in the environment. The settings that drifted before (engine_dtype, seed, mcore_dir) are set."""
+    port, same key in the environment. The settings that drifted before (engine_dtype, seed) are set; mcore_dir is
+    the trainer's to load and publish."""
     import torch
     import torch.distributed.checkpoint as dcp
 
