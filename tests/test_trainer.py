@@ -124,7 +124,10 @@ def test_joined_old_logprob_forwards_give_each_micro_batch_its_own_results(tmp_p
         assert out["groups_3"] == [[i] for i in range(len(out["widths"]))]
         assert all(len(g) == 2 for g in out["groups_8"]), out["groups_8"]
         assert out["logp_equal_3"] and out["records_equal_3"] and out["records_equal_8"], out
-        assert out["logp_maxdiff_8"] <= 1e-6, out
+        # A joined forward pads rows to a wider batch, and a matmul of another shape may sum in another order: a few
+        # fp32 ULPs of the log-probs (one ULP is 5e-7 from |log p| = 4 up; CI saw 1.4e-6 once). A row given another
+        # micro-batch's result would be off by O(1).
+        assert out["logp_maxdiff_8"] <= 1e-5, out
 
 
 def test_critic_value_loss_falls_on_fixed_targets(tmp_path):

@@ -21,7 +21,7 @@ a slice of one megatron tensor to a few HF tensors. `to_mcore` / `to_hf` convert
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Mapping
+from typing import Iterator, Literal, Mapping
 
 import torch
 
@@ -227,21 +227,6 @@ class ModelMapping:
                 yield from self.to_hf(unit, tensor)
             else:
                 yield from self.to_hf(unit, tensor[unit.index] if unit.index else tensor)
-
-    def hf_to_full_state(self, get: Callable[[str, tuple[int, ...]], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF tensors (get(name, expected_shape)) -> full megatron tensors under every key of the spec."""
-        full: dict[str, torch.Tensor] = {}
-        for unit in self.units():
-            data = self.to_mcore(unit, [get(n, s) for n, s in zip(unit.hf_names, unit.rule.hf_shapes)])
-            for key in unit.keys:
-                target = full.get(key)
-                if target is None:
-                    target = full[key] = torch.zeros(unit.global_shape, dtype=data.dtype)
-                if unit.index:
-                    target[unit.index] = data
-                else:
-                    target.copy_(data)
-        return full
 
     def hf_names(self) -> set[str]:
         return {name for unit in self.units() for name in unit.hf_names}
