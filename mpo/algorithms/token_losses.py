@@ -36,7 +36,7 @@ def ppo_clip_loss(ctx: LossContext, cfg: PPOClipConfig) -> tuple[Tensor, dict[st
 
     Dual clip (``dual_clip_c``) additionally caps the A<0 factor at c, i.e. ``max(J, c A)``.
     """
-    adv, valid = ctx.advantages, ctx.valid
+    adv = ctx.advantages
     ratio = torch.exp(ctx.log_ratio + ctx.log_gamma)  # router shift enters before the clip (RSPO's plug-in form)
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     factor = clip_factor(ratio, adv, low, high)

@@ -357,7 +357,6 @@ def _fp8_ratio(preset: str) -> float:
 
 def shape(args) -> int:
     import json
-    import math
 
     import torch.multiprocessing as mp
 
@@ -406,6 +405,12 @@ def shape(args) -> int:
           f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); of which the engine (one process, its Python "
           f"serialised by the GIL) {engine_cpu['alone']:.2f} / {engine_cpu['together']:.2f} cpu-s; this host: "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    # The least stage_overlap this host allows: at once cannot beat the longest stage alone, nor the CPU it needs
+    # spread over every core here; a y near this bound measures the host's cores, not the sync's shape.
+    cores = len(os.sched_getaffinity(0))
+    bound = max(max(turns.values()), cpu_together / cores) / alone
+    print(f"  this host's bound: stage_overlap >= {bound:.2f} (the longest stage alone, or the at-once CPU over "
+          f"{cores} cores; stage_overlap {together / alone:.2f} keeps {cores_together / cores:.0%} of them busy)")
     print(f"sync-shape collectives_per_sync_vs_buckets={collectives / buckets:.3f} "
           f"stage_overlap={together / alone:.3f} fp8_bytes_vs_bf16={_fp8_ratio(args.preset):.3f}")
     return 0
