@@ -180,9 +180,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def _port_offset(job_id: str) -> int:
-    # Stable across processes (unlike hash()), spreads job ids over the port range.
-    return zlib.crc32(job_id.encode()) % 2000
+# Derived ports stay below 32768, where Linux's default ephemeral range (net.ipv4.ip_local_port_range 32768-60999)
+# starts: a port in it can be handed to any outgoing connection or OS-picked listener on the node between the plan and
+# the engine's bind (CI saw an engine's derived port 44872 taken: "Address already in use", the job lost).
+EPHEMERAL_START = 32768
+MASTER_PORT_BASE, MASTER_PORTS = 20000, 2000
+ENGINE_PORT_BASE, ENGINE_PORT_STRIDE, ENGINES_PER_JOB = 22000, 8, 64  # a job's engines count up from its first port
+
+
+def derived_ports(job_id: str) -> tuple[int, int]:
+    """(torchrun master port, first engine port) of a job: stable across processes (crc32, unlike hash()), spread
+    over their ranges, both below EPHEMERAL_START even with ENGINES_PER_JOB engines."""
+    crc = zlib.crc32(job_id.encode())
+    engine_slots = (EPHEMERAL_START - ENGINE_PORT_BASE - ENGINES_PER_JOB) // ENGINE_PORT_STRIDE
+    return MASTER_PORT_BASE + crc % MASTER_PORTS, ENGINE_PORT_BASE + crc % engine_slots * ENGINE_PORT_STRIDE
 
 
 def _split_evenly(world_size: int, nodes: int) -> int:
@@ -246,9 +257,9 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
         raise PlanError("the allocation has no nodes")
     nnodes = len(hosts)
     trainer_nodes, per_node = trainer_layout(config, allocation, options.trainer_nodes)
-    offset = _port_offset(allocation.job_id)
-    master_port = options.master_port or 20000 + offset
-    engine_port = options.engine_port or 30000 + offset * 8
+    derived_master, derived_engine = derived_ports(allocation.job_id)
+    master_port = options.master_port or derived_master
+    engine_port = options.engine_port or derived_engine
     run_dir = str(Path(config.logging.out_dir) / "launch" / allocation.job_id)
     env = _environment(gpus, trainer=True)
     engine_env = _environment(gpus, trainer=False)

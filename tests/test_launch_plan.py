@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import Allocation, LaunchOptions, PlanError, make_plan
+from launch.plan import Allocation, LaunchOptions, PlanError, derived_ports, make_plan
 from mpo.config_checks import load_config, model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +133,23 @@ def test_ports_derive_from_job_id_and_agree():
     b = make_plan(config, Allocation(("n1", "n2"), 0, "77.0"), LaunchOptions(config_path=DEMO))
     c = make_plan(config, Allocation(("n1", "n2"), 0, "78.0"), LaunchOptions(config_path=DEMO))
     assert a == b and a.engine_urls != c.engine_urls
+
+
+def test_derived_ports_stay_below_the_ephemeral_range():
+    """A derived port in Linux's default ephemeral range (32768-60999) can be handed to any outgoing connection on
+    the node before the engine binds it: CI lost a job so (job id 15.0: engine port 44872, "Address already in use"; the
+    old derivation put 83% of job ids' engine ports in the range). Every job id's master and engine ports, with 64
+    engines, stay below it, and the engines' ranges do not reach the masters'."""
+    seen = set()
+    for job in [str(n) for n in range(20000)] + [f"{n}.0" for n in range(2000)]:
+        master, engine = derived_ports(job)
+        assert 20000 <= master < 22000 and 22000 <= engine and engine + 64 <= 32768, (job, master, engine)
+        seen.add(engine)
+    assert len(seen) > 1000  # spread: two jobs sharing a node rarely meet
+    config = load_config(DEMO, TWO_RANKS)
+    plan = make_plan(config, Allocation(("n1", "n2"), 0, "15.0"), LaunchOptions(config_path=DEMO))
+    ports = [int(url.rsplit(":", 1)[1]) for url in plan.engine_urls]
+    assert ports == [derived_ports("15.0")[1] + i for i in range(len(ports))] and max(ports) < 32768, ports
 
 
 @pytest.mark.parametrize("overrides, hosts, gpus, message", [
