@@ -66,6 +66,14 @@ PLUGIN = textwrap.dedent("""
                 time.sleep(0.1)
         return 1.0
 
+    def slow_first(completion, answer, metadata):
+        if completion == "slow":  # item 0 fails after item 1 did
+            time.sleep(1.0)
+            raise ValueError("the slow one")
+        if completion == "fast":
+            raise ValueError("the fast one")
+        return 1.0
+
     class _Opener:  # unpickles as open(path, "w"): a file created by whoever unpickles it
         def __init__(self, path):
             self.path = path
@@ -199,6 +207,16 @@ def test_hardening_plugin_half_written_frame_times_out_with_the_call(plugin, dea
     assert (rewards, errors) == ([0.0, 1.0], 1), pool.last_errors
     assert "item 0: timed out after 1 s" in pool.last_errors[0]
     assert took < 10.0, f"the half-written frame held the pool {took:.1f} s (timeout_s=1)"
+
+
+def test_hardening_plugin_errors_are_reported_in_input_order_not_finishing_order(plugin, deadline):
+    """The log's "first" error is the batch's first item that failed, whichever worker finished first (CI: an env
+    batch's first error came from item 1 in one run and item 0 in another)."""
+    with RewardPool(f"{plugin}:slow_first", timeout_s=20, workers=2) as pool:
+        rewards, errors = pool.score(["slow", "fast", "ok"], [0] * 3, [{}] * 3)
+    assert (rewards, errors) == ([0.0, 0.0, 1.0], 2), pool.last_errors
+    assert [m.split(":")[0] for m in pool.last_errors] == ["item 0", "item 1"], pool.last_errors
+    assert "the slow one" in pool.last_errors[0], pool.last_errors
 
 
 def test_hardening_plugin_frame_that_would_run_code_is_refused(plugin, tmp_path, deadline):

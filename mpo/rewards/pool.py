@@ -144,7 +144,7 @@ class RewardPool:
     """`workers` processes computing reward `fn_name` (a registered name or ``module:function``).
 
     `score(completions, answers, metadatas)` returns (rewards in input order, number of errors). `last_errors` holds
-    a few messages of the last batch's errors, for the log. Not thread-safe: score from one thread.
+    the messages of the last batch's first 8 errors in input order, for the log. Not thread-safe: score from one thread.
 
     `timeout_s` should exceed the reward's own limits: math-verify gives parse and verify 5 s each (and returns 0
     itself), so about 15 s for `math`. Workers are killed if this process dies (PR_SET_PDEATHSIG; it fires when the
@@ -167,6 +167,7 @@ class RewardPool:
         self.timeout_s = float(timeout_s)
         self.max_memory_mb = max_memory_mb or 0
         self.last_errors: list[str] = []
+        self._errors: list[tuple[int, str]] = []  # (item, message) of the batch being run
         self.dropped_output_bytes = 0  # workers' stderr dropped over MAX_OUTPUT_BYTES a batch, over the pool's life
         self._output_left = MAX_OUTPUT_BYTES
         self._env = self._worker_env()
@@ -240,8 +241,11 @@ class RewardPool:
         batch.results[worker.task] = self._failed_value
         batch.failed.add(worker.task)
         batch.errors += 1
-        if len(self.last_errors) < 8:
-            self.last_errors.append(f"item {worker.task}: {message}")
+        # the batch's lowest-indexed 8, not the first 8 to finish: the log's "first" error is the input's first,
+        # whichever worker was faster
+        self._errors.append((worker.task, message))
+        if len(self._errors) > 8:
+            self._errors.remove(max(self._errors))
         worker.task = None
 
     @staticmethod
@@ -357,13 +361,14 @@ class RewardPool:
             raise RuntimeError(f"{type(self).__name__} is closed")
         self._failed_value = failed_value
         batch = _Batch(list(items), results=[failed_value] * len(items))
-        self.last_errors = []
+        self.last_errors, self._errors = [], []
         self._output_left = MAX_OUTPUT_BYTES
         pending = collections.deque(range(len(items)))
         while pending or any(w.task is not None for w in self._workers):
             self._dispatch(batch, pending)
             self._wait(batch)
             self._expire(batch)
+        self.last_errors = [f"item {i}: {message}" for i, message in sorted(self._errors)]
         return batch
 
     def _dispatch(self, batch: _Batch, pending: collections.deque) -> None:
