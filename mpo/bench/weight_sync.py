@@ -401,13 +401,13 @@ def shape(args) -> int:
     (cpu_alone, cores_alone), (cpu_together, cores_together) = busy("alone"), busy("together")
     engine_cpu = {mode: statistics.median(rnd[0][mode]["engine_cpu_s"] for rnd in rounds)
                   for mode in ("alone", "together")}
+    cores = len(os.sched_getaffinity(0))  # the cores this process may run on (cpu_count counts the machine's)
     print(f"  CPU (4 ranks + engine): stages in turns {cpu_alone:.2f} cpu-s ({cores_alone:.2f} cores busy), at once "
           f"{cpu_together:.2f} cpu-s ({cores_together:.2f} cores busy); of which the engine (one process, its Python "
           f"serialised by the GIL) {engine_cpu['alone']:.2f} / {engine_cpu['together']:.2f} cpu-s; this host: "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+          f"{cores} cores, load average {os.getloadavg()[0]:.1f}")
     # The least stage_overlap this host allows: at once cannot beat the longest stage alone, nor the CPU it needs
     # spread over every core here; a y near this bound measures the host's cores, not the sync's shape.
-    cores = len(os.sched_getaffinity(0))
     bound = max(max(turns.values()), cpu_together / cores) / alone
     print(f"  this host's bound: stage_overlap >= {bound:.2f} (the longest stage alone, or the at-once CPU over "
           f"{cores} cores; stage_overlap {together / alone:.2f} keeps {cores_together / cores:.0%} of them busy)")

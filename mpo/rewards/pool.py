@@ -166,8 +166,7 @@ class RewardPool:
         self.fn_name = fn_name
         self.timeout_s = float(timeout_s)
         self.max_memory_mb = max_memory_mb or 0
-        self.last_errors: list[str] = []
-        self._errors: list[tuple[int, str]] = []  # (item, message) of the batch being run
+        self._errors: list[tuple[int, str]] = []  # (item, message) of the last batch's lowest-indexed 8 errors
         self.dropped_output_bytes = 0  # workers' stderr dropped over MAX_OUTPUT_BYTES a batch, over the pool's life
         self._output_left = MAX_OUTPUT_BYTES
         self._env = self._worker_env()
@@ -235,6 +234,11 @@ class RewardPool:
     def _replace(self, worker: _Worker) -> None:
         _kill(worker)
         self._workers[self._workers.index(worker)] = self._start()
+
+    @property
+    def last_errors(self) -> list[str]:
+        """The last batch's first 8 errors in input order ("item i: message"), for the log."""
+        return [f"item {i}: {message}" for i, message in sorted(self._errors)]
 
     def _fail(self, batch: _Batch, worker: _Worker, message: str) -> None:
         assert worker.task is not None
@@ -361,14 +365,13 @@ class RewardPool:
             raise RuntimeError(f"{type(self).__name__} is closed")
         self._failed_value = failed_value
         batch = _Batch(list(items), results=[failed_value] * len(items))
-        self.last_errors, self._errors = [], []
+        self._errors = []
         self._output_left = MAX_OUTPUT_BYTES
         pending = collections.deque(range(len(items)))
         while pending or any(w.task is not None for w in self._workers):
             self._dispatch(batch, pending)
             self._wait(batch)
             self._expire(batch)
-        self.last_errors = [f"item {i}: {message}" for i, message in sorted(self._errors)]
         return batch
 
     def _dispatch(self, batch: _Batch, pending: collections.deque) -> None:
