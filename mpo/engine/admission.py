@@ -19,6 +19,7 @@ that grows with their size (RequestReader.begin_body).
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import logging
 import selectors
@@ -107,10 +108,8 @@ class HeaderGate:
             self._drop(pending)
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):  # already woken (the pipe is full) or closing
             self._wake_w.send(b"x")
-        except (BlockingIOError, OSError):
-            pass  # already woken (the pipe is full) or closing
 
     def _run(self) -> None:
         while not self._stopped:
@@ -118,11 +117,9 @@ class HeaderGate:
             timeout = min((p.deadline for p in self._pending.values()), default=now + 3600.0) - now
             for key, _ in self._selector.select(max(0.0, timeout)):
                 if key.fileobj is self._wake_r:
-                    try:
+                    with contextlib.suppress(BlockingIOError, OSError):
                         while self._wake_r.recv(4096):
                             pass
-                    except (BlockingIOError, OSError):
-                        pass
                 else:
                     pending = self._pending.get(key.fileobj)
                     if pending is not None:
@@ -183,26 +180,20 @@ class HeaderGate:
 
     def _forget(self, pending: _Pending) -> None:
         self._pending.pop(pending.sock, None)
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(pending.sock)
-        except (KeyError, ValueError):
-            pass
 
     def _drop(self, pending: _Pending, answer: bytes = b"") -> None:
         self._forget(pending)
         if answer:
-            try:
+            with contextlib.suppress(OSError):
                 pending.sock.send(answer)  # non-blocking: a client that does not read gets nothing
-            except OSError:
-                pass
         self._close(pending.sock)
 
     @staticmethod
     def _close(sock: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         sock.close()
 
 

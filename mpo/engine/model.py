@@ -3,12 +3,10 @@ code: one per family of mpo.models.families), in the engine's own process.
 
 Why transformers and not the trainer's megatron-core GPTModel (the engine's model until issue #32): an engine is a
 separate implementation of the same network, as SGLang is on a GPU cluster, and megatron-core's modules are built for
-large tensor- and expert-parallel shapes: on the CPU demo one KV-cached generation of 128 rows took 52 ms through
-megatron-core's inference path (its per-expert SequentialMLP, static-context copies) and 22 ms through transformers'
-(grouped expert matmuls, SDPA), the same logits to 2.4e-7. The trainer's forward stays megatron-core's; what the two
-share is the checkpoint format (HF names, mpo.models.hf_mapping), and tests compare the engine's log-probs and routes
-with the trainer's forward as two independent implementations. Meant for CPU runs and tests (an engine holds the
-whole model); GPU clusters use SGLang.
+large tensor- and expert-parallel shapes (on the CPU demo its inference path generated at less than half transformers'
+speed: docs/measurements.md). The trainer's forward stays megatron-core's; what the two share is the checkpoint format
+(HF names, mpo.models.hf_mapping), and tests compare the engine's log-probs and routes with the trainer's forward as two
+independent implementations. Meant for CPU runs and tests (an engine holds the whole model); GPU clusters use SGLang.
 """
 
 from __future__ import annotations
@@ -91,11 +89,10 @@ class EngineModel:
     def create(cls, *, preset: str, mcore_dir: str | None, seed: int, dtype: str, fp32_lm_head: bool,
                dist_port: int | None, hf_dir: str | None = None, await_weights: bool = False) -> "EngineModel":
         """The engine's model: from an HF directory (`hf_dir`: its config.json and safetensors, as SGLang loads it);
-        with `await_weights`, transformers' own random init, for an engine whose weights arrive by a weight sync
-        before it serves (mpo's runs publish before their first rollout); else the trainer's initial weights:
-        megatron-core's model of `preset` built with `seed` (as a trainer rank builds it), or loaded from the
-        torch_dist checkpoint `mcore_dir`, converted to HF names once. Only that last path imports megatron-core
-        (~2.5 s of CPU per engine start)."""
+        with `await_weights`, transformers' own random init, for an engine whose weights arrive by a weight sync before
+        it serves (mpo's runs publish before their first rollout); else the trainer's initial weights: megatron-core's
+        model of `preset` built with `seed` (as a trainer rank builds it), or loaded from the torch_dist checkpoint
+        `mcore_dir`, converted to HF names once. Only that last path imports megatron-core (~2.5 s of CPU)."""
         from mpo.models.config import from_hf_config, preset as get_preset
 
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the engine is its own 1-rank world

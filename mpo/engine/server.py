@@ -11,6 +11,7 @@ request whose client went away is aborted, and the generator isolates a failure 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.client
 import io
@@ -19,7 +20,7 @@ import logging
 import select
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,13 +46,8 @@ UPDATE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed becau
 MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's GPU memory tags (ReleaseMemoryOccupationReqInput.tags)
 DEFAULT_MAX_ROWS = 16384  # rows of one batched /generate (--max-rows-per-request)
 
-# The request a connection thread is serving: routes ask it whether their client is still there.
+# The request a connection thread serves: `_CALLER.gone()` is True once its client has gone (unset outside a request).
 _CALLER = threading.local()
-
-
-def caller_gone() -> Callable[[], bool] | None:
-    """A check `() -> True once the client of the request this thread serves has gone`, or None outside a request."""
-    return getattr(_CALLER, "gone", None)
 
 
 class RequestError(Exception):
@@ -166,7 +162,7 @@ class EngineApp:
         try:
             results = self.generator.submit_many(request.rows, request.sampling, routed_experts=want_routes,
                                                  rids=request.rids, logprob_start_len=logprob_start_len,
-                                                 gone=caller_gone())  # no one to answer: its rows are aborted
+                                                 gone=getattr(_CALLER, "gone", None))  # no one to answer: rows aborted
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         start = request.routed_experts_start_len
@@ -244,8 +240,7 @@ class ServerLimits:
             is closed, so connections that never finish their headers cannot keep a prompt client out.
         max_header_bytes: request line and headers larger than this are answered 431 and closed.
         listen_backlog: connections the kernel queues before they are accepted. It must cover a rollout pool's burst
-            of new connections arriving while the accept loop is held up (with a backlog of 5, 34 of 40 connections
-            arriving during a short stall were dropped).
+            of new connections arriving while the accept loop is held up (docs/measurements.md: a backlog of 5).
     """
 
     max_body_bytes: int = 256 << 20
@@ -259,9 +254,7 @@ class ServerLimits:
     listen_backlog: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "idle_timeout_s", "header_timeout_s", "body_timeout_s", "min_body_bytes_per_s",
-                     "max_connections",
-                     "max_pending_connections", "max_header_bytes", "listen_backlog"):
+        for name in (f.name for f in fields(self)):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server limits: {name}={getattr(self, name)} must be > 0")
 
@@ -357,8 +350,7 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
                  loopback: bool = True) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        # Kept-alive connections: without TCP_NODELAY a reply's headers and body (two writes) meet the client's
-        # delayed ACK, 40 ms a request (measured on weight-sync buckets).
+        # Kept-alive connections: without TCP_NODELAY a reply's two writes meet the client's delayed ACK (40 ms).
         disable_nagle_algorithm = True
         timeout = limits.idle_timeout_s  # socket timeout: an idle connection is closed, its thread freed
 
@@ -422,10 +414,8 @@ def make_handler(app: EngineApp, api_key: str | None, limits: ServerLimits = Ser
             text = (self.headers.get("Content-Length") or "").strip()
             if drain and text.isascii() and text.isdigit() and int(text) <= _DRAIN_LIMIT:
                 self.reader.limit(_DRAIN_S)
-                try:
+                with contextlib.suppress(OSError):
                     self.rfile.read(int(text))
-                except OSError:
-                    pass
 
         def _admit(self, method: str) -> tuple[Route, int]:
             """The route and body length, judged from the request line and headers alone (RefusedRequest)."""
@@ -595,11 +585,9 @@ class EngineHTTPServer(ThreadingHTTPServer):
         body = json.dumps({"success": False, "message": f"engine busy: {why}; retry later"}).encode()
         head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-        try:
+        with contextlib.suppress(OSError):
             request.settimeout(1.0)  # a client that does not read must not stall the accept loop
             request.sendall(head + body)
-        except OSError:
-            pass
         self.shutdown_request(request)
 
 

@@ -9,13 +9,13 @@ The transports of mpo.weight_sync are served with SGLang's semantics:
 * distributed: /init_weights_update_group joins the trainer's group with the same rendezvous calls SGLang makes
   (mpo.weight_sync.wire.join_weight_update_group; this engine runs at TP1, so its rank is rank_offset),
   /update_weights_from_distributed receives one broadcast from rank 0 per tensor, in list order, into tensors of the
-  announced dtype and shape, or, with `load_format="flattened_bucket"` (what mpo's trainer sends, as SGLang 0.5.23
-  takes it), ONE broadcast of the whole bucket into one uint8 buffer laid out as the trainer packed it
+  announced dtype and shape, or, with `load_format="flattened_bucket"` (what mpo's trainer sends, as SGLang 0.5.23 takes
+  it), ONE broadcast of the whole bucket into one uint8 buffer laid out as the trainer packed it
   (mpo.weight_sync.wire.manifest_of: back to back in list order, byte offsets) and unpacked as views; and
   /destroy_weights_update_group leaves the group. Collectives of one group run one at a time, in arrival order;
-  different groups (one per sender: pipeline stages push concurrently) run at once, and buckets are staged in any
-  order within the session. Received tensors are checked (name,
-  shape) only after every broadcast of the request was received, so a bad request never leaves the group out of step.
+  different groups (one per sender: pipeline stages push concurrently) run at once, and buckets are staged in any order
+  within the session. Received tensors are checked (name, shape) only after every broadcast of the request was received,
+  so a bad request never leaves the group out of step.
 
 Block-FP8 weights (rollout.engine_weights=fp8_block, mpo.weight_sync.fp8): a weight that arrives in float8_e4m3fn
 (tensor and shm paths) is staged with its `<module>.weight_scale_inv` (float32, one scale per 128 x 128 block) and
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,7 @@ from safetensors.torch import load as safetensors_load
 from mpo.engine.server import EngineApp, RequestError
 from mpo.rollout.protocol import is_json_int
 from mpo.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, is_quantized, scale_name, scale_shape
-from mpo.weight_sync.shared_memory import WEIGHT_DTYPES
+from mpo.weight_sync.shared_memory import WEIGHT_DTYPES, read_view
 from mpo.weight_sync.wire import (MPO_FORMAT, SGLANG_FORMAT, SHM_FORMAT, dtype_from_name, join_weight_update_group,
                                   manifest_of, unpack_bucket)
 
@@ -99,10 +100,9 @@ def _decode_inline(payload: str) -> dict[str, torch.Tensor]:
     except (binascii.Error, ValueError) as exc:  # ValueError: non-ASCII characters
         raise RequestError(f"{MPO_FORMAT}: the payload is not base64 ({exc})") from None
     try:
-        tensors = safetensors_load(raw)
+        return safetensors_load(raw)
     except SafetensorError as exc:
         raise RequestError(f"{MPO_FORMAT}: the payload is not a safetensors file ({exc})") from None
-    return tensors
 
 
 class WeightRoutes:
@@ -185,10 +185,6 @@ class WeightRoutes:
 
     def _from_shared(self, payload: Any) -> dict[str, torch.Tensor]:
         """Copy every located tensor out of the sender's shared slot into this engine's receive buffers."""
-        import json
-
-        from mpo.weight_sync.shared_memory import read_view
-
         try:
             locators = json.loads(payload) if isinstance(payload, str) else None
         except ValueError:
@@ -346,15 +342,12 @@ class WeightRoutes:
                 tensors = {name: ckpt.get(name, shape) for name, shape in self._expected.items()}
         except (ConversionError, OSError) as exc:
             raise RequestError(f"update_weights_from_disk: {exc}") from exc
-        with self.runner_lock():
+        with self.app.generator.model_lock:
             self.runner.load_hf(tensors)
         self.app.generator.weight_version = version or self.app.generator.weight_version
         self.app.flush_after_update(body, "update_weights_from_disk")
         return {"success": True, "message": f"Succeeded to update model weights from {path}.",
                 "num_paused_requests": 0}
-
-    def runner_lock(self):
-        return self.app.generator.model_lock
 
     def apply(self) -> None:
         pending, version = self.pending, self.pending_version
@@ -370,7 +363,7 @@ class WeightRoutes:
             elif tensor.dtype == FP8_DTYPE and scale_name(name) not in pending:
                 raise RequestError(f"end_weight_update: FP8 weight {name!r} arrived without its "
                                    f"{scale_name(name)!r} in this session; no weight of the session was applied")
-        with self.runner_lock():  # weights and their version change together (tokens are stamped with it)
+        with self.app.generator.model_lock:  # weights and their version change together (tokens are stamped with it)
             self.runner.load_hf(pending)
             if version:
                 self.app.generator.weight_version = version

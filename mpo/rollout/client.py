@@ -92,8 +92,7 @@ class EngineClient:
         return {**self.__dict__, "_async": {}, "_client": None}
 
     def _sync_client(self) -> httpx.Client:
-        # One client for every call: httpx.request() builds a fresh Client (and TLS context) per call, about 20 ms
-        # each, which made every weight-sync bucket cost 20 ms more than its data.
+        # One client for every call: httpx.request() builds a fresh Client (and TLS context) per call, ~20 ms each.
         if self._client is None:
             self._client = httpx.Client(headers=self.headers, timeout=self.timeout_s, verify=_tls_context())
         return self._client
@@ -198,8 +197,6 @@ class EngineClient:
         With prompt_routes_once and routes asked for, a prompt's later samples go in a second call sent alongside,
         with routed_experts_start_len (SGLang's field is one per call): the first sample of each prompt brings the
         prompt's routes, the others only their own rows, and the prompt's are put back into theirs."""
-        if len(requests) == 1:
-            return [await self.generate(requests[0], timeout_s=timeout_s)]
         first = requests[0]
         if any(r.return_logprob != first.return_logprob or r.return_routed_experts != first.return_routed_experts
                for r in requests):

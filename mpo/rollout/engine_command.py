@@ -79,19 +79,12 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class EngineCommand:
-    """An engine's exact command line and the environment variables it needs on top of its parent's.
+    """An engine's exact command line and the environment variables it needs on top of its parent's."""
 
-    Attributes:
-        argv: the command line (never holds the key).
-        env: variables to set (MPO_API_KEY when a key is set).
-        host: the address the engine binds.
-        port: its HTTP port.
-    """
-
-    argv: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    port: int = 0
+    argv: tuple[str, ...]  # never holds the key
+    env: dict[str, str] = field(default_factory=dict)  # MPO_API_KEY when a key is set
+    host: str = "127.0.0.1"  # the address the engine binds
+    port: int = 0  # its HTTP port
 
 
 def engine_command(settings: EngineSettings, *, python: str, host: str, port: int) -> EngineCommand:

@@ -236,13 +236,12 @@ class EngineSet:
                 reported = client.call("/server_info", method="GET", timeout_s=10).get("tp_size")
             except Exception:  # noqa: BLE001 - unreachable now (e.g. not started yet): the configured size
                 reported = None
-            if isinstance(reported, int) and reported >= 1:
-                if reported != self.tp_size:
-                    log.warning("engine %s reports tp_size=%d; rollout.tensor_parallel says %d: using %d",
-                                client.url, reported, self.tp_size, reported)
-                sizes.append(reported)
-            else:
-                sizes.append(self.tp_size)
+            if not (isinstance(reported, int) and reported >= 1):
+                reported = self.tp_size
+            elif reported != self.tp_size:
+                log.warning("engine %s reports tp_size=%d; rollout.tensor_parallel says %d: using %d",
+                            client.url, reported, self.tp_size, reported)
+            sizes.append(reported)
         return sizes
 
     def stop(self) -> None:

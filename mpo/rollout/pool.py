@@ -64,7 +64,6 @@ class EngineHandle:
     restart: Callable[[], None] | None = None
     current: Callable[[], bool] | None = None  # may it take work now (False: restarted, no current weights yet)?
     restarts: int = 0
-    failures: int = 0
     _lock: asyncio.Lock | None = field(default=None, repr=False)
     _ready: asyncio.Event | None = field(default=None, repr=False)  # clear while a failure is being recovered from
     _gone: bool = field(default=False, repr=False)  # down and not restartable: its workers stop
@@ -139,8 +138,8 @@ class RolloutPool:
         for start in range(0, len(requests), per_call):
             queue.put_nowait((list(range(start, min(start + per_call, len(requests)))), 0))
         self.resent, self.calls = [], 0
-        for engine in self.engines:  # restarts and failures count per call: each call has the whole restart budget
-            engine._lock, engine.restarts, engine.failures = asyncio.Lock(), 0, 0
+        for engine in self.engines:  # restarts count per call: each call has the whole restart budget
+            engine._lock, engine.restarts = asyncio.Lock(), 0
             engine._ready, engine._gone = asyncio.Event(), False
             engine._ready.set()
         failure: list[BaseException] = []
@@ -254,7 +253,6 @@ class RolloutPool:
         """After a failure: if the engine does not answer health checks, restart it (once for all its workers)."""
         assert engine._lock is not None
         async with engine._lock:
-            engine.failures += 1
             if engine._gone:  # another worker's recovery gave it up meanwhile
                 return False
             if await asyncio.to_thread(engine.client.healthy, 10.0):

@@ -46,8 +46,7 @@ class SamplingParams:
     top_k: int = -1
 
     def __post_init__(self) -> None:
-        # The fields as they are (vars, not dataclasses.asdict: that deep-copies every value, and it was ~20 us per
-        # request on both sides of every /generate: 2.5 ms of a 128-row call, twice)
+        # vars, not dataclasses.asdict: that deep-copies every value, per request on both sides of every /generate
         check_sampling_fields(vars(self), where="sampling")
 
     @property
@@ -65,8 +64,7 @@ class SamplingParams:
     def from_json(cls, obj: Any, *, where: str = "sampling_params") -> "SamplingParams":
         """Parse a wire `sampling_params` object; ValueError naming the field (`where`.field) if anything is wrong.
         Fields mpo does not use (SGLang has many) are ignored."""
-        if obj is None:
-            obj = {}
+        obj = {} if obj is None else obj
         if not isinstance(obj, dict):
             raise ValueError(f"{where} must be a JSON object, got {_json_type(obj)}")
         known = {k: obj[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed")
@@ -282,8 +280,7 @@ class GenerateResult:
             raise ValueError(f"meta_info must be an object, got {_json_type(meta)}")
         output_ids = _answer_ids(obj.get("output_ids"))
         triples = meta.get("output_token_logprobs")
-        if triples is None:
-            triples = []
+        triples = [] if triples is None else triples
         if request.return_logprob and _length(triples, "meta_info.output_token_logprobs") != len(output_ids):
             raise ValueError(f"output_token_logprobs has {len(triples)} entries for {len(output_ids)} output ids")
         routed = None

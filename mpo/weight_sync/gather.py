@@ -1,9 +1,9 @@
-"""The gather (see mpo.weight_sync): every rank's side of a streaming sync. Holders send their pieces to their stage's
-sender (or write them into its shared slot on the same CPU host); the sender assembles each bucket in one of two slots,
-converts it to HF names and hands it to the transport while the next bucket's pieces land in the other slot."""
+"""The gather: every rank's side of a streaming sync (mpo.weight_sync says how: holders' pieces to their stage's
+sender, or into its shared slot on the same CPU host; two slots on the sender, double buffered)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,12 +87,8 @@ def _write_pieces(bucket: Bucket, rank: int, local: list[torch.Tensor], slot: to
 
 def _send_pieces(bucket: Bucket, rank: int, local: list[torch.Tensor]) -> list:
     """A holder's sends of one bucket to its sender (views of the parameters where contiguous: no copy)."""
-    works = []
-    for pu in bucket.units:
-        for piece in pu.pieces:
-            if piece.holder == rank and bucket.sender != rank:
-                works.append(dist.isend(local[piece.shard][piece.src].contiguous(), dst=bucket.sender))
-    return works
+    return [dist.isend(local[piece.shard][piece.src].contiguous(), dst=bucket.sender)
+            for pu in bucket.units for piece in pu.pieces if piece.holder == rank and bucket.sender != rank]
 
 
 @dataclass
@@ -268,10 +264,8 @@ class WeightStreamer:
                 del named, tensors
         except BaseException:  # never free a slot an engine may still be reading; the first error is the one raised
             for slot in range(len(slots)):
-                try:
+                with contextlib.suppress(Exception):  # an engine failing the same sync again says nothing new
                     settle(slot)
-                except Exception:  # noqa: BLE001, S110 - an engine failing the same sync again says nothing new
-                    pass
             raise
         for slot in range(len(slots)):
             settle(slot)

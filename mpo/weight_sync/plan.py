@@ -1,5 +1,4 @@
-"""The sync plan (see mpo.weight_sync): units, pieces and buckets, computed by every rank alike from megatron's own
-sharding metadata (each ShardedTensor's global shape and offset), exchanged once; never from the data."""
+"""The sync plan (see mpo.weight_sync): units, pieces and buckets, from megatron's sharding metadata, never the data."""
 
 from __future__ import annotations
 

@@ -260,10 +260,8 @@ class Publisher:
                                      vocab_size=cfg.vocab_size, moe_layers=cfg.moe_layers, seed=self.seed,
                                      max_sequences=self.sync.probe_max_sequences, strict=False)
             first = [[1 + (7 * i) % (cfg.vocab_size - 1) for i in range(PROBE_TOKENS)]]
-            self.probes, runs, uncovered = covering_probe_runs(self.engines.clients[0], self.probes or first,
-                                                               coverage)
-            box = [(self.probes, [run.routes.astype(route_dtype(cfg.num_experts, signed=True))
-                                  for run in runs])]
+            self.probes, runs, uncovered = covering_probe_runs(self.engines.clients[0], self.probes or first, coverage)
+            box = [(self.probes, [run.routes.astype(route_dtype(cfg.num_experts, signed=True)) for run in runs])]
         dist.broadcast_object_list(box, src=0, group=self.object_group)
         probes, routes = box[0]
         reference, replayed = self._score_replaying(probes, routes)
@@ -278,9 +276,9 @@ class Publisher:
         """Collective: score_probes with this stage's routers forced to the engine's `routes` (routing replay, one
         record per micro-batch the scorer runs: probes grouped by length in order of first appearance, as
         mpo.trainer.probes.trainer_probe_logprobs does); natural routing where this rank has no routing hooks."""
+        from mpo.models.context_parallel import padded_width
         from mpo.routing.capture import CaptureConfig, _tap_for
-        from mpo.routing.records import MicroBatchRouting
-        from mpo.routing.records import route_slots
+        from mpo.routing.records import MicroBatchRouting, route_slots
 
         hooks = next((tap.hooks for module in self.model.modules() if (tap := _tap_for(module)) is not None), None)
         if hooks is None or not routes:
@@ -292,8 +290,6 @@ class Publisher:
         for j, probe in enumerate(probes):
             by_length.setdefault(len(probe), []).append(j)
         records = []
-        from mpo.models.context_parallel import padded_width
-
         for length, rows in by_length.items():
             # as wide as the scorer's padded batch (context parallelism); the padding routes naturally (-1)
             indices = torch.full((len(rows), padded_width(length), len(slots), cfg.router_topk), -1,

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
@@ -79,18 +79,6 @@ def plan_routes(claims: Sequence[Sequence[int]], senders: Sequence[int], engines
     return Routes(tuple(leader), direct, relays)  # type: ignore[arg-type]
 
 
-@dataclass
-class _Header:
-    """A relayed bucket's small header: its buffer's bytes and its manifest (name, dtype, shape, offsets)."""
-
-    nbytes: int
-    manifest: list[dict[str, Any]] = field(default_factory=list)
-
-    def encode(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(json.dumps({"n": self.nbytes, "m": self.manifest}).encode()),
-                                dtype=torch.uint8)
-
-
 class NodeRelay:
     """One sync's relays on one rank (collective to make: every rank of the trainer world, same routes).
 
@@ -126,14 +114,13 @@ class NodeRelay:
         if leaders:
             self._wait_sends()  # at most one bucket of relays in flight: memory stays one packed copy
             flat, manifest = pack_bucket(bucket, device=self.device)
-            header = _Header(int(flat.numel()), [{"name": m.name, "dtype": dtype_name(m.dtype),
-                                                  "shape": list(m.shape)} for m in manifest]).encode()
+            entries = [{"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape)} for m in manifest]
+            # a small header: the buffer's bytes and its manifest (offsets follow from the order: manifest_of)
+            header = torch.frombuffer(bytearray(json.dumps({"n": int(flat.numel()), "m": entries}).encode()),
+                                      dtype=torch.uint8)
             size = torch.tensor([header.numel()], dtype=torch.int64)
-            works = []
-            for leader in leaders:
-                works += [dist.isend(size, dst=leader, group=self.group),
-                          dist.isend(header, dst=leader, group=self.group),
-                          dist.isend(flat, dst=leader, group=self.group)]
+            works = [dist.isend(part, dst=leader, group=self.group)
+                     for leader in leaders for part in (size, header, flat)]
             self._sends = [(works, (size, header, flat))]
         return self.direct(bucket) if self.direct is not None else None
 

@@ -223,10 +223,8 @@ class SharedBuffer:
 def _release(key: int, unlink: str | None, lock: int | None) -> None:
     _REGISTRY.pop(key, None)
     if unlink is not None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(unlink)
-        except FileNotFoundError:
-            pass
     if lock is not None:  # after the unlink: a sweep must never see this file unlocked while it has its name
         os.close(lock)
 

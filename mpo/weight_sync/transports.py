@@ -1,7 +1,5 @@
-"""The transports (see mpo.weight_sync): the Transport base class, the TRANSPORTS registry (built-ins by module path,
-a user's class as `sync.transport=module:attr` or `path/to/file.py:attr`), the one compatibility check
-(`check_transport`: config validation, the launcher's placement and WeightSync on every sender all ask it) and
-WeightSync, the weight-update session every transport pushes inside. "auto" is a resolution rule (resolve_transport),
+"""The transports (see mpo.weight_sync). The one compatibility check, `check_transport`, is asked by config
+validation, the launcher's placement and WeightSync on every sender. "auto" is a resolution rule (resolve_transport),
 not a transport.
 """
 
@@ -128,10 +126,9 @@ def transport_class(transport: str) -> type[Transport]:
 def resolve_transport(transport: str, engine: str, *, started_here: bool, is_gpu: bool,
                       shared_memory: bool | None = None) -> str:
     """The transport `sync.transport` names; "auto" (the default) is "shm" for mpo engines this run starts on a CPU
-    host (buckets read in place: the demo's sync 3.7 -> 2.6 s per 100 steps, the same learning) unless
-    `sync.host_shared_memory` is false (`shared_memory`: a container with a tiny /dev/shm), and "tensor" for every
-    other engine (engines on other nodes that "tensor" cannot reach need "distributed", which the recipes and the
-    launcher's placement checks name)."""
+    host (buckets read in place: a faster sync, the same learning) unless `sync.host_shared_memory` is false
+    (`shared_memory`: a container with a tiny /dev/shm), and "tensor" for every other engine (engines on other nodes
+    that "tensor" cannot reach need "distributed", which the recipes and the launcher's placement checks name)."""
     if transport != "auto":
         return transport
     return "shm" if engine == "mpo" and started_here and not is_gpu and shared_memory is not False else "tensor"
@@ -187,8 +184,7 @@ class _Calls:
 
     def __init__(self, clients: Sequence[EngineClient], call: Callable[[EngineClient], Any]) -> None:
         self.errors: dict[str, BaseException] = {}
-        # set once every call returned or one failed: a caller that must react to the first refusal blocks on it
-        # instead of polling (a poll per millisecond per sender took the cores concurrent stages push with)
+        # set once every call returned or one failed: a caller reacting to the first refusal blocks on it, not polling
         self.settled = threading.Event()
         self._left, self._lock = len(clients), threading.Lock()
         if not clients:
@@ -357,8 +353,7 @@ class WeightSync:
         return self.via.push(bucket, str(version), wait=wait)
 
     def connect(self) -> None:
-        """Set up the transport's connection now (distributed: the weight-update groups) instead of at the first
-        push."""
+        """Set up the transport's connection now (distributed: the weight-update groups), not at the first push."""
         self.via.connect()
 
     def close(self) -> None:

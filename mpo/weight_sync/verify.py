@@ -2,14 +2,11 @@
 log-probs of a probe that covers every expert (SGLang). Takes the trainer's log-probs as input: imports no trainer.
 
 The probe's comparison (check_probe, issue #45) must not kill a healthy bf16 run and must still catch wrong weights.
-bf16 log-probs differ from an fp32 reference by ~1e-2 per token with outliers: a tiny Qwen3-MoE in bf16 against
-itself in fp32, 16 x 64 random tokens with natural routing, has median 0.007, 99th percentile 0.14 and max 0.30 (the
-one GPU run: max 0.26, mean 1.1e-2), so a bound on the maximum either kills healthy runs or is too loose to see much.
-A wrong tensor instead moves whole groups of tokens: a dense tensor every token (the median), one expert's tensor the
-tokens routed to it (the median of that (layer, expert) group; same model, one expert of the last layer x2 / zeroed
-/ swapped with another: its group's median 0.36 / 0.06 / 0.08 against 0.008 for the worst healthy group). So bf16
-fails on medians, overall and per routed group, bounded by dtype, and only warns on the maximum (drift); fp32 on both
-sides has no noise to speak of and keeps a tight bound on every token.
+bf16 log-probs differ from an fp32 reference by ~1e-2 per token with outliers (docs/measurements.md), so a bound on the
+maximum either kills healthy runs or is too loose to see much. A wrong tensor instead moves whole groups of tokens: a
+dense tensor every token (the median), one expert's tensor the tokens routed to it (the median of that (layer, expert)
+group). So bf16 fails on medians, overall and per routed group, bounded by dtype, and only warns on the maximum (drift);
+fp32 on both sides has no noise to speak of and keeps a tight bound on every token.
 """
 
 from __future__ import annotations
@@ -110,9 +107,9 @@ class ProbeBounds:
     warn_max: float = float("inf")
 
 
-# fp32 on both sides: no noise to speak of (the fp32 engine vs transformers: 1e-5). bf16 on either side: the numbers
-# in the module docstring, with room (x7 the healthy median; groups of 8+ tokens: a healthy group's median over
-# 0.04 needs half its tokens past the 95th percentile).
+# fp32 on both sides: no noise to speak of (the fp32 engine vs transformers: 1e-5). bf16 on either side: the numbers in
+# docs/measurements.md (probe bounds), with room (x7 the healthy median; groups of 8+ tokens: a healthy group's median
+# over 0.04 needs half its tokens past the 95th percentile).
 PROBE_BOUNDS = {"fp32": ProbeBounds(median=1e-3, group_median=1e-3, max=1e-3, warn_max=1e-4),
                 "bf16": ProbeBounds(median=0.05, group_median=0.04, group_min_tokens=8, warn_max=0.1)}
 
@@ -329,8 +326,7 @@ def covering_probe_runs(client: EngineClient, base: Sequence[Sequence[int]],
             if not coverage.strict:
                 log.warning("engine %s: a probe of %d sequences leaves %d (layer, expert) pairs never routed to "
                             "(%s%s): they are not verified; raise sync.probe_max_sequences (now %d) to cover them",
-                            client.url,
-                            len(probes), len(missing), shown, ", ..." if len(missing) > 5 else "",
+                            client.url, len(probes), len(missing), shown, ", ..." if len(missing) > 5 else "",
                             coverage.max_sequences)
                 break
             raise EngineError(client.url, "/generate", f"probe of {len(probes)} sequences "

@@ -61,8 +61,7 @@ def host_weight_update_store(master_address: str, world_size: int,
                               timeout: timedelta = timedelta(seconds=120)) -> dist.TCPStore:
     """The trainer's (rank 0's) TCP store for a weight-update group, listening (on every interface, as a rendezvous
     store does) on a port the OS picks (port 0) before any engine is told it (`store.port`): a port picked free first
-    and bound later could be taken meanwhile on a busy host, as happened to SGLang's HTTP port under two pytest
-    workers."""
+    and bound later could be taken meanwhile on a busy host."""
     return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
