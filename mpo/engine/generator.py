@@ -117,8 +117,7 @@ class _Batch:
 
     @classmethod
     def of(cls, rows: list[_Active]) -> "_Batch":
-        return cls(rows, max(len(r.prompt) + r.sampling.max_new_tokens for r in rows),
-                   any(r.want_routes for r in rows))
+        return cls(rows, max(len(r.prompt) + r.sampling.max_new_tokens for r in rows), any(r.want_routes for r in rows))
 
     def known(self) -> int:
         """Positions every row knows the token of (what a prefill can feed): all fed ones and the next, or the
@@ -266,10 +265,9 @@ class MpoGenerator:
             return bool(self._pending or self._active)
 
     def pause(self, mode: str = "in_place") -> None:
-        """Stop between two steps (SGLang's pause_generation; "abort" is the server's: abort_all, then this).
-        "retract": the running rows' cache is dropped and rebuilt by a prefill when generation continues, as SGLang
-        retracts running requests to its queue and recomputes their KV; "in_place": the rows keep their cache and
-        count as running, so a cache flush (and a weight update that asks for one) is refused, as SGLang's is."""
+        """Stop between two steps (SGLang's pause_generation; "abort" is the server's: abort_all, then this). "retract"
+        drops the running rows' cache, rebuilt by a prefill on continue; "in_place" keeps it, the rows counting as
+        running (can_flush); both as SGLang does (the module docstring)."""
         with self._cv:
             self._paused = True
             if mode == "retract" and self._active:
@@ -444,15 +442,9 @@ class MpoGenerator:
         n_prompt = len(request.prompt)
         score = score and request.finish_reason is not None and request.finish_reason.get("type") != "abort"
         meta: dict[str, Any] = {
-            "id": request.rid,
-            "finish_reason": request.finish_reason,
-            "prompt_tokens": n_prompt,
-            "completion_tokens": len(request.output),
-            "cached_tokens": 0,
-            "num_retractions": request.retractions,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.time() - request.started,
-        }
+            "id": request.rid, "finish_reason": request.finish_reason, "prompt_tokens": n_prompt,
+            "completion_tokens": len(request.output), "cached_tokens": 0, "num_retractions": request.retractions,
+            "weight_version": self.weight_version, "e2e_latency": time.time() - request.started}
         completion_logprobs = request.sampled_logprobs if score else [0.0] * len(request.output)
         meta["output_token_logprobs"] = [[float(lp), int(tok), None]
                                          for lp, tok in zip(completion_logprobs, request.output)]

@@ -185,8 +185,7 @@ class EngineApp:
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def _flush(self, body: dict[str, Any]) -> dict[str, Any]:
-        """SGLang's rule (this engine keeps no cache between requests, but agrees on when a flush may happen): refused
-        while a request is running (an in-place pause keeps them running) or queued (unless paused)."""
+        """SGLang's rule (can_flush), kept though this engine keeps no cache between requests."""
         if not self.generator.can_flush():
             raise RequestError(FLUSH_REFUSED)
         return {"success": True, "message": "Cache flushed."}

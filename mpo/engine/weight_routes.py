@@ -346,8 +346,7 @@ class WeightRoutes:
             self.runner.load_hf(tensors)
         self.app.generator.weight_version = version or self.app.generator.weight_version
         self.app.flush_after_update(body, "update_weights_from_disk")
-        return {"success": True, "message": f"Succeeded to update model weights from {path}.",
-                "num_paused_requests": 0}
+        return {"success": True, "message": f"Succeeded to update model weights from {path}.", "num_paused_requests": 0}
 
     def apply(self) -> None:
         pending, version = self.pending, self.pending_version

@@ -24,8 +24,7 @@ API_KEY_ENV = "MPO_API_KEY"
 SECRET_ENV = frozenset({API_KEY_ENV})  # environment variables never printed (dry runs, messages) ...
 REDACTED = "<redacted>"  # ... but shown as this
 
-# Runs `python -m sglang.launch_server ARGS --api-key $MPO_API_KEY` without the key on the real argv. Imports only
-# the standard library, so it needs nothing of mpo in SGLang's (separate) environment.
+# The module docstring's launcher. Imports only the standard library: SGLang's (separate) environment has no mpo.
 SGLANG_KEY_LAUNCHER = (
     'import os, runpy, sys; '
     f'key = os.environ.get("{API_KEY_ENV}"); '
@@ -37,15 +36,14 @@ SGLANG_KEY_LAUNCHER = (
 @dataclass(frozen=True)
 class EngineSettings:
     """What an engine serves, independent of where it runs: the config fields an engine depends on (from_config names
-    each; `dtype` is rollout.engine_dtype, else model.dtype). mpo's engine only: `seed` (its init without a
-    checkpoint: config.seed, so it starts as the trainer does), `preset`, `mcore_dir` (loaded when there is no
-    hf_dir; None: seeded init) and `max_batch` (its largest decode batch); it runs at TP1. `api_key` travels in the
-    environment, never on argv. `bucket_mb`: mpo's engine accepts request bodies of a bucket after base64 plus
-    headroom (--max-body-mb). `memory_saver` (rollout.colocate): SGLang gets --enable-memory-saver to release and
-    resume its GPU memory (mpo's engine serves the same endpoints without a flag). `mem_fraction`: SGLang's
-    --mem-fraction-static (None: its default). `await_weights` (every run's engines: the trainer publishes its weights
-    before the first rollout): mpo's engine starts from a random init instead of building the trainer's (`seed`,
-    `mcore_dir`), which the first sync would overwrite; it then does not import megatron-core."""
+    each; `dtype` is rollout.engine_dtype, else model.dtype). mpo's engine only: `seed` (its init without a checkpoint:
+    config.seed, so it starts as the trainer does), `preset`, `mcore_dir` (loaded when there is no hf_dir; None: seeded
+    init) and `max_batch` (its largest decode batch); it runs at TP1. `bucket_mb`: mpo's engine accepts request bodies
+    of a bucket after base64 plus headroom (--max-body-mb). `memory_saver` (rollout.colocate): SGLang gets
+    --enable-memory-saver to release and resume its GPU memory (mpo's engine serves the same endpoints without a flag).
+    `mem_fraction`: SGLang's --mem-fraction-static (None: its default). `await_weights` (every run's engines: the
+    trainer publishes its weights before the first rollout): mpo's engine starts from a random init instead of building
+    the trainer's (`seed`, `mcore_dir`), which the first sync would overwrite; it then does not import megatron-core."""
 
     engine: Literal["mpo", "sglang"] = "mpo"
     dtype: Literal["fp32", "bf16"] = "fp32"

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from mpo.rollout.protocol import encode_routed_experts
+
 # A value of a malformed header in an error message: cut short (it may be huge, or nested too deep for repr).
 _short = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=40, maxother=40).repr
 
@@ -215,7 +217,6 @@ def restore_prompt_routes(payload: Any) -> Any:
 def sglang_json(payload: Any) -> Any:
     """The same answer as SGLang's JSON: routes (``meta_info.routed_experts`` arrays) as base64 little-endian int32,
     any other array as a list."""
-    from mpo.rollout.protocol import encode_routed_experts
 
     def convert(value: Any, key: str | None = None) -> Any:
         if isinstance(value, np.ndarray):

@@ -230,11 +230,8 @@ class GenerateRequest:
     routed_experts_start_len: int = 0  # routes of positions [start, n-1) only (the rest: another sample's prompt)
 
     def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "input_ids": list(self.input_ids),
-            "sampling_params": self.sampling.to_json(),
-            "return_logprob": self.return_logprob,
-        }
+        body: dict[str, Any] = {"input_ids": list(self.input_ids), "sampling_params": self.sampling.to_json(),
+                                "return_logprob": self.return_logprob}
         if self.return_routed_experts:
             body["return_routed_experts"] = True
             if self.routed_experts_start_len:
@@ -322,15 +319,9 @@ class GenerateResult:
                 raise ValueError(f"output_token_weight_versions has {len(stamps)} entries for {len(output_ids)} "
                                  "output ids")
             meta = {**meta, "output_token_weight_versions": token_versions(stamps)}
-        return cls(
-            prompt_ids=list(request.input_ids),
-            output_ids=output_ids,
-            output_logprobs=_answer_logprobs(triples),
-            finish_reason=finish,
-            weight_version=weight_version(meta.get("weight_version")),
-            routed_experts=routed,
-            meta=meta,
-        )
+        return cls(prompt_ids=list(request.input_ids), output_ids=output_ids, output_logprobs=_answer_logprobs(triples),
+                   finish_reason=finish, weight_version=weight_version(meta.get("weight_version")),
+                   routed_experts=routed, meta=meta)
 
 
 def _length(value: Any, where: str) -> int:

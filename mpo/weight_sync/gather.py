@@ -110,7 +110,6 @@ class WeightStreamer:
     Args:
         model: the unwrapped megatron GPTModel (one pipeline chunk).
         mapping: the conversion mapping (mpo.models.hf_mapping.mapping_for(cfg, spec="local")).
-        stage: this rank's pipeline stage.
         bucket_bytes: bucket size (HF bytes).
         device: where pieces are gathered (the training device).
         host_shared_memory: same-host pieces through shared-memory slots (module docstring); None: on when the
@@ -202,8 +201,7 @@ class WeightStreamer:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _send_buckets(self, buckets: list[Bucket], local, push, digest, result: StreamResult,
-                      hf_views: bool) -> None:
+    def _send_buckets(self, buckets: list[Bucket], local, push, digest, result: StreamResult, hf_views: bool) -> None:
         if not buckets:
             return
         # Two slots, allocated once per sync: bucket k is converted and pushed from one while bucket k+1's receives

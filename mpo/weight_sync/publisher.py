@@ -1,5 +1,4 @@
-"""The publisher (see mpo.weight_sync): one per run on every rank (made in mpo.trainer.loop.run); it streams the
-trainer's weights to the engines after each step and verifies them. No rank gathers the full model."""
+"""The publisher (see mpo.weight_sync): on every rank, streams the weights to the engines after each step."""
 
 from __future__ import annotations
 
@@ -182,7 +181,6 @@ class Publisher:
         at_once = via.stages_at_once(len(streamer.senders), len(info["urls"]))  # the same on every rank
         if sync is not None:
             sync.via.prepare(at_once)
-        digest = None
         if r.engine == "mpo":
             engine_dtype = torch.bfloat16 if self.engine_dtype == "bf16" else torch.float32
             fp32_names = {"lm_head.weight"} if m.fp32_lm_head else set()
@@ -191,7 +189,8 @@ class Publisher:
                 if fp8:  # what the engine stores: the FP8 weight dequantized (convert saw this bucket first)
                     tensor = convert.engine_value(name, tensor)
                 return tensor_digest(tensor if name in fp32_names else tensor.to(engine_dtype))
-
+        else:
+            digest = None
         if engines is not None:
             # A synchronous schedule syncs between rollouts: nothing is generating, no pause (or continue) is needed
             sync.begin_session(pause=self.pause)
@@ -292,8 +291,7 @@ class Publisher:
         records = []
         for length, rows in by_length.items():
             # as wide as the scorer's padded batch (context parallelism); the padding routes naturally (-1)
-            indices = torch.full((len(rows), padded_width(length), len(slots), cfg.router_topk), -1,
-                                 dtype=torch.int32)
+            indices = torch.full((len(rows), padded_width(length), len(slots), cfg.router_topk), -1, dtype=torch.int32)
             for b, j in enumerate(rows):  # the engine's routes of input positions 0..n-2; the last routes naturally
                 indices[b, :length - 1] = torch.from_numpy(routes[j][:, slots].astype("int32"))
             records.append(MicroBatchRouting(tuple(hooks.layers), indices))

@@ -61,21 +61,13 @@ class Routes:
 def plan_routes(claims: Sequence[Sequence[int]], senders: Sequence[int], engines: int) -> Routes:
     """Routes from each rank's claims (engines_on_this_node, all-gathered). Ranks claiming the same engines share a
     node; its leader is the lowest of them. ValueError (one line) for an engine no rank is next to."""
-    leader: list[int | None] = [None] * engines
-    for rank, mine in enumerate(claims):
-        for i in mine:
-            if leader[i] is None:
-                leader[i] = rank
+    leader = [next((rank for rank, mine in enumerate(claims) if i in mine), None) for i in range(engines)]
     missing = [i for i, lead in enumerate(leader) if lead is None]
     if missing:
         raise ValueError(f"engine(s) {missing} are on no trainer node: a same-host sync.transport reaches only engines "
                          f"on the trainer's nodes; set sync.transport='distributed' (or 'tensor' for mpo engines)")
-    direct: dict[int, tuple[int, ...]] = {}
-    relays: dict[int, tuple[int, ...]] = {}
-    for s in senders:
-        mine = set(claims[s])
-        direct[s] = tuple(i for i in range(engines) if i in mine)
-        relays[s] = tuple(sorted({lead for i, lead in enumerate(leader) if i not in mine}))
+    direct = {s: tuple(i for i in range(engines) if i in claims[s]) for s in senders}
+    relays = {s: tuple(sorted({lead for i, lead in enumerate(leader) if i not in claims[s]})) for s in senders}
     return Routes(tuple(leader), direct, relays)  # type: ignore[arg-type]
 
 
@@ -146,8 +138,7 @@ class NodeRelay:
                     buffer = self._buffer(sender, header["n"], buffer)
                 flat = buffer.tensor[: header["n"]]
                 dist.recv(flat, src=sender, group=self.group)
-                manifest, _ = manifest_of([(m["name"], dtype_from_name(m["dtype"]), m["shape"])
-                                           for m in header["m"]])
+                manifest, _ = manifest_of([(m["name"], dtype_from_name(m["dtype"]), m["shape"]) for m in header["m"]])
                 self.leader_push(unpack_bucket(flat, manifest))  # waits until the engines read it
                 self.relayed += 1
         except BaseException as exc:  # noqa: BLE001 - raised by finish() in the caller's thread

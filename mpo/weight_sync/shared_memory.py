@@ -1,7 +1,5 @@
-"""Host shared memory for same-host weight movement (CPU): files in /dev/shm mapped by every process that needs them.
-
-On CPU, gloo's only intra-host path is TCP over loopback (about a tenth of memcpy speed here), so the same-host steps
-of a sync use shared memory (mpo.weight_sync says how: the sender's slots, the "shm" transport's locators).
+"""Host shared memory for same-host weight movement on CPU (mpo.weight_sync says why, and how: the sender's slots, the
+"shm" transport's locators): files in /dev/shm mapped by every process that needs them.
 
 Files are named `mpo-sync-<token>-p<pid>-...` in MPO_SHM_DIR (default /dev/shm), created exclusively, preallocated
 with posix_fallocate (a full tmpfs fails here with ENOSPC, one line naming the size and the room left, instead of

@@ -244,7 +244,6 @@ class WeightSync:
         clients: the engines (all of `engine` kind).
         engine: "mpo" or "sglang": picks the tensor-path payload and the verification.
         transport: a TRANSPORTS name (or a plug-in's `module:attr`).
-        bucket_bytes: bucket size.
         tp_sizes: TP size of each engine (distributed ranks; tensor payloads are sent once per TP rank).
         backend: process-group backend for "distributed" (default: nccl when CUDA is available, else gloo).
         master_address: address the engines reach the trainer's rendezvous at.
@@ -302,8 +301,7 @@ class WeightSync:
         the first sync of an off-policy run. mpo's engine follows the same rules (mpo.engine.generator)."""
         self.lost = set()
         self.paused = pause
-        self._each(lambda client, _: (pause and client.pause_generation(mode=PAUSE_MODE),
-                                      client.begin_weight_update()))
+        self._each(lambda client, _: (pause and client.pause_generation(mode=PAUSE_MODE), client.begin_weight_update()))
 
     def end_session(self) -> None:
         """Close the session (the updates take effect) and resume generation on every engine (if begin paused it)."""

@@ -66,8 +66,7 @@ def host_weight_update_store(master_address: str, world_size: int,
 
 
 def join_weight_update_group(master_address: str, master_port: int, world_size: int, group_name: str,
-                             backend: str = "gloo", rank: int = 0,
-                             timeout: timedelta = timedelta(seconds=120),
+                             backend: str = "gloo", rank: int = 0, timeout: timedelta = timedelta(seconds=120),
                              store: dist.Store | None = None) -> dist.ProcessGroup:
     """Join, as `rank` (0 = the trainer, which hosts the TCP store), the group SGLang creates on
     /init_weights_update_group. Blocks until all `world_size` ranks arrived, so the trainer calls it while the
@@ -143,14 +142,13 @@ def serialize_for_sglang(obj: object) -> str:
     `SafeUnpickler` admits (torch's `_rebuild_tensor_v2`, `torch.storage._load_from_bytes`, which it loads with
     weights_only, `types.SimpleNamespace`, `collections.OrderedDict`, torch dtypes and Size).
 
-    sglang's own serializer pickles CPU tensors with ForkingPickler as shared-memory handles. Doing that here needed
+    sglang's own serializer pickles CPU tensors with ForkingPickler as shared-memory handles, which here would need
     process-wide changes while pickling: the file_system sharing strategy (the fd strategy fails on the server with
-    `AuthenticationError`), and the torch_shm_manager it may start outlives us and inherited our stdout/stderr and
-    inheritable descriptors (a caller piping our output, or a multiprocessing parent joining us, would hang), so
-    stdio was redirected and descriptors made private meanwhile, for every thread. Here the tensor bytes ride in the
-    payload instead: no strategy, no manager, no shared-memory file to leak, no effect outside this call, and the
-    payload stays valid after the sender exits. The cost is the bytes in the HTTP body (x4/3 for base64), like mpo's
-    own engine's safetensors payload; CPU buckets only (flatten_bucket moves them to the CPU)."""
+    `AuthenticationError`), and a torch_shm_manager that may outlive us holding our stdout/stderr and inheritable
+    descriptors (a caller piping our output, or a multiprocessing parent joining us, would hang). Here the tensor bytes
+    ride in the payload instead: no strategy, no manager, no shared-memory file to leak, no effect outside this call,
+    and the payload stays valid after the sender exits. The cost is the bytes in the HTTP body (x4/3 for base64), like
+    mpo's own engine's safetensors payload; CPU buckets only (flatten_bucket moves them to the CPU)."""
     buf = io.BytesIO()
     # Not ForkingPickler: importing torch.multiprocessing registers shared-memory tensor reductions on it.
     _SGLangPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
