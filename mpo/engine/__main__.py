@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     skip_torch_compile_without_gpu()
     from mpo.engine.model import EngineModel
     from mpo.engine.server import EngineApp, serve
+    from mpo.engine.weight_routes import WeightRoutes
     from mpo.engine.generator import MpoGenerator
 
     runner = EngineModel.create(preset=args.preset, mcore_dir=args.mcore_dir, seed=args.seed, dtype=args.dtype,
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         "context_length": runner.model_cfg.max_position_embeddings,
         "tp_size": 1,  # one weight-update rank (SGLang reports its --tp here)
     }, max_rows=args.max_rows_per_request)
-    runner.add_weight_routes(app, group_init_timeout_s=args.group_init_timeout_s)
+    # SGLang's weight-update endpoints: tensor, distributed and disk paths
+    WeightRoutes(runner, app, group_init_timeout_s=args.group_init_timeout_s).install()
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), idle_timeout_s=args.idle_timeout_s,
                           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                           min_body_bytes_per_s=args.min_body_mb_per_s * (1 << 20), max_connections=args.max_connections,
@@ -152,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     generator.stop()
     server.shutdown()
-    # Nothing is left to flush but the log: skip the interpreter's teardown of torch and megatron (1-2 s per engine
-    # stop, paid by every run and test that starts one; the trainer waits for it).
+    # Nothing is left to flush but the log: skip the interpreter's teardown of torch and megatron (1-2 s per stop).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

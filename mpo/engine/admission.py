@@ -47,11 +47,6 @@ def _answer(head: bytes, message: str) -> bytes:
     return head % (len(body), body)
 
 
-def headers_complete(data: bytes) -> bool:
-    """The request line and headers have arrived (http.server also ends them at a bare LF line)."""
-    return b"\r\n\r\n" in data or b"\n\n" in data
-
-
 def header_end(data: bytes) -> int | None:
     """The index just past the empty line that ends the request line and headers (CRLF or bare LF lines, as
     http.server reads them), or None while it has not arrived."""
@@ -151,7 +146,8 @@ class HeaderGate:
             self._drop(pending)
             return
         pending.data += chunk
-        if pending.need is None and headers_complete(pending.data):
+        # the request line and headers have arrived (http.server also ends them at a bare LF line)
+        if pending.need is None and (b"\r\n\r\n" in pending.data or b"\n\n" in pending.data):
             end = header_end(bytes(pending.data))
             if end is None:  # an empty line before the request line: http.server answers it, not this gate
                 end = len(pending.data)

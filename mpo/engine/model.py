@@ -256,12 +256,6 @@ class EngineModel:
                 for view in targets[name]:
                     view.copy_(tensor.reshape(view.shape))
 
-    def add_weight_routes(self, app: Any, *, group_init_timeout_s: float = 60.0) -> None:
-        """SGLang's weight-update endpoints, tensor, distributed and disk paths (mpo.engine.weight_routes)."""
-        from mpo.engine.weight_routes import WeightRoutes
-
-        WeightRoutes(self, app, group_init_timeout_s=group_init_timeout_s).install()
-
 
 def _engine_device() -> torch.device:
     """The device megatron-core's 1-rank set-up would give the engine: the first visible GPU, else the CPU."""

@@ -81,14 +81,12 @@ class EngineApp:
         self.add("GET", "/health_generate", self._health_generate)
         for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
             self.add("GET", path, lambda body: {**self.info, "weight_version": self.generator.weight_version})
-        self.add("POST", "/generate", self._generate)
-        self.add("POST", "/abort_request", self._abort)
-        self.add("POST", "/pause_generation", self._pause)
-        self.add("POST", "/continue_generation", self._continue)
+        for path, route in (("/generate", self._generate), ("/abort_request", self._abort),
+                            ("/pause_generation", self._pause), ("/continue_generation", self._continue),
+                            ("/begin_weight_update", self._begin), ("/end_weight_update", self._end)):
+            self.add("POST", path, route)
         for method in ("GET", "POST"):  # SGLang's /flush_cache takes both
             self.add(method, "/flush_cache", self._flush)
-        self.add("POST", "/begin_weight_update", self._begin)
-        self.add("POST", "/end_weight_update", self._end)
         # Colocated engines (SGLang --enable-memory-saver): free GPU memory while the trainer runs, take it back
         # for generation. Tags as SGLang's: "weights", "kv_cache"; none means all.
         self.released: set[str] = set()

@@ -68,7 +68,6 @@ class EngineSettings:
     @classmethod
     def from_config(cls, m: ModelSection, r: RolloutSection, sync: SyncSection, *, seed: int,
                     mem_fraction: float | None = None) -> EngineSettings:
-        """The settings of the engines a run's model, rollout and sync sections describe."""
         return cls(engine=r.engine, dtype=served_dtype(m, r), fp32_lm_head=m.fp32_lm_head, seed=seed,
                    preset=m.preset, hf_dir=m.hf_dir, mcore_dir=m.mcore_dir,
                    tensor_parallel=r.tensor_parallel if r.engine == "sglang" else 1, api_key=r.api_key,

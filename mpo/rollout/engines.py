@@ -164,9 +164,8 @@ class EngineSet:
     def check_external(self) -> None:
         """Before a weight update (rank 0, with the engine lock): every engine given by URL (rollout.urls) that does
         not answer a light call (/model_info: the HTTP front end, not the busy scheduler) is dropped from the run,
-        and a dropped one that answers again is re-admitted, stale until this update reaches it. A change in the
-        membership closes the WeightSync (its `distributed` group held the old engines): the next push forms one
-        for the live engines. Raises RolloutFailed (one line) when no engine is left."""
+        and a dropped one that answers again is re-admitted, stale until this update reaches it; either changes the
+        membership (the publisher's session is formed anew). Raises RolloutFailed (one line) when no engine is left."""
         if self.processes or not self.handles:
             return
         from concurrent.futures import ThreadPoolExecutor

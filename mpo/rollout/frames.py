@@ -10,9 +10,8 @@ compact arrays (mpo.rollout.protocol.GenerateResult.from_json). Layout of a fram
 
 The header is ``{"payload": ..., "arrays": [[dtype, shape, offset, nbytes], ...]}``: the JSON answer with each numpy
 array replaced by ``{"__array__": [index, start, stop]}``, rows start:stop of table array `index`: the arrays of one
-dtype and row shape (a batch answer's output ids, log-probs, routes) travel as one array each, not three per row (a
-table entry and a frombuffer per array were most of a 128-row answer's decoding). ``{"__array__": index}`` names a
-whole array (0-d arrays travel so).
+dtype and row shape (a batch answer's output ids, log-probs, routes) travel as one array each, not three per row (the
+decoding's cost is per array). ``{"__array__": index}`` names a whole array (0-d arrays travel so).
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutFailed(RuntimeError):
-    """The rollout cannot finish: no healthy engine is left, or a worker met an error that is no engine's answer.
-    One line (a run it ends stops with it: rollout_failure)."""
+    """The rollout cannot finish: no healthy engine is left, or a worker met an error that is no engine's answer."""
 
 
 class StaleEngines(RolloutFailed):
@@ -223,7 +222,6 @@ class RolloutPool:
 
         workers = [asyncio.create_task(worker(engine)) for engine in self.engines
                    for _ in range(self.config.max_concurrency_per_engine)]
-        assert len(workers) == n_workers
         try:
             pending = set(workers)  # woken by each worker's end, not by polling: a poll added up to 10 ms per batch
             while pending and not failure:

@@ -91,41 +91,26 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# (field, is the value valid, what it must be): checked in this order, each only when given
+_SAMPLING_RULES = (
+    ("temperature", lambda t: _is_number(t) and math.isfinite(t) and t >= 0,
+     f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} means greedy)"),
+    ("top_p", lambda p: _is_number(p) and math.isfinite(p) and 0 < p <= 1, "a number in (0, 1]"),
+    ("top_k", lambda k: is_json_int(k) and (k == -1 or k >= 1), "an integer >= 1, or -1 for no limit"),
+    ("max_new_tokens", lambda n: is_json_int(n) and n >= 1, "an integer >= 1"),
+    ("sampling_seed", lambda s: is_json_int(s) and 0 <= s <= MAX_SAMPLING_SEED,
+     f"an integer in [0, {MAX_SAMPLING_SEED}]"),
+    ("stop_token_ids", lambda ids: isinstance(ids, (list, tuple)) and all(is_json_int(i) and i >= 0 for i in ids),
+     "a list of integers >= 0"))
+
+
 def check_sampling_fields(values: dict[str, Any], *, where: str) -> None:
     """The one validator of sampling parameters (engine server, client, SamplingParams): types (integers are not
     booleans or floats), finiteness and ranges. Absent or null fields take their defaults and are not checked.
     Raises ValueError "<where>.<field>=<value> must ...", naming the field and its valid values."""
-
-    def bad(field: str, rule: str) -> ValueError:
-        return ValueError(f"{where}.{field}={values[field]!r} must be {rule}")
-
-    def given(field: str) -> bool:
-        return values.get(field) is not None
-
-    if given("temperature"):
-        t = values["temperature"]
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} means greedy)")
-    if given("top_p"):
-        p = values["top_p"]
-        if not _is_number(p) or not math.isfinite(p) or not 0 < p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
-    if given("top_k"):
-        k = values["top_k"]
-        if not is_json_int(k) or not (k == -1 or k >= 1):
-            raise bad("top_k", "an integer >= 1, or -1 for no limit")
-    if given("max_new_tokens"):
-        n = values["max_new_tokens"]
-        if not is_json_int(n) or n < 1:
-            raise bad("max_new_tokens", "an integer >= 1")
-    if given("sampling_seed"):
-        s = values["sampling_seed"]
-        if not is_json_int(s) or not 0 <= s <= MAX_SAMPLING_SEED:
-            raise bad("sampling_seed", f"an integer in [0, {MAX_SAMPLING_SEED}]")
-    if given("stop_token_ids"):
-        ids = values["stop_token_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(is_json_int(i) and i >= 0 for i in ids):
-            raise bad("stop_token_ids", "a list of integers >= 0")
+    for name, valid, rule in _SAMPLING_RULES:
+        if values.get(name) is not None and not valid(values[name]):
+            raise ValueError(f"{where}.{name}={values[name]!r} must be {rule}")
 
 
 def check_token_ids(ids: Any, *, where: str, vocab_size: int | None = None) -> list[int]:

@@ -42,8 +42,7 @@ class Publisher:
         self.streamer = WeightStreamer(model, mapping_for(model_cfg, spec="local"), stage=stage,
                                        bucket_bytes=sync.bucket_bytes, device=device,
                                        host_shared_memory=sync.host_shared_memory)
-        # This rank's weight-update session (transports.WeightSync): rank 0's for its EngineSet, made once (its
-        # distributed group reused every step); another sender's for the engine URLs in self._urls. close() ends it.
+        # This rank's weight-update session (transports.WeightSync: engine_session, _sender_sync); close() ends it.
         self._sync = None
         self._membership = 0  # the EngineSet's membership rank 0's session was formed for
         self._urls: tuple = ()

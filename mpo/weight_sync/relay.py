@@ -76,8 +76,7 @@ class NodeRelay:
 
     A sender's `push(bucket)` pushes to its own node's engines through `direct` (a WeightSync limited to them, or
     None) and sends the bucket to every other node's leader; a leader receives, in a thread per remote sender, as
-    many buckets as that sender has (`buckets_of[s]`) and pushes each through `leader_push`. `finish()` waits for
-    every send and receive and raises the first error.
+    many buckets as that sender has (`buckets_of[s]`) and pushes each through `leader_push`; then `finish()`.
     """
 
     def __init__(self, routes: Routes, *, rank: int, buckets_of: dict[int, int], group, device: torch.device,

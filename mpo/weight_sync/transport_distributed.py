@@ -89,16 +89,14 @@ class DistributedTransport(Transport):
         if not self.groups:  # decided before the groups exist (stages_at_once)
             self.group_per_engine = at_once
 
-    def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.session.backend == "nccl" \
-            else torch.device("cpu")
-
     def push(self, bucket: NamedTensors, version: str, *, wait: bool) -> PendingPush | None:
         """The bucket broadcast ONCE per engine group (see mpo.weight_sync; the wire: wire.pack_bucket)."""
         if not self.groups:
             self.connect()
         timeout_s = self.session.timeout_s
-        flat, manifest = pack_bucket(bucket, device=self._device())  # alive until every broadcast completed
+        nccl = self.session.backend == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        flat, manifest = pack_bucket(bucket, device=device)  # alive until every broadcast completed
         names = [m.name for m in manifest]
         dtypes = [dtype_name(m.dtype) for m in manifest]
         shapes = [list(m.shape) for m in manifest]
@@ -170,7 +168,6 @@ class DistributedTransport(Transport):
         return joined["group"]
 
     def close(self) -> None:
-        """Tear the weight-update groups down on the engines and here."""
         groups, self.groups = self.groups, []
         try:
             for members, _, name in groups:

@@ -62,7 +62,6 @@ class ShmTransport(Transport):
         return pending
 
     def close(self) -> None:
-        """Free the spill buffer (its shared file)."""
         if self._spill is not None:
             self._spill.close()
             self._spill = None

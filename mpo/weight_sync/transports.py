@@ -285,7 +285,6 @@ class WeightSync:
 
     @property
     def collectives(self) -> int:
-        """Collectives (broadcasts) this session's transport issued: the sync's shape, for benches and tests."""
         return self.via.collectives
 
     # -- pushing ---------------------------------------------------------------------------------------------------
@@ -313,7 +312,6 @@ class WeightSync:
         return [c for c, _ in self._live()]
 
     def _live(self) -> list[tuple[EngineClient, int]]:
-        """(client, TP size) of the engines still in the session."""
         return [(c, tp) for c, tp in zip(self.clients, self.tp_sizes) if c.url not in self.lost]
 
     def pushed(self) -> list[tuple[EngineClient, int]]:
@@ -355,7 +353,6 @@ class WeightSync:
         self.via.connect()
 
     def close(self) -> None:
-        """Release the transport's connection and buffers (distributed: its groups on the engines and here)."""
         self.via.close()
 
 

@@ -1,5 +1,4 @@
-"""Verification after a sync (see mpo.weight_sync): weights checksums from per-tensor digests (mpo's engine) and
-log-probs of a probe that covers every expert (SGLang). Takes the trainer's log-probs as input: imports no trainer.
+"""Verification after a sync (mpo.weight_sync says how). Takes the trainer's log-probs as input: imports no trainer.
 
 The probe's comparison (check_probe, issue #45) must not kill a healthy bf16 run and must still catch wrong weights.
 bf16 log-probs differ from an fp32 reference by ~1e-2 per token with outliers (docs/measurements.md), so a bound on the
@@ -300,7 +299,6 @@ class ProbeCoverage:
 
 
 def covering_probes(client: EngineClient, base: Sequence[Sequence[int]], coverage: ProbeCoverage) -> list[list[int]]:
-    """The probe sequences of covering_probe_runs."""
     return covering_probe_runs(client, base, coverage)[0]
 
 
