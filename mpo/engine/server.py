@@ -77,13 +77,14 @@ class EngineApp:
         self.end_hooks: list[Callable[[], None]] = []  # run at /end_weight_update (staged updates take effect)
         self.routes: dict[tuple[str, str], Route] = {}
         for path in ("/health", "/ready"):
-            self.add("GET", path, self._health)
+            self.add("GET", path, lambda body: {"status": "ok"})
         self.add("GET", "/health_generate", self._health_generate)
         for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
             self.add("GET", path, lambda body: {**self.info, "weight_version": self.generator.weight_version})
-        for path, route in (("/generate", self._generate), ("/abort_request", self._abort),
-                            ("/pause_generation", self._pause), ("/continue_generation", self._continue),
-                            ("/begin_weight_update", self._begin), ("/end_weight_update", self._end)):
+        for path, route in (("/generate", self._generate), ("/pause_generation", self._pause),
+                            ("/continue_generation", self._continue), ("/begin_weight_update", self._begin),
+                            ("/end_weight_update", self._end),
+                            ("/abort_request", lambda body: {"success": True, "aborted": self.generator.abort_all()})):
             self.add("POST", path, route)
         for method in ("GET", "POST"):  # SGLang's /flush_cache takes both
             self.add(method, "/flush_cache", self._flush)
@@ -103,9 +104,6 @@ class EngineApp:
             raise RequestError(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
 
     # -- routes ------------------------------------------------------------------------------------------------
-    def _health(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"status": "ok"}
-
     def _health_generate(self, body: dict[str, Any]) -> dict[str, Any]:
         # Like SGLang: healthy means a 1-token generation completes, so a hung scheduler reports unhealthy.
         try:
@@ -169,9 +167,6 @@ class EngineApp:
                        if isinstance(meta := r.get("meta_info"), dict) and "routed_experts" in meta else r
                        for r in results]
         return results if request.batch else results[0]
-
-    def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"success": True, "aborted": self.generator.abort_all()}
 
     def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
         mode = body.get("mode", "abort")  # SGLang's PauseGenerationReqInput default

@@ -4,6 +4,7 @@ sender, or into its shared slot on the same CPU host; two slots on the sender, d
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mpo.weight_sync.plan import Bucket, Piece, _holders, _numel, _slot_layout, build_plan, local_shards
+from mpo.weight_sync.shared_memory import SharedBuffer, file_name, host_key, new_token
 
 
 def _place(target: torch.Tensor, local: list[torch.Tensor], piece: Piece) -> None:
@@ -118,10 +120,6 @@ class WeightStreamer:
 
     def __init__(self, model: torch.nn.Module, mapping, *, stage: int, bucket_bytes: int,
                  device: torch.device | str = "cpu", host_shared_memory: bool | None = None) -> None:
-        import os
-
-        from mpo.weight_sync.shared_memory import host_key, new_token
-
         self.model, self.mapping, self.bucket_bytes = model, mapping, bucket_bytes
         self.device = torch.device(device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -165,8 +163,6 @@ class WeightStreamer:
         return frozenset(r for r in range(self.world) if r != sender and self.host_of_rank[r] == self.host_of_rank[sender])
 
     def _slot_name(self, sender: int, index: int) -> str:
-        from mpo.weight_sync.shared_memory import file_name
-
         return file_name(self.token, self.syncs, f"r{sender}", index, pid=self.pid_of_rank[sender])
 
     def stream(self, push: Callable[[list[tuple[str, torch.Tensor]]], Any] | None, *, sequential: bool,
@@ -210,8 +206,6 @@ class WeightStreamer:
         numel = max(_slot_layout(b, in_place)[2] for b in buckets)
         count = min(2, len(buckets))
         if self.shared:
-            from mpo.weight_sync.shared_memory import SharedBuffer
-
             shared = [SharedBuffer(self._slot_name(self.rank, i), numel, self.dtype, create=True) for i in range(count)]
             slots = [buffer.tensor for buffer in shared]
         else:
@@ -283,8 +277,6 @@ class WeightStreamer:
                         raise RuntimeError(f"streaming sync out of step: rank {self.rank} expected bucket {k}, "
                                            f"sender {bucket.sender} announced {int(go)}")
                     if k % 2 not in mapped:
-                        from mpo.weight_sync.shared_memory import SharedBuffer
-
                         mapped[k % 2] = SharedBuffer(self._slot_name(bucket.sender, k % 2), None, self.dtype,
                                                      create=False)
                     _write_pieces(bucket, self.rank, local, mapped[k % 2].tensor, in_place)

@@ -5,13 +5,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-from mpo.parallel.collectives import one_rank
+from mpo.parallel.collectives import all_reduce_, one_rank
+from mpo.weight_sync.fp8 import dequantize_block, is_quantized, quantize_block, scale_name, to_engine_format
+from mpo.weight_sync.gather import WeightStreamer
+from mpo.weight_sync.relay import RELAY_TIMEOUT_S, NodeRelay, engines_on_this_node, plan_routes, relay_group
+from mpo.weight_sync.transports import WeightSync, engine_set_sync, per_node_sync, transport_class
+from mpo.weight_sync.verify import (ProbeCoverage, check_probe, combine_digests, covering_probe_runs, probe_bounds,
+                                    tensor_digest, verify_checksum)
 
 if TYPE_CHECKING:
     from mpo.config import ModelSection, RolloutSection, SyncSection
@@ -32,7 +39,6 @@ class Publisher:
                  score_probes: Callable[[list[list[int]]], list[list[float]]], engines=None) -> None:
         from mpo.config import served_dtype
         from mpo.models.hf_mapping import mapping_for
-        from mpo.weight_sync.gather import WeightStreamer
 
         self.rollout, self.sync, self.model_section = rollout, sync, model_section
         self.pause, self.seed = pause, seed
@@ -57,9 +63,6 @@ class Publisher:
     def _routes(self, info: dict):
         """Per-node routes of this sync (collective), or None unless the run routes per node
         (transports.per_node_sync: a same-host transport, the launcher's MPO_NODE_HOST) on several ranks."""
-        from mpo.weight_sync.relay import engines_on_this_node, plan_routes
-        from mpo.weight_sync.transports import per_node_sync
-
         if one_rank() or not per_node_sync(info["transport"], info["engine"]):
             return None
         key = tuple(info["urls"])
@@ -71,11 +74,6 @@ class Publisher:
 
     def _relay(self, routes, rank: int, sync, version: int, info: dict):
         """This rank's NodeRelay for one sync (collective: the relay group is made on first use)."""
-        from collections import Counter
-
-        from mpo.weight_sync.relay import RELAY_TIMEOUT_S, NodeRelay, relay_group
-        from mpo.weight_sync.transports import transport_class
-
         device = self.streamer.device
         if self._relay_group is None:
             self._relay_group = relay_group(RELAY_TIMEOUT_S, "gloo" if device.type == "cpu" else "nccl")
@@ -115,8 +113,6 @@ class Publisher:
         if self._sync is not None and self._membership != self.engines.membership:
             self.close()  # engines given by URL were dropped or re-admitted: a session for those in the run now
         if self._sync is None:
-            from mpo.weight_sync.transports import engine_set_sync
-
             self._sync = engine_set_sync(self.engines, self.sync)
             self._membership = self.engines.membership
         return self._sync
@@ -127,7 +123,6 @@ class Publisher:
         port)."""
         from mpo.parallel.ports import routable_address
         from mpo.rollout.client import EngineClient
-        from mpo.weight_sync.transports import WeightSync, per_node_sync
 
         r = self.rollout
         if self.engines is not None:
@@ -150,11 +145,6 @@ class Publisher:
         """Collective: every rank streams its shards; each stage's sender pushes HF buckets to every engine inside
         one weight-update session opened and closed by rank 0; mpo engines are then verified by checksum from
         per-tensor digests."""
-        from mpo.parallel.collectives import all_reduce_
-        from mpo.weight_sync.relay import RELAY_TIMEOUT_S
-        from mpo.weight_sync.transports import transport_class
-        from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
-
         started = time.perf_counter()
         engines, streamer = self.engines, self.streamer
         r, m = self.rollout, self.model_section
@@ -248,7 +238,6 @@ class Publisher:
         comparison sees weights, not routing flips); rank 0 compares every engine's log-probs with the trainer's
         (verify.check_probe: a wrong tensor fails, drift warns) and returns what it measured."""
         from mpo.rollout.protocol import route_dtype
-        from mpo.weight_sync.verify import ProbeCoverage, check_probe, covering_probe_runs, probe_bounds
 
         cfg, m = self.model_cfg, self.model_section
         box: list = [None]
@@ -323,8 +312,6 @@ class _EngineFormat:
         self._dequantized: dict[str, torch.Tensor] = {}  # the current bucket's, until digested
 
     def __call__(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        from mpo.weight_sync.fp8 import dequantize_block, scale_name, to_engine_format
-
         if self.fmt == "bf16":
             return named
         self._dequantized = {}
@@ -354,8 +341,6 @@ class _EngineFormat:
     def engine_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """What an engine loading this sync holds for `name` before rounding to its dtype: the FP8 weight
         dequantized, or `tensor` itself where block FP8 leaves it unquantized."""
-        from mpo.weight_sync.fp8 import dequantize_block, is_quantized, quantize_block
-
         if name in self._dequantized:
             return self._dequantized.pop(name)
         if self.fmt == "fp8_block" and is_quantized(name, tensor.shape):  # not converted here (a push without engines)
