@@ -15,44 +15,17 @@ from .advantage_registry import ADVANTAGE_REGISTRY, AdvantageSpec, get_advantage
 from .advantages import AdvantageOutput, compute_advantages
 from .aggregation import AGG_MODES, GlobalDenominators, compute_global_denominators, token_weights
 from .batch import LossContext, LossOutput, PolicyBatch
-from .configs import (
-    CISPOConfig,
-    DPPOConfig,
-    GMPOConfig,
-    GSPOConfig,
-    GSPORouterShiftConfig,
-    LossConfig,
-    PPOClipConfig,
-    PPOClipRouterShiftConfig,
-    RSPOConfig,
-    SAPOConfig,
-)
+from .configs import (CISPOConfig, DPPOConfig, GMPOConfig, GSPOConfig, GSPORouterShiftConfig, LossConfig, PPOClipConfig,
+                      PPOClipRouterShiftConfig, RSPOConfig, SAPOConfig)
 from .critic_losses import positive_nll, value_loss
 from .kl import KL_ESTIMATORS, kl_penalty, kl_per_token
 from .metrics import all_reduce_metrics, merge_metrics
-from .rollout_correction import (
-    CORRECTION_DEFAULTS,
-    Correction,
-    CorrectionConfig,
-    apply_rollout_correction,
-    correction_counts,
-)
+from .rollout_correction import (CORRECTION_DEFAULTS, Correction, CorrectionConfig, apply_rollout_correction,
+                                 correction_counts)
 from .registry import LOSS_REGISTRY, LossSpec, compute_policy_loss, get_loss, make_loss_config, register_loss
-from .router_shift import (
-    RouterShift,
-    gamma_from_router_logits,
-    gamma_from_sums,
-    router_logp_at_old_topk,
-    router_shift_gamma,
-    router_shift_sum,
-    router_topk_overlap,
-)
-from .token_advantages import (
-    EMABaseline,
-    TokenAdvantages,
-    compute_token_advantages,
-    masked_whiten,
-)
+from .router_shift import (RouterShift, gamma_from_router_logits, gamma_from_sums, router_logp_at_old_topk,
+                           router_shift_gamma, router_shift_sum, router_topk_overlap)
+from .token_advantages import EMABaseline, TokenAdvantages, compute_token_advantages, masked_whiten
 
 
 def loss_names() -> list[str]:
@@ -61,13 +34,13 @@ def loss_names() -> list[str]:
 
 
 __all__ = [
-    "ADVANTAGE_REGISTRY", "AGG_MODES", "AdvantageOutput", "AdvantageSpec", "CISPOConfig", "CORRECTION_DEFAULTS", "Correction",
-    "CorrectionConfig", "DPPOConfig", "EMABaseline", "TokenAdvantages",
-    "apply_rollout_correction", "compute_token_advantages", "correction_counts", "masked_whiten", "positive_nll", "value_loss", "GMPOConfig", "GSPOConfig",
-    "GSPORouterShiftConfig", "GlobalDenominators", "KL_ESTIMATORS", "LOSS_REGISTRY", "LossConfig", "LossContext",
-    "LossOutput", "LossSpec", "PPOClipConfig", "PPOClipRouterShiftConfig", "PolicyBatch", "RSPOConfig",
+    "ADVANTAGE_REGISTRY", "AGG_MODES", "AdvantageOutput", "AdvantageSpec", "CISPOConfig", "CORRECTION_DEFAULTS",
+    "Correction", "CorrectionConfig", "DPPOConfig", "EMABaseline", "TokenAdvantages", "apply_rollout_correction",
+    "compute_token_advantages", "correction_counts", "masked_whiten", "positive_nll", "value_loss", "GMPOConfig",
+    "GSPOConfig", "GSPORouterShiftConfig", "GlobalDenominators", "KL_ESTIMATORS", "LOSS_REGISTRY", "LossConfig",
+    "LossContext", "LossOutput", "LossSpec", "PPOClipConfig", "PPOClipRouterShiftConfig", "PolicyBatch", "RSPOConfig",
     "RouterShift", "SAPOConfig", "all_reduce_metrics", "compute_advantages", "compute_global_denominators",
-    "compute_policy_loss", "gamma_from_router_logits", "gamma_from_sums", "get_advantage", "get_loss", "kl_penalty", "kl_per_token",
-    "loss_names", "make_loss_config", "merge_metrics", "register_advantage", "register_loss", "router_logp_at_old_topk",
-    "router_shift_gamma", "router_shift_sum", "router_topk_overlap", "token_weights",
+    "compute_policy_loss", "gamma_from_router_logits", "gamma_from_sums", "get_advantage", "get_loss", "kl_penalty",
+    "kl_per_token", "loss_names", "make_loss_config", "merge_metrics", "register_advantage", "register_loss",
+    "router_logp_at_old_topk", "router_shift_gamma", "router_shift_sum", "router_topk_overlap", "token_weights",
 ]

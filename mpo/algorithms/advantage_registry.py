@@ -1,10 +1,9 @@
 """The one advantage-estimator registry, as `register_loss` is for losses.
 
-An estimator registers where it is defined (`mpo.algorithms.advantages`, `mpo.algorithms.token_advantages`) with
-how it is computed (`level`), the parameters it takes from `algorithm.advantage_args`, and what it needs: prompt
-groups of two or more responses (`needs_groups`: its baseline is the group's), the critic's values
-(`needs_critic`). Config validation, the trainer (`StepAdvantages`) and the memory plan ask this registry; nothing
-here imports back.
+An estimator registers where it is defined (`mpo.algorithms.advantages`, `mpo.algorithms.token_advantages`) with how it
+is computed (`level`), the parameters it takes from `algorithm.advantage_args`, and what it needs: prompt groups of two
+or more responses (`needs_groups`: its baseline is the group's), the critic's values (`needs_critic`). Config
+validation, the trainer (`StepAdvantages`) and the memory plan ask this registry; nothing here imports back.
 
 Levels:
     response: ``fn(rewards [N], GroupStats, eps, verl_singletons) -> [N]``, one advantage per response.

@@ -79,13 +79,8 @@ def _maxrl(r: Tensor, g: GroupStats, eps: float, verl: bool) -> Tensor:
     return torch.where(g.mean > 0, (r - g.mean) / (g.mean + eps), 0.0)
 
 
-def compute_advantages(
-    rewards: Tensor,
-    group_ids: Tensor,
-    estimator: str = "grpo",
-    eps: float = 1e-6,
-    singleton: str = "zero",
-) -> AdvantageOutput:
+def compute_advantages(rewards: Tensor, group_ids: Tensor, estimator: str = "grpo", eps: float = 1e-6,
+                       singleton: str = "zero") -> AdvantageOutput:
     """Advantages of ``rewards [N]`` grouped by ``group_ids [N]`` (float64).
 
     Args:

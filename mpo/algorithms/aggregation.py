@@ -26,13 +26,8 @@ SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
 SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 PROMPT_MEAN_TOKEN_MEAN = "prompt-mean-token-mean"
-AGG_MODES: tuple[str, ...] = (
-    TOKEN_MEAN,
-    SEQ_MEAN_TOKEN_MEAN,
-    SEQ_MEAN_TOKEN_SUM,
-    SEQ_MEAN_TOKEN_SUM_NORM,
-    PROMPT_MEAN_TOKEN_MEAN,
-)
+AGG_MODES: tuple[str, ...] = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_SUM_NORM,
+                              PROMPT_MEAN_TOKEN_MEAN)
 
 
 @dataclass(frozen=True)
@@ -66,13 +61,9 @@ def _as_list(x: Tensor | Sequence[Tensor] | None) -> list[Tensor] | None:
     return [x] if isinstance(x, Tensor) else list(x)
 
 
-def compute_global_denominators(
-    mask: Tensor | Sequence[Tensor],
-    group_ids: Tensor | Sequence[Tensor] | None = None,
-    advantages: Tensor | Sequence[Tensor] | None = None,
-    num_groups: int | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> GlobalDenominators:
+def compute_global_denominators(mask: Tensor | Sequence[Tensor], group_ids: Tensor | Sequence[Tensor] | None = None,
+                                advantages: Tensor | Sequence[Tensor] | None = None, num_groups: int | None = None,
+                                process_group: dist.ProcessGroup | None = None) -> GlobalDenominators:
     """Count the denominators of one optimizer step.
 
     Call it once per optimizer step on this rank's whole mini-batch: one tensor, or the list of its micro-batches
@@ -81,9 +72,7 @@ def compute_global_denominators(
     be global prompt ids in ``[0, num_groups)``; ``num_groups`` defaults to ``max id + 1`` (MAX across ranks).
     Pass ``advantages`` to get the A>0 / A<=0 token counts that sign-split metrics (SAPO) need.
     """
-    masks = _as_list(mask)
-    gids = _as_list(group_ids)
-    advs = _as_list(advantages)
+    masks, gids, advs = _as_list(mask), _as_list(group_ids), _as_list(advantages)
     device = masks[0].device
     valid = [m.to(torch.bool) for m in masks]
     row_len = torch.cat([v.sum(-1) for v in valid]).to(torch.float64)
@@ -114,14 +103,10 @@ def compute_global_denominators(
     scalars = flat[: len(counts)].tolist()
     group_tokens = flat[len(counts):] if group_tokens is not None else None
     return GlobalDenominators(
-        num_tokens=scalars[0],
-        num_rows=scalars[1],
-        num_nonempty_rows=scalars[2],
+        num_tokens=scalars[0], num_rows=scalars[1], num_nonempty_rows=scalars[2],
         num_nonempty_groups=float((group_tokens > 0).sum()) if group_tokens is not None else 0.0,
-        group_num_tokens=group_tokens,
-        num_pos_adv_tokens=scalars[3] if advs is not None else None,
-        num_nonpos_adv_tokens=scalars[4] if advs is not None else None,
-    )
+        group_num_tokens=group_tokens, num_pos_adv_tokens=scalars[3] if advs is not None else None,
+        num_nonpos_adv_tokens=scalars[4] if advs is not None else None)
 
 
 def safe_div(num: Tensor, den: Tensor | float) -> Tensor:
@@ -130,35 +115,28 @@ def safe_div(num: Tensor, den: Tensor | float) -> Tensor:
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def token_weights(
-    mask: Tensor,
-    agg: str,
-    denoms: GlobalDenominators,
-    group_ids: Tensor | None = None,
-    norm_const: float | None = None,
-) -> Tensor:
+def token_weights(mask: Tensor, agg: str, denoms: GlobalDenominators, group_ids: Tensor | None = None,
+                  norm_const: float | None = None) -> Tensor:
     """Per-token aggregation weights ``w[i,t]`` (0 at masked positions) of this micro-batch's rows.
 
     ``seq-mean-token-sum-norm`` divides by ``num_rows * norm_const`` (Dr.GRPO / TRL form; verl omits ``num_rows``).
     """
-    valid = mask.to(torch.bool)
-    m = valid.to(torch.float64)
+    m = mask.to(torch.bool).to(torch.float64)
     row_len = m.sum(-1, keepdim=True)
     if agg == TOKEN_MEAN:
-        w = safe_div(m, denoms.num_tokens)
+        return safe_div(m, denoms.num_tokens)
     elif agg == SEQ_MEAN_TOKEN_MEAN:
-        w = safe_div(m, row_len * denoms.num_nonempty_rows)
+        return safe_div(m, row_len * denoms.num_nonempty_rows)
     elif agg == SEQ_MEAN_TOKEN_SUM:
-        w = safe_div(m, denoms.num_nonempty_rows)
+        return safe_div(m, denoms.num_nonempty_rows)
     elif agg == SEQ_MEAN_TOKEN_SUM_NORM:
         if norm_const is None or norm_const <= 0:
             raise ValueError(f"norm_const must be > 0 for agg={agg!r} (the max response length), got {norm_const}")
-        w = safe_div(m, denoms.num_rows * float(norm_const))
+        return safe_div(m, denoms.num_rows * float(norm_const))
     elif agg == PROMPT_MEAN_TOKEN_MEAN:
         if group_ids is None or denoms.group_num_tokens is None:
             raise ValueError(f"agg={agg!r} needs group_ids in the batch and in compute_global_denominators")
         g_tok = denoms.group_num_tokens.to(mask.device)[group_ids.to(device=mask.device, dtype=torch.long)]
-        w = safe_div(m, g_tok.unsqueeze(-1) * denoms.num_nonempty_groups)
+        return safe_div(m, g_tok.unsqueeze(-1) * denoms.num_nonempty_groups)
     else:
         raise ValueError(f"unknown aggregation mode agg={agg!r}; valid modes: {', '.join(AGG_MODES)}")
-    return w

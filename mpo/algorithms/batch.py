@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -85,14 +85,9 @@ class LossContext:
         log_ratio = torch.where(valid, logp_new - batch.logp_old.detach().to(dtype), zero)
         adv = torch.where(valid, batch.advantages.detach().to(dtype), zero)
         if shift is not None:
-            shift = RouterShift(
-                log_gamma=torch.where(valid, shift.log_gamma.detach().to(dtype), zero),
-                gamma_raw=shift.gamma_raw,
-                abs_logdiff=shift.abs_logdiff,
-            )
-        logp_rollout = None
-        if batch.logp_rollout is not None:
-            logp_rollout = torch.where(valid, batch.logp_rollout.detach().to(dtype), zero)
+            shift = replace(shift, log_gamma=torch.where(valid, shift.log_gamma.detach().to(dtype), zero))
+        rollout = batch.logp_rollout
+        logp_rollout = None if rollout is None else torch.where(valid, rollout.detach().to(dtype), zero)
         return cls(valid, logp_new, log_ratio, adv, weights.to(dtype), denoms, shift, logp_rollout)
 
     @property

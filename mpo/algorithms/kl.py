@@ -57,17 +57,9 @@ def kl_per_token(logp_new: Tensor, logp_ref: Tensor, mask: Tensor, estimator: st
     return torch.where(valid, k, torch.zeros_like(x))
 
 
-def kl_penalty(
-    logp_new: Tensor,
-    logp_ref: Tensor,
-    mask: Tensor,
-    estimator: str = "k3",
-    agg: str = "token-mean",
-    denominators: GlobalDenominators | None = None,
-    group_ids: Tensor | None = None,
-    norm_const: float | None = None,
-    logp_old: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def kl_penalty(logp_new: Tensor, logp_ref: Tensor, mask: Tensor, estimator: str = "k3", agg: str = "token-mean",
+               denominators: GlobalDenominators | None = None, group_ids: Tensor | None = None,
+               norm_const: float | None = None, logp_old: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """``agg(k)`` over this micro-batch with global denominators, and ``{"kl_mean": token mean of k}``.
 
     Multiply by the KL coefficient yourself, or set ``kl_coef`` in the loss config to have it added to the loss.

@@ -57,20 +57,12 @@ def _reduce_kind(name: str) -> str:
 
 def merge_metrics(per_micro_batch: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Combine the metric dicts of the micro-batches of one optimizer step (sum partial means, min of mins, ...)."""
+    combine = {"min": torch.minimum, "max": torch.maximum, "sum": torch.add}
     merged: dict[str, Tensor] = {}
     for metrics in per_micro_batch:
         for name, value in metrics.items():
             value = value.detach()
-            if name not in merged:
-                merged[name] = value.clone()
-                continue
-            kind = _reduce_kind(name)
-            if kind == "min":
-                merged[name] = torch.minimum(merged[name], value)
-            elif kind == "max":
-                merged[name] = torch.maximum(merged[name], value)
-            else:
-                merged[name] = merged[name] + value
+            merged[name] = combine[_reduce_kind(name)](merged[name], value) if name in merged else value.clone()
     return merged
 
 

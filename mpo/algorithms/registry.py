@@ -129,15 +129,10 @@ def _router_shift_metrics(ctx: LossContext, cfg: Any) -> dict[str, Tensor]:
     return out
 
 
-def compute_policy_loss(
-    name: str,
-    batch: PolicyBatch,
-    config: LossConfig | None = None,
-    denominators: GlobalDenominators | None = None,
-    correction: CorrectionConfig | None = None,
-    correction_counts: tuple[float, float] | None = None,
-    corrected: Correction | None = None,
-) -> LossOutput:
+def compute_policy_loss(name: str, batch: PolicyBatch, config: LossConfig | None = None,
+                        denominators: GlobalDenominators | None = None, correction: CorrectionConfig | None = None,
+                        correction_counts: tuple[float, float] | None = None,
+                        corrected: Correction | None = None) -> LossOutput:
     """Loss and metrics of one micro-batch for the registered loss ``name``.
 
     Args:

@@ -2,10 +2,9 @@
 trainer's old log-probs (TIS, IcePop, MIS; the float64 cases in tests/golden/algorithms_v2.json).
 
 With ``d = logp_old - logp_rollout`` per valid token, a correction gives stop-gradient weights ``w[i,t]`` and a mask
-``mask_out``; any loss then uses ``L = sum agg_w(mask_out)[i,t] * w[i,t] * ell[i,t]`` with aggregation denominators
-over the kept tokens (``compute_policy_loss`` does this when given a :class:`CorrectionConfig`). Sequence losses
-weight a row by ``sum_t agg_w * w``. The mismatch metrics are computed whenever engine log-probs exist, also with the
-correction off.
+``mask_out``; any loss then uses ``L = sum agg_w(mask_out)[i,t] * w[i,t] * ell[i,t]`` with aggregation denominators over
+the kept tokens (``compute_policy_loss`` does this when given a :class:`CorrectionConfig`). Sequence losses weight a row
+by ``sum_t agg_w * w``. The mismatch metrics are computed whenever engine log-probs exist, also with the correction off.
 """
 
 from __future__ import annotations
@@ -38,11 +37,8 @@ CORRECTION_DEFAULTS: dict[str, dict[str, float]] = {
 # objective, its weight truncated at the cap instead of zeroed above it. Zeroing (decoupled_token / decoupled_seq)
 # removes exactly the tokens whose probability rose most since they were sampled; late in a run those are the few
 # wrong answers a bad update made likelier, so the gradient that would undo the update is dropped and the run
-# collapses. Measured on the demo (issue #25; 100 steps, seed 1234, exact answers of the last 5 steps; one_step_off is
-# deterministic): one_step_off decoupled_seq 0.492 (0.94 at step 70, then a one-step policy move of 0.21 nats/token
-# it never recovered from), no correction 0.892 (gradient-norm spikes to 72), tis_token 0.925; async k=2
-# decoupled_seq 0.156 and 0.592, tis_token 0.933; sync 0.952. tis_token alone still collapsed at seed 1 (0.11): the
-# off-policy modes also replay routes (algorithm.replay unset -> r3), and the demo decays lr late (README, #25).
+# collapses (measured: docs/measurements.md). tis_token alone is not enough either: the off-policy modes also replay
+# routes (algorithm.replay unset -> r3).
 OFF_POLICY_DEFAULT = "tis_token"
 
 

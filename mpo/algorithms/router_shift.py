@@ -40,11 +40,8 @@ def check_gamma_min(gamma_min: float) -> None:
         raise ValueError(f"gamma_min must be in [0, 1] (0 = no floor), got {gamma_min}")
 
 
-def router_shift_sum(
-    router_logp_new: Tensor,
-    router_logp_old: Tensor,
-    layer_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def router_shift_sum(router_logp_new: Tensor, router_logp_old: Tensor,
+                     layer_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-token sum over local layers and top-K of ``|log p_new - log p_old|`` and the number of summed terms.
 
     Args:
@@ -75,16 +72,14 @@ def gamma_from_sums(abs_sum: Tensor, count: Tensor, gamma_min: float) -> RouterS
     return RouterShift(log_gamma=log_gamma, gamma_raw=gamma_raw, abs_logdiff=abs_logdiff)
 
 
-def router_shift_gamma(
-    router_logp_new: Tensor, router_logp_old: Tensor, gamma_min: float, layer_mask: Tensor | None = None
-) -> RouterShift:
+def router_shift_gamma(router_logp_new: Tensor, router_logp_old: Tensor, gamma_min: float,
+                       layer_mask: Tensor | None = None) -> RouterShift:
     """gamma when all MoE layers are local (no pipeline parallelism)."""
     return gamma_from_sums(*router_shift_sum(router_logp_new, router_logp_old, layer_mask), gamma_min)
 
 
-def router_logp_at_old_topk(
-    router_logits_old: Tensor, router_logits_new: Tensor, topk: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def router_logp_at_old_topk(router_logits_old: Tensor, router_logits_new: Tensor,
+                            topk: int) -> tuple[Tensor, Tensor, Tensor]:
     """Select the old top-K experts and gather the full-softmax router log-probs there.
 
     Args: router logits ``[..., L, E]`` of the old and the current router (already aligned to the scored tokens).
@@ -96,9 +91,8 @@ def router_logp_at_old_topk(
     return idx, logp_old.gather(-1, idx), logp_new.gather(-1, idx)
 
 
-def gamma_from_router_logits(
-    router_logits_old: Tensor, router_logits_new: Tensor, topk: int, gamma_min: float
-) -> RouterShift:
+def gamma_from_router_logits(router_logits_old: Tensor, router_logits_new: Tensor, topk: int,
+                             gamma_min: float) -> RouterShift:
     """gamma ``[B, T]`` directly from raw router logits ``[B, T, L, E]`` (old top-K, softmax over all experts)."""
     _, old_sel, new_sel = router_logp_at_old_topk(router_logits_old, router_logits_new, topk)
     return router_shift_gamma(new_sel, old_sel, gamma_min)

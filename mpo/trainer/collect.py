@@ -336,11 +336,10 @@ class Collector:
         """DAPO's soft overlong punishment per response (0 everywhere when algorithm.overlong_buffer is 0)."""
         from mpo.rewards.shaping import overlong_penalty
 
-        cfg = self.config
-        if not cfg.algorithm.overlong_buffer:
+        buffer = self.config.algorithm.overlong_buffer
+        if not buffer:
             return [0.0] * len(results)
-        max_len = cfg.response_tokens
-        return [overlong_penalty(len(r.output_ids), max_len, cfg.algorithm.overlong_buffer) for r in results]
+        return [overlong_penalty(len(r.output_ids), self.config.response_tokens, buffer) for r in results]
 
     def _sample_rows(self, step: int, drawn) -> list[dict]:
         """The first data.samples_logged responses of the step, decoded (text tasks), for samples.jsonl."""

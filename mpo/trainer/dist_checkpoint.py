@@ -111,26 +111,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _rng_object(data: Any) -> Any:
-    from megatron.core.dist_checkpointing import ShardedObject
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return ShardedObject("rng", data, (world,), (rank,), replica_id=0)
-
-
 def is_distributed(optimizer: Any) -> bool:
     """Whether a megatron (chained) optimizer shards its state over data parallelism (DistributedOptimizer)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def part_format(part: Part, requested: str) -> str:
-    """The format `part`'s optimizer state is written in: `requested` for a DistributedOptimizer; the plain optimizer's
-    state is in model space already ('fully_reshardable')."""
-    if requested not in FORMATS:
-        raise ValueError(f"checkpoint format {requested!r}; valid values: {', '.join(FORMATS)}")
-    return requested if is_distributed(part.optimizer) else "fully_reshardable"
 
 
 def _fresh_non_param_state(state: Any) -> Any:
@@ -165,7 +150,10 @@ def sharded_state(parts: list[Part], *, is_loading: bool, rng: bool, formats: di
                                                       metadata=DP_RESHARDABLE if dp else OPTIMIZER_SHARDING)
         state[f"{part.prefix}optimizer"] = _fresh_non_param_state(optimizer) if dp and is_loading else optimizer
     if rng:
-        state["rng"] = _rng_object(rng_state() if not is_loading else None)
+        from megatron.core.dist_checkpointing import ShardedObject
+
+        data = rng_state() if not is_loading else None
+        state["rng"] = ShardedObject("rng", data, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
     return state
 
 
@@ -227,10 +215,6 @@ class DistCheckpointer:
         self._pending = self.root  # the file an async save in flight names if the disk fills
 
     # -- pointer ---------------------------------------------------------------------------------------------------
-    def complete(self) -> list[Path]:
-        """The complete checkpoints (step_<N> with their trainer state written last), oldest first."""
-        return complete_checkpoints(self.root)
-
     def latest(self) -> Path | None:
         """The checkpoint to resume from (mpo.model_files.latest_checkpoint)."""
         return latest_checkpoint(self.root)
@@ -243,7 +227,7 @@ class DistCheckpointer:
         path = self.latest()
         if path is None:
             return None
-        older = [p for p in reversed(self.complete()) if int(p.name[5:]) < int(path.name[5:])]
+        older = [p for p in reversed(complete_checkpoints(self.root)) if int(p.name[5:]) < int(path.name[5:])]
         first = None
         for candidate in (path, *older):
             problem = self.problem(candidate, parts, group)
@@ -284,7 +268,9 @@ class DistCheckpointer:
             with writing(tmp):
                 tmp.mkdir(parents=True)
         dist.barrier()
-        formats = {p.prefix: part_format(p, "fully_reshardable" if export else self.format) for p in parts}
+        requested = "fully_reshardable" if export else self.format
+        # the plain optimizer's state is in model space already ('fully_reshardable')
+        formats = {p.prefix: requested if is_distributed(p.optimizer) else "fully_reshardable" for p in parts}
         state = sharded_state(parts, is_loading=False, rng=True, formats=formats)
         self._need_bytes = _shard_bytes(parts)
         with self._no_space(tmp / f"__{rank}_0.distcp"):  # the shard file this rank writes
@@ -327,11 +313,10 @@ class DistCheckpointer:
             if self.model_files is not None:  # before the trainer state: a committed checkpoint always has them
                 self.model_files(tmp)
             state_file = tmp / TRAINER_STATE
-            with writing(state_file):
-                with open(state_file, "w") as f:
-                    f.write(trainer_state)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with writing(state_file), open(state_file, "w") as f:
+                f.write(trainer_state)
+                f.flush()
+                os.fsync(f.fileno())
             for file in tmp.rglob("*"):  # metadata and model files (rank 0 writes them)
                 if file.is_file() and not file.name.startswith("__"):
                     _fsync(file)
@@ -342,11 +327,10 @@ class DistCheckpointer:
             os.replace(tmp, final)
             _fsync(self.root)
             pointer_tmp = self.root / "latest.tmp"
-            with writing(pointer_tmp):
-                with open(pointer_tmp, "w") as f:
-                    f.write(final.name)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with writing(pointer_tmp), open(pointer_tmp, "w") as f:
+                f.write(final.name)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(pointer_tmp, self.root / "latest")
             _fsync(self.root)
             self._prune(keep_name=final.name)
@@ -499,11 +483,10 @@ def _writer_results_queue(async_save: bool) -> None:
 @contextlib.contextmanager
 def _main_module_hidden():
     """A spawned child re-imports the parent's `__main__` (as `__mp_main__`) before it runs anything: a user's script
-    that calls Trainer.save without an `if __name__ == "__main__":` guard ran again inside the writer's Manager, whose
-    start then failed (multiprocessing's "bootstrapping phase" error in the child, an 84-line EOFError in the rank,
-    and a step_<k>.tmp left behind). The Manager's server needs nothing from `__main__` (its initializer is
-    mpo.lifecycle's, imported by name), so it is started with `__main__` looking like an interactive session's: no
-    `__spec__`, no `__file__`, which multiprocessing.spawn takes as nothing to import. Restored right after."""
+    that calls Trainer.save without an `if __name__ == "__main__":` guard would run again inside the writer's Manager,
+    whose start then fails. The Manager's server needs nothing from `__main__` (its initializer is mpo.lifecycle's,
+    imported by name), so it is started with `__main__` looking like an interactive session's: no `__spec__`, no
+    `__file__`, which multiprocessing.spawn takes as nothing to import. Restored right after."""
     import sys
 
     main = sys.modules.get("__main__")

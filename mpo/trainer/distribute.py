@@ -143,8 +143,7 @@ class Distributor:
                 made[key] = pickle.dumps(share_for(samples, owners, key[0], key[1], num_layers=self.num_layers,
                                                    first_k_dense=self.first_k_dense),
                                          protocol=pickle.HIGHEST_PROTOCOL)
-            payload = torch.frombuffer(bytearray(made[key]), dtype=torch.uint8) if made[key] else \
-                torch.empty(0, dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(made[key]), dtype=torch.uint8)  # a pickle is never empty
             size = torch.tensor([payload.numel()], dtype=torch.int64)
             pending += [(dist.isend(size, dst=dst, group=self.group), size),
                         (dist.isend(payload, dst=dst, group=self.group), payload)]  # tensors live until sent

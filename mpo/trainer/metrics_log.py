@@ -42,6 +42,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def metric_rows(out_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """A run's metrics.jsonl: the RL steps' rows, the rows with held-out metrics, and the held-out keys (eval/mean@k,
+    eval/pass@k)."""
+    everything = read_metrics(Path(out_dir) / "metrics.jsonl")
+    rows = [r for r in everything if "reward_mean" in r]  # RL steps (the final evaluation's row is not one)
+    evals = [r for r in everything if any(k.startswith("eval/mean@") for k in r)]
+    return rows, evals, sorted({k for r in evals for k in r if k.startswith(("eval/mean@", "eval/pass@"))})
+
+
 def wandb_settings(config) -> dict[str, Any] | None:
     """MetricsLog's `wandb` argument for a TrainConfig: logging.wandb_project, logging.wandb_run_name and the whole
     config as the W&B run's config (None when logging.wandb is off)."""
@@ -122,7 +131,7 @@ def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
     return line + (f"; held-out {', '.join(held_out)}" if held_out else "")
 
 
-def _mean(rows: list[dict[str, Any]], key: str) -> float:
+def mean_of(rows: list[dict[str, Any]], key: str) -> float:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return sum(values) / len(values) if values else float("nan")
 
@@ -131,8 +140,7 @@ def run_summary(out_dir: str | Path, *, first_step: int, steps: int, seconds: fl
     """The end of a run in a few lines: steps run, reward at the start and the end, held-out metrics before and after,
     the wall time, and where the metrics, checkpoints and plot are."""
     out_dir = Path(out_dir)
-    everything = read_metrics(out_dir / "metrics.jsonl")
-    rows = [r for r in everything if "reward_mean" in r]  # RL steps (the final evaluation's row is not one)
+    rows, evals, eval_keys = metric_rows(out_dir)
     ran = steps - first_step
     lines = [f"run finished: {ran} RL step{'s' * (ran != 1)} in {seconds:.0f} s"
              + (f" (resumed at step {first_step}; {steps} in all)" if first_step else "")]
@@ -141,10 +149,9 @@ def run_summary(out_dir: str | Path, *, first_step: int, steps: int, seconds: fl
         first, last = rows[:window], rows[-window:]
         for key, label in (("reward_mean", "reward"), ("reward_exact_frac", "exact answers")):
             if any(key in r for r in rows):
-                lines.append(f"  {label}: {_mean(first, key):.3f} -> {_mean(last, key):.3f} (mean of the first and "
+                lines.append(f"  {label}: {mean_of(first, key):.3f} -> {mean_of(last, key):.3f} (mean of the first and "
                              f"last {window} of {len(rows)} steps)")
-    evals = [r for r in everything if any(k.startswith("eval/mean@") for k in r)]
-    for key in sorted({k for r in evals for k in r if k.startswith(("eval/mean@", "eval/pass@"))}):
+    for key in eval_keys:
         lines.append(f"  held-out {key.removeprefix('eval/')}: {evals[0].get(key, float('nan')):.3f} (step "
                      f"{evals[0]['step']}) -> {evals[-1].get(key, float('nan')):.3f} (step {evals[-1]['step']})")
     lines.append(f"  metrics: {out_dir / 'metrics.jsonl'}; checkpoints: {out_dir / 'checkpoints'}; plot: "
@@ -170,12 +177,10 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.writer = None
         if tensorboard:
-            try:
+            with contextlib.suppress(ImportError):  # TensorBoard is optional
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-            except ImportError:
-                self.writer = None
         self.wandb = WandbSink(out_dir, **wandb) if wandb is not None else None
         self.bar = None
         if progress:

@@ -12,19 +12,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mpo.trainer.metrics_log import read_metrics
+from mpo.trainer.metrics_log import mean_of, metric_rows
 
 ROUTING = (("routing/rollout_vs_old/exact_match", "engine vs old forward"),
            ("routing/old_vs_update/exact_match", "old forward vs update"))
-
-
-def _rows(out_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """The RL steps' rows, the rows with held-out metrics, and the held-out keys (eval/mean@k, eval/pass@k)."""
-    everything = read_metrics(out_dir / "metrics.jsonl")
-    rows = [r for r in everything if "reward_mean" in r]  # RL steps (the final evaluation's row is not one)
-    evals = [r for r in everything if any(k.startswith("eval/mean@") for k in r)]
-    keys = sorted({k for r in evals for k in r if k.startswith(("eval/mean@", "eval/pass@"))})
-    return rows, evals, keys
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> list[float]:
@@ -34,7 +25,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> list[float]:
 def write_plot(out_dir: str | Path, path: str | Path | None = None) -> Path | None:
     """Write the run's plot to `path` (default RUN/metrics.png); None when the run has no RL step yet."""
     out_dir = Path(out_dir)
-    rows, evals, eval_keys = _rows(out_dir)
+    rows, evals, eval_keys = metric_rows(out_dir)
     if not rows:
         return None
     import matplotlib
@@ -69,20 +60,15 @@ def write_plot(out_dir: str | Path, path: str | Path | None = None) -> Path | No
 def before_after(out_dir: str | Path) -> str:
     """The demo's table: reward and exact answers over the first and last few RL steps, held-out metrics at the first
     and last evaluation."""
-    rows, evals, eval_keys = _rows(Path(out_dir))
+    rows, evals, eval_keys = metric_rows(out_dir)
     if not rows:
         return "no metrics were written"
-    window = max(1, min(5, len(rows) // 4 or 1))
+    window = max(1, min(5, len(rows) // 4))
     before, after = rows[:window], rows[-window:]
-
-    def mean(items: list[dict], key: str) -> float:
-        values = [r[key] for r in items if key in r]
-        return sum(values) / len(values) if values else float("nan")
-
     lines = [f"{'':28s}{'before RL':>12s}{'after RL':>12s}",
-             f"{'reward (mean)':28s}{mean(before, 'reward_mean'):12.3f}{mean(after, 'reward_mean'):12.3f}",
-             f"{'exact answers (fraction)':28s}{mean(before, 'reward_exact_frac'):12.3f}"
-             f"{mean(after, 'reward_exact_frac'):12.3f}",
+             f"{'reward (mean)':28s}{mean_of(before, 'reward_mean'):12.3f}{mean_of(after, 'reward_mean'):12.3f}",
+             f"{'exact answers (fraction)':28s}{mean_of(before, 'reward_exact_frac'):12.3f}"
+             f"{mean_of(after, 'reward_exact_frac'):12.3f}",
              f"(mean of the first and last {window} of {len(rows)} RL steps)"]
     for key in eval_keys:
         lines.append(f"{'held-out ' + key.removeprefix('eval/'):28s}{evals[0][key]:12.3f}{evals[-1][key]:12.3f}")

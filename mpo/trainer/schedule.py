@@ -23,13 +23,9 @@ every token's version with logging.versions_per_token).
 The engine log-probs of a stale sample come from an older policy (the behaviour policy, per token: mpo's engine keeps
 each token's log-prob from when it was sampled, also across an in-flight update) than the trainer's old-logprob
 forward (the proximal policy, at the current version). Off-policy modes therefore train with the decoupled objective
-by default (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says what and why) and replay the routes each
-sample was generated with (algorithm.replay unset -> r3): on the demo's MoE, one_step_off without replay collapsed
-late at seed 1 (exact 0.91 -> 0.11) and learned with it (0.85; sync 0.86).
-Measured on the demo before it (python -m mpo.bench rl_modes's async run, k=2, no correction): the mismatch
-rollout_mismatch_k1 between the two policies grew from 0.03 to spikes of 1.1 nats as the policy sharpened, stale
-negative-advantage tokens the current policy had all but ruled out entered the loss at full weight, the gradient
-norm spiked to 113 (sync: <= 20) and the exact-answer rate fell back (held-out mean@4 0.84 -> 0.51 -> 0.84).
+by default (mpo.algorithms.rollout_correction.OFF_POLICY_DEFAULT says what and why; without it, stale
+negative-advantage tokens the current policy has all but ruled out enter the loss at full weight) and replay the routes
+each sample was generated with (algorithm.replay unset -> r3: without replay the demo's MoE collapsed late).
 
 Colocated engines (rollout.colocate, sync mode only): the engines share the trainer's GPUs, so after each batch
 they release their memory (SGLang --enable-memory-saver: /release_memory_occupation) and take it back in two stages
@@ -41,14 +37,13 @@ the push (reads the trainer's resident parameters), engines resume the KV cache.
 run before the first step, resident. Real SGLang's release calls CUDA, so on CPU the GPU path is unverified.
 
 The producer is a thread of rank 0 that keeps the gating below (versions, the one_step_off lock, busy intervals); in
-the off-policy modes what it calls, `collect`, is a child process's (mpo.trainer.producer.ProducerProcess: it owns a
-Collector of its own, so HTTP, decoding, scoring and advantages run off the training loop's GIL; its death stops the
-run with one line, ProducerDied). Sync mode collects in rank 0's own thread.
+the off-policy modes what it calls, `collect`, is a child process's (mpo.trainer.producer says why). Sync mode collects
+in rank 0's own thread.
 
-Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are
-dropped on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the
-engines hold then: off-policy runs are not bit-reproducible, their timing decides the versions). Producer and
-trainer never share a collective: the producer only talks HTTP to the engines and scores beside rank 0.
+Resume: checkpoints are taken at step boundaries as in sync mode; batches generated ahead of the checkpoint are dropped
+on a restart and regenerated (for toy tasks from the same prompts and seeds, but under whichever weights the engines
+hold then: off-policy runs are not bit-reproducible, their timing decides the versions). Producer and trainer never
+share a collective: the producer only talks HTTP to the engines and scores beside rank 0.
 """
 
 from __future__ import annotations

@@ -151,17 +151,15 @@ class TextRun:
             from mpo.envs.pool import EnvPool
             from mpo.envs.render import TurnRenderer
 
-            self.reward_name = None
             self.pool = EnvPool(config.rollout.env, timeout_s=config.reward.timeout_s, workers=config.reward.workers,
                                 max_memory_mb=config.reward.max_memory_mb,
                                 max_state_bytes=config.rollout.max_env_state_bytes)
             self.env = (self.pool, TurnRenderer(self.encoder, self.stop_token_ids))
             return
-        self.reward_name = config.reward.fn or default_reward(self.spec.kind)
         from mpo.rewards import RewardPool
 
-        self.pool = RewardPool(self.reward_name, timeout_s=config.reward.timeout_s, workers=config.reward.workers,
-                               max_memory_mb=config.reward.max_memory_mb)
+        self.pool = RewardPool(config.reward.fn or default_reward(self.spec.kind), timeout_s=config.reward.timeout_s,
+                               workers=config.reward.workers, max_memory_mb=config.reward.max_memory_mb)
 
     def draw(self, step: int, count: int, retirement=None, *, round_: int = 0) -> list:
         """The stream's next `count` prompts (not retired ones): every draw, dynamic sampling's further rounds

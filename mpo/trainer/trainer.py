@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -23,12 +24,17 @@ from mpo.algorithms import CorrectionConfig, get_loss, make_loss_config
 from mpo.algorithms.step_advantages import StepAdvantages
 from mpo.config import TrainConfig, to_dict
 from mpo.config_checks import model_config, resolve_rollout_correction
+from mpo.model_files import copy_model_files, resolve_mcore_dir
 from mpo.model_import import refuse_without_weights
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import one_rank
-from mpo.trainer.dist_checkpoint import DistCheckpointer, layout_of
+from mpo.trainer.critic import Critic
+from mpo.trainer.dist_checkpoint import DistCheckpointer, Part, layout_of
+from mpo.trainer.distribute import Distributor
+from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings, steps_change_line
 from mpo.trainer.offload import TrainerOffload, offload_enabled
-from mpo.trainer.rows import Sample, rank_microbatches, uniform_length
+from mpo.trainer.phases import PhaseClock
+from mpo.trainer.rows import Sample, _microbatch_multiple, rank_microbatches, uniform_length
 from mpo.trainer.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
@@ -50,9 +56,6 @@ class Trainer:
         from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.parallel import initialize_parallel
         from mpo.routing import attach_routing_hooks
-        from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings
-
-        from mpo.trainer.phases import PhaseClock
 
         self.config = config
         self.sft_steps_done = 0  # supervised warm-start steps taken (mpo.trainer.warm_start), kept in checkpoints
@@ -69,7 +72,6 @@ class Trainer:
         model = build_model(self.model_cfg, config.parallel, self.ctx.device, precision, seed=config.seed,
                             recompute=config.model.recompute)
         if config.model.mcore_dir:
-            from mpo.model_files import resolve_mcore_dir
             from mpo.safe_load import load_sharded  # dist_checkpointing.load that runs no code from the files
 
             # a converted checkpoint, or a trainer checkpoint (a step directory, or a run directory: its newest):
@@ -99,10 +101,6 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
         async_save = config.logging.checkpoint_async
-        from functools import partial
-
-        from mpo.model_files import copy_model_files
-
         self.checkpoints = DistCheckpointer(config.logging.out_dir, keep=config.logging.keep_checkpoints,
                                             async_save=self.ctx.device.is_gpu if async_save is None else async_save,
                                             format=config.logging.checkpoint_format,
@@ -122,8 +120,6 @@ class Trainer:
         correction = CorrectionConfig(kind, **algorithm.rollout_correction_args)
         self.advantages = StepAdvantages.for_algorithm(algorithm)
         if self.advantages.config.needs_critic and getattr(self, "critic", None) is None:
-            from mpo.trainer.critic import Critic
-
             self.critic = Critic(self)  # initialised from the policy as it is now
         self.reference = self._reference_state() if algorithm.kl_coef > 0 else None
         self.policy = PolicyUpdate(self.model, self.gpt, self.optimizer, self.routing, self.model_cfg, algorithm,
@@ -169,8 +165,6 @@ class Trainer:
         """This rank's micro-batches of every mini-batch of one pass: packed by schedule.max_tokens_per_microbatch
         when it is set (balanced DP shares, mpo.trainer.packing), else padded rows (one [b, s] under PP or TP).
         `schedule`: another schedule section's batching (default: the config's; mpo.bench.packing compares two)."""
-        from mpo.trainer.rows import _microbatch_multiple
-
         schedule, (dp_rank, dp_size) = schedule or self.config.schedule, self._dp()
         if schedule.max_tokens_per_microbatch:
             from mpo.trainer.packing import pack_pass
@@ -203,8 +197,6 @@ class Trainer:
 
     def distributor(self):
         """This rank's Distributor (mpo.trainer.distribute); made on first use, a collective on every rank."""
-        from mpo.trainer.distribute import Distributor
-
         if getattr(self, "_distribute", None) is None:
             self._distribute = Distributor(self.ctx.object_group, dp_rank=self._dp()[0], layers=self.routing.layers,
                                            num_layers=self.model_cfg.num_layers,
@@ -215,9 +207,8 @@ class Trainer:
         """One RL step on every rank; returns the step's metrics (complete on rank 0). source: rank 0's step ->
         (samples, metrics): the schedule's (mpo.trainer.schedule) in loop.run, or Rollouts.collect."""
         cfg = self.config
-        # Colocated engines: every rank's trainer memory is on the host while rank 0's engines generate (they share
-        # every rank's GPU); the engines release theirs when the batch is done (RolloutSchedule.take), then the
-        # trainer takes its back. The weight sync after this step reads the parameters resident.
+        # Colocated engines share every rank's GPU: the trainer's memory is on the host while rank 0's engines generate
+        # (mpo.trainer.schedule tells the protocol); the weight sync after this step reads the parameters resident.
         offload = self._trainer_offload()
         if offload is not None:
             offload.offload()
@@ -307,8 +298,6 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def _checkpoint_parts(self) -> list:
-        from mpo.trainer.dist_checkpoint import Part
-
         parts = [Part("", self.gpt, self.optimizer)]
         if self.critic is not None:
             parts.append(Part("critic.", self.critic.gpt, self.critic.optimizer))
@@ -339,8 +328,6 @@ class Trainer:
         if path is None:
             return 0, None
         trainer_state = self.checkpoints.load(path, parts, layout_of(self.ctx))
-        from mpo.trainer.lr_schedule import steps_change_line
-
         changed = steps_change_line((trainer_state.get("config") or {}).get("schedule") or {}, self.config.schedule,
                                     int(trainer_state["step"]))
         if changed and self.rank == 0:  # extending a run re-shapes its decay: never silently

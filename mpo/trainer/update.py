@@ -86,13 +86,11 @@ class PolicyUpdate:
             joined_outs = run_microbatches(self.model, forward, vocab_size=vocab, forward_only=True)
         outs, records = _split_joined(groups, microbatches, joined_outs, old.records)
         metrics: dict[str, float] = {}
-        if self.reference is not None:
-            outs_ref = self.reference_logprobs(microbatches)
-        for i, mb in enumerate(microbatches):
-            if outs:
-                mb.extras["logp_old"] = outs[i]["logprobs"]
-                if self.reference is not None:
-                    mb.extras["logp_ref"] = outs_ref[i]
+        outs_ref = self.reference_logprobs(microbatches) if self.reference is not None else None
+        for i, mb in enumerate(microbatches if outs else []):
+            mb.extras["logp_old"] = outs[i]["logprobs"]
+            if outs_ref is not None:
+                mb.extras["logp_ref"] = outs_ref[i]
         valid = [mb.model_layout(mb.extras["mask"]).bool() for mb in microbatches]  # as the routing records
         layers = {"num_layers": self.model_cfg.num_layers, "pp_group": self.pp_group}
         if all(r is not None for r in engine_routes):
@@ -249,13 +247,12 @@ class PolicyUpdate:
         metrics.update(agreement_metrics(natural(old_records), natural(current.records), valid,
                                          prefix="routing/old_vs_update", **layers))
         metrics.update(replay_forced_metrics(current.records, valid, prefix="routing/update_replay", **layers))
-        if self.grads_finite(loss_ok):
+        finite = self.grads_finite(loss_ok)
+        if finite:
             with self.clock("optimizer"):
-                success, grad_norm, _ = self.optimizer.step()
+                _, grad_norm, _ = self.optimizer.step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            metrics["nonfinite_skipped"] = 0.0
-        else:
-            metrics["nonfinite_skipped"] = 1.0
+        metrics["nonfinite_skipped"] = 0.0 if finite else 1.0
         return metrics
 
 
