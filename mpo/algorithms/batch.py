@@ -126,6 +126,11 @@ class LossContext:
     def token_frac(self, cond: Tensor) -> Tensor:
         return self.token_mean(torch.ones_like(self.log_ratio), cond)
 
+    def clip_fracs(self, high: Tensor, low: Tensor) -> dict[str, Tensor]:
+        """clipfrac_high / clipfrac_low (the tokens clipped at each bound) and clipfrac, their sum."""
+        fracs = {"clipfrac_high": self.token_frac(high), "clipfrac_low": self.token_frac(low)}
+        return {**fracs, "clipfrac": fracs["clipfrac_high"] + fracs["clipfrac_low"]}
+
     def row_mean(self, x: Tensor, where: Tensor | None = None) -> Tensor:
         sel = self.row_nonempty if where is None else self.row_nonempty & where
         return masked_partial_mean(x.detach().to(self.log_ratio.dtype), sel, self.denoms.num_nonempty_rows)

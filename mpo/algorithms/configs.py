@@ -14,11 +14,14 @@ from .kl import resolve_kl_estimator
 from .router_shift import check_gamma_min
 
 GAMMA_MODES: tuple[str, ...] = ("pre_clip", "post_clip_literal")
+DPPO_ANCHORS: tuple[str, ...] = ("old", "rollout")
 
 
 # The families' bounded fields, checked on every config that has the field, in this order.
 _BOUNDS = {"eps_low": ">= 0", "eps_high": ">= 0", "delta_low": ">= 0", "delta_high": ">= 0", "is_cap": "> 0",
            "tau_pos": "> 0", "tau_neg": "> 0", "is_high": "> 0"}
+# The families' fields with a fixed set of values, checked last.
+_CHOICES = {"gamma_mode": GAMMA_MODES, "anchor": DPPO_ANCHORS}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -57,6 +60,10 @@ class LossConfig:
         _require(dual_clip_c is None or dual_clip_c > 1.0, f"dual_clip_c must be None or > 1, got {dual_clip_c}")
         if hasattr(self, "gamma_min"):  # the router-shift families
             check_gamma_min(self.gamma_min)
+        for name, choices in _CHOICES.items():
+            if hasattr(self, name):
+                value = getattr(self, name)
+                _require(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass
@@ -129,11 +136,6 @@ class RSPOConfig(GMPOConfig):
     gamma_min: float = 0.7
     gamma_mode: str = "pre_clip"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.gamma_mode in GAMMA_MODES,
-                 f"gamma_mode must be one of {', '.join(GAMMA_MODES)}, got {self.gamma_mode!r}")
-
 
 @dataclass
 class PPOClipRouterShiftConfig(PPOClipConfig):
@@ -147,9 +149,6 @@ class GSPORouterShiftConfig(GSPOConfig):
     """``gspo+rs`` / ``gspo_token+rs``: sequence ratio ``exp(mean(d + log gamma))``; ``gamma_min`` as in RSPO."""
 
     gamma_min: float = 0.7
-
-
-DPPO_ANCHORS: tuple[str, ...] = ("old", "rollout")
 
 
 @dataclass
@@ -166,7 +165,3 @@ class DPPOConfig(LossConfig):
     delta_high: float = 0.15
     is_cap: float = 20.0
     anchor: str = "old"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.anchor in DPPO_ANCHORS, f"anchor must be one of {', '.join(DPPO_ANCHORS)}, got {self.anchor!r}")

@@ -21,7 +21,7 @@ from .aggregation import GlobalDenominators, compute_global_denominators, token_
 from .batch import LossContext, LossOutput, PolicyBatch
 from .configs import LossConfig
 from .kl import kl_penalty
-from .metrics import masked_max, masked_min
+from .metrics import stats
 from .rollout_correction import Correction, CorrectionConfig, apply_rollout_correction
 from .router_shift import RouterShift, router_shift_gamma
 
@@ -100,13 +100,8 @@ def _resolve_router_shift(name: str, batch: PolicyBatch, cfg: Any) -> RouterShif
 def _common_metrics(ctx: LossContext, batch: PolicyBatch) -> dict[str, Tensor]:
     d = ctx.log_ratio.detach()
     ratio = torch.exp(d)
-    out = {
-        "ppo_kl": ctx.token_mean(-d),
-        "ratio_mean": ctx.token_mean(ratio),
-        "ratio_min": masked_min(ratio, ctx.valid),
-        "ratio_max": masked_max(ratio, ctx.valid),
-        "log_ratio_abs_mean": ctx.token_mean(d.abs()),
-    }
+    out = {"ppo_kl": ctx.token_mean(-d), **stats("ratio", ratio, ctx.valid, ctx.denoms.num_tokens),
+           "log_ratio_abs_mean": ctx.token_mean(d.abs())}
     if batch.entropy is not None:
         out["entropy"] = ctx.token_mean(torch.where(ctx.valid, batch.entropy.detach(), 0))
     return out
@@ -115,11 +110,7 @@ def _common_metrics(ctx: LossContext, batch: PolicyBatch) -> dict[str, Tensor]:
 def _router_shift_metrics(ctx: LossContext, cfg: Any) -> dict[str, Tensor]:
     shift, valid = ctx.shift, ctx.valid
     gamma = torch.exp(shift.log_gamma)
-    out = {
-        "rspo_gamma_mean": ctx.token_mean(gamma),
-        "rspo_gamma_min": masked_min(gamma, valid),
-        "rspo_gamma_max": masked_max(gamma, valid),
-    }
+    out = stats("rspo_gamma", gamma, valid, ctx.denoms.num_tokens)
     if shift.gamma_raw is not None:
         raw = torch.where(valid, shift.gamma_raw.to(gamma.dtype), 1.0)
         out["rspo_gamma_raw_mean"] = ctx.token_mean(raw)

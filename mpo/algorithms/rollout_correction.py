@@ -18,7 +18,7 @@ from torch import Tensor
 
 from mpo.parallel.collectives import all_reduce_
 
-from .metrics import masked_max, masked_min, masked_partial_mean
+from .metrics import masked_partial_mean, stats
 
 # Per kind: which bounds it uses and their defaults (slime TIS C=2; verl IcePop "0.5_5.0"; verl decoupled seq IS-RS;
 # AReaL's decoupled PPO: behaviour weights above the cap are dropped, its configs' behav_imp_weight_cap is 5).
@@ -141,9 +141,7 @@ def _metrics(d: Tensor, valid: Tensor, keep: Tensor, weights: Tensor,
         "mismatch_k1": masked_partial_mean(-d, valid, n_valid),
         "mismatch_k3": masked_partial_mean(torch.expm1(-d) + d, valid, n_valid),
         "masked_frac": masked_partial_mean(rejected.to(dtype), valid, n_valid),
-        "is_weight_mean": masked_partial_mean(weights, keep, n_kept),
-        "is_weight_min": masked_min(weights, keep),
-        "is_weight_max": masked_max(weights, keep),
+        **stats("is_weight", weights, keep, n_kept),
     }
 
 

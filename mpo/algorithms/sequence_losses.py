@@ -11,18 +11,13 @@ from torch import Tensor
 
 from .batch import LossContext
 from .configs import GMPOConfig, GSPOConfig, GSPORouterShiftConfig, RSPOConfig
-from .metrics import masked_max, masked_min
+from .metrics import stats
 from .registry import register_loss
 from .token_losses import clip_factor
 
 
 def _seq_ratio_metrics(ctx: LossContext, seq_ratio: Tensor) -> dict[str, Tensor]:
-    seq_ratio = seq_ratio.detach()
-    return {
-        "seq_ratio_mean": ctx.row_mean(seq_ratio),
-        "seq_ratio_min": masked_min(seq_ratio, ctx.row_nonempty),
-        "seq_ratio_max": masked_max(seq_ratio, ctx.row_nonempty),
-    }
+    return stats("seq_ratio", seq_ratio.detach(), ctx.row_nonempty, ctx.denoms.num_nonempty_rows)
 
 
 @register_loss("gspo", GSPOConfig)
@@ -74,11 +69,7 @@ def _geometric_mean_policy(ctx: LossContext, cfg: GMPOConfig, log_ratio: Tensor,
         log_seq = log_seq + seq_log_bonus
     seq_ratio = torch.exp(log_seq)
     per_seq = -adv * seq_ratio
-    metrics = {
-        "clipfrac_high": ctx.token_frac(pos & (log_ratio > cfg.delta_high)),
-        "clipfrac_low": ctx.token_frac(neg & (log_ratio < -cfg.delta_low)),
-    }
-    metrics["clipfrac"] = metrics["clipfrac_high"] + metrics["clipfrac_low"]
+    metrics = ctx.clip_fracs(pos & (log_ratio > cfg.delta_high), neg & (log_ratio < -cfg.delta_low))
     metrics.update(_seq_ratio_metrics(ctx, seq_ratio))
     return (ctx.row_weights * per_seq).sum(), metrics
 

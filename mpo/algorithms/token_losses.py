@@ -41,11 +41,7 @@ def ppo_clip_loss(ctx: LossContext, cfg: PPOClipConfig) -> tuple[Tensor, dict[st
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     factor = clip_factor(ratio, adv, low, high)
     pos, neg = adv > 0, adv < 0
-    metrics = {
-        "clipfrac_high": ctx.token_frac(pos & (ratio > high)),
-        "clipfrac_low": ctx.token_frac(neg & (ratio < low)),
-    }
-    metrics["clipfrac"] = metrics["clipfrac_high"] + metrics["clipfrac_low"]
+    metrics = ctx.clip_fracs(pos & (ratio > high), neg & (ratio < low))
     if cfg.dual_clip_c is not None:
         factor = torch.where(neg, torch.clamp(factor, max=cfg.dual_clip_c), factor)
         metrics["clipfrac_dual"] = ctx.token_frac(neg & (ratio > cfg.dual_clip_c))

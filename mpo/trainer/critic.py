@@ -72,8 +72,7 @@ class Critic:
             mb.extras["advantages"] = result.advantages[start:start + b, :s].to(mb.extras["advantages"].dtype)
             mb.extras["returns"] = result.returns[start:start + b, :s]
             start += b
-        sums = torch.stack([(mask * values_old).sum(), (mask * result.returns).sum(),
-                            mask.sum()]).to(torch.float64)
+        sums = torch.stack([(mask * values_old).sum(), (mask * result.returns).sum(), mask.sum()]).to(torch.float64)
         all_reduce_(sums, group=self.trainer.dp_group)
         return {"critic/values_old_mean": (sums[0] / sums[2].clamp(min=1)).item(),
                 "critic/returns_mean": (sums[1] / sums[2].clamp(min=1)).item()}

@@ -97,7 +97,6 @@ class Distributor:
 
     Args:
         group: the gloo group of every rank (ParallelContext.object_group).
-        dp_rank: this rank's data-parallel rank.
         layers: the MoE layer numbers of this rank's pipeline stage (its routing hooks' layers).
         num_layers, first_k_dense: the model's layer count and dense first layers (to index the engine's routes).
     """

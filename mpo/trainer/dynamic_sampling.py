@@ -111,18 +111,12 @@ def sample_varied(draw: Callable[[int, int], Drawn], wanted: int, max_rounds: in
     were drawn; keep the first `wanted` varied groups in draw order."""
     if wanted < 1 or max_rounds < 1:
         raise ValueError(f"wanted={wanted} and max_rounds={max_rounds} must be >= 1")
-    drawn: Drawn | None = None
-    varied: list[int] = []
-    rounds = 0
+    drawn = draw(0, wanted)
+    varied = varied_groups(drawn.rewards, drawn.group_size)
+    rounds = 1
     while rounds < max_rounds and len(varied) < wanted:
-        count = wanted if drawn is None else round_size(wanted - len(varied), len(varied), len(drawn), wanted)
-        new = draw(rounds, count)
-        offset = 0 if drawn is None else len(drawn)
-        varied += [offset + g for g in varied_groups(new.rewards, new.group_size)]
-        if drawn is None:
-            drawn = new
-        else:
-            drawn.extend(new)
+        new = draw(rounds, round_size(wanted - len(varied), len(varied), len(drawn), wanted))
+        varied += [len(drawn) + g for g in varied_groups(new.rewards, new.group_size)]
+        drawn.extend(new)
         rounds += 1
-    assert drawn is not None
     return Sampled(drawn.groups(varied[:wanted]), drawn, rounds, len(varied) < wanted)

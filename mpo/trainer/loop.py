@@ -104,8 +104,8 @@ def run(config: TrainConfig) -> None:
     if first_rank and not config.rollout.urls:
         log.info("starting %d local engine%s (logs: %s)", config.rollout.num_engines,
                  "s" * (config.rollout.num_engines > 1), out_dir / "logs")
-    # Rank 0 launches its local engines first: they start while the ranks build their models (~3.5 s each on CPU,
-    # paid by every run and most tests), and are waited for once the trainer is up.
+    # Rank 0 launches its local engines first: they start while the ranks build their models (seconds, paid by every
+    # run and most tests), and are waited for once the trainer is up.
     engines = engine_set(config, out_dir, wait=False) if first_rank else None
     trainer: Trainer | None = None
     rollouts: Rollouts | None = None

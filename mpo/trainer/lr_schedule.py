@@ -4,13 +4,13 @@ megatron's optimizer, counted in RL steps.
 Every optimizer step of RL step s (schedule.updates_per_step of them) uses lr(s), megatron's formulas with
 num_steps = s: linear warmup from 0 over `schedule.lr_warmup_steps` (lr(s) = lr * s / warmup for s <= warmup), then
 `constant`, `linear` / `cosine` decay to `schedule.min_lr` over the rest of `schedule.steps`, or `wsd` (held, then
-linear to min_lr over the last `schedule.lr_wsd_decay_frac` of the steps after warmup, at least one step). The
-schedule is a pure function of the step, set at the start of every step, so a resumed run continues it exactly (the
-step is trainer state already). Extending `schedule.steps` of a resumed (or finished) run re-shapes a decaying
-schedule, as it is a function of the step and the steps: the resume says so in one warning line (steps_change_line:
-the old and new length, and the lr at the resumed step before and after), then trains on the new schedule. The critic follows the same shape from its own `algorithm.critic_lr`, its floor
-scaled alike (min_lr * critic_lr / lr). Weight decay (`schedule.weight_decay`, constant) applies to matrices only:
-megatron's parameter groups exempt biases and norms.
+linear to min_lr over the last `schedule.lr_wsd_decay_frac` of the steps after warmup, at least one step). The schedule
+is a pure function of the step, set at the start of every step, so a resumed run continues it exactly (the step is
+trainer state already). Extending `schedule.steps` of a resumed (or finished) run re-shapes a decaying schedule, as it
+is a function of the step and the steps: the resume says so in one warning line (steps_change_line), then trains on the
+new schedule. The critic follows the same shape from its own `algorithm.critic_lr`, its floor scaled alike
+(min_lr * critic_lr / lr). Weight decay (`schedule.weight_decay`, constant) applies to matrices only: megatron's
+parameter groups exempt biases and norms.
 """
 
 from __future__ import annotations

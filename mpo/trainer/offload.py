@@ -140,11 +140,6 @@ class TrainerOffload:
                 self._add(value, "optimizer")
 
     # -- the protocol --------------------------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        """Device bytes freed by the last offload()."""
-        return sum(self._bytes.values())
-
     def bytes_by_kind(self) -> dict[str, int]:
         """The last offload's bytes per role (KINDS)."""
         return dict(self._bytes)
@@ -203,5 +198,5 @@ class TrainerOffload:
 
     def metrics(self) -> dict[str, float]:
         """The last offload/reload: device bytes freed, bytes copied to the host, and the seconds each took."""
-        return {"offload/bytes": float(self.nbytes), "offload/host_bytes": float(self._host_bytes),
+        return {"offload/bytes": float(sum(self._bytes.values())), "offload/host_bytes": float(self._host_bytes),
                 "offload/offload_s": self.offload_s, "offload/reload_s": self.reload_s}

@@ -1,9 +1,6 @@
-"""The rollout side of a run, which the run loop (mpo.trainer.loop) builds beside the policy (mpo.trainer.trainer).
-
-It holds the task (prompts, rewards, the data position), the Collector (rank 0 samples, scores and retires from the
-engines) and, in the off-policy modes, rank 0's producer process (mpo.trainer.producer), which takes over the
-rollout state once started. Checkpoints keep its state through the Trainer's save / resume, handed over explicitly.
-"""
+"""The rollout side of a run, which the run loop (mpo.trainer.loop) builds beside the policy (mpo.trainer.trainer):
+the task (prompts, rewards, the data position), the Collector and, off-policy, rank 0's producer process
+(mpo.trainer.producer). Checkpoints keep its state through the Trainer's save / resume, handed over explicitly."""
 
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ class RolloutSchedule:
         self._trainer_from = time.perf_counter()
         self.samples_log = produced.rows
         self.taken_state = produced.state
-        limit = step - (self.lag if self.mode != "sync" else 0)
+        limit = step - self.lag
         # per sample, not per token: each sample's versions are one array (its oldest token decides)
         kept, dropped, oldest, tokens, age_sum = [], 0, step, 0, 0
         for sample in produced.samples:

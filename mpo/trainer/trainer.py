@@ -186,9 +186,8 @@ class Trainer:
         the rollout metrics (rank 0's)."""
         with self.clock("collect"):
             samples, rollout_metrics = source(step) if self.rank == 0 else (None, {})
-        # Every other rank waits here while rank 0 generates: on the gloo object group
-        # (parallel.distributed_timeout_s), which holds none of the offloaded storages. Each rank receives its
-        # data-parallel share with its stage's routes, the rest as lengths (mpo.trainer.distribute).
+        # Every other rank waits here while rank 0 generates: on the gloo object group (parallel.distributed_timeout_s),
+        # which holds none of the offloaded storages; each rank receives its own share (mpo.trainer.distribute).
         with self.clock("broadcast"):
             samples = self.distributor()(samples, updates=self.config.schedule.updates_per_step,
                                           dp_size=self._dp()[1],
