@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpo.rollout.protocol import GenerateRequest, SamplingParams, token_versions
+from mpo.trainer.dynamic_sampling import Drawn, Sampled, sample_varied
 from mpo.trainer.rows import Sample
+from mpo.trainer.tasks import Scored
 
 if TYPE_CHECKING:
     from mpo.config import TrainConfig
@@ -59,8 +61,6 @@ class StreamingScorer:
         self._futures.append((list(indices), self._executor.submit(self.score, indices, results)))
 
     def wait(self):
-        from mpo.trainer.tasks import Scored
-
         rewards: list = [None] * self.n
         texts: list | None = [None] * self.n
         errors = 0
@@ -162,7 +162,6 @@ class Collector:
         With algorithm.dynamic_sampling, further rounds of prompt groups are drawn until data.prompts_per_step of
         them have non-zero reward variance (mpo.trainer.dynamic_sampling); advantages are computed over the kept
         groups only, as DAPO does."""
-        from mpo.trainer.dynamic_sampling import Sampled, sample_varied
         version = step if version is None else version
         cfg = self.config
         G, wanted = cfg.rollout.samples_per_prompt, cfg.data.prompts_per_step
@@ -234,8 +233,6 @@ class Collector:
         """Draw `count` prompt groups (round `round_` of the step: its own prompts and sampling seeds), generate G
         responses each (multi-turn episodes under rollout.env) and score them; prompt retirement sees every drawn
         group."""
-        from mpo.trainer.dynamic_sampling import Drawn
-
         cfg = self.config
         G = cfg.rollout.samples_per_prompt
         with self.clock("prompt_draw"):

@@ -16,6 +16,7 @@ from mpo.algorithms import all_reduce_metrics, compute_global_denominators, merg
 from mpo.algorithms.token_advantages import compute_token_advantages
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import all_reduce_
+from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings
 
 
 class Critic:
@@ -25,7 +26,6 @@ class Critic:
         from mpo.models.builder import PrecisionConfig, build_model, unwrap
         from mpo.models.ddp import ddp_options, make_optimizer, wrap_ddp
         from mpo.models.value_head import attach_value_head
-        from mpo.trainer.lr_schedule import LrSchedule, optimizer_settings
 
         config = trainer.config
         precision = PrecisionConfig(dtype=config.model.dtype, fp32_lm_head=config.model.fp32_lm_head)

@@ -587,13 +587,10 @@ def with_optimizer_step(optimizer: Any, state: Any, step: int) -> Any:
     subs = [state] if len(chained) == 1 else [state[i] for i in range(len(chained))]
     for inner, sub in zip(chained, subs):
         torch_state = sub.get("optimizer", sub)  # FP32Optimizer's is torch's own; the others nest it
-        if isinstance(inner, DistributedOptimizer):
-            for group in torch_state["param_groups"]:
-                group["step"] = step
-            continue
+        distributed = isinstance(inner, DistributedOptimizer)
         for group in torch_state["param_groups"]:
-            if "step" in group:
+            if distributed or "step" in group:
                 group["step"] = step
-        if isinstance(inner.optimizer, torch.optim.Adam) and torch_state["state"]:
+        if not distributed and isinstance(inner.optimizer, torch.optim.Adam) and torch_state["state"]:
             torch_state["state"]["common_step"] = torch.tensor(float(step))
     return state

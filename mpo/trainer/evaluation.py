@@ -16,6 +16,9 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from mpo.config import TrainConfig
+from mpo.trainer.collect import Collector, _sampling_seed, plain
+from mpo.trainer.phases import PhaseClock
+from mpo.trainer.tasks import make_task
 
 EVAL_SEED_OFFSET = 104_729  # the evaluation's prompts and sampling seeds: apart from the run's (seed, step) ones
 
@@ -36,10 +39,6 @@ class Evaluator:
     the async schedule's producer collects meanwhile)."""
 
     def __init__(self, config: TrainConfig, engines: Sequence) -> None:
-        from mpo.trainer.collect import Collector
-        from mpo.trainer.phases import PhaseClock
-        from mpo.trainer.tasks import make_task
-
         e = config.eval
         self.config = config
         self.seed = config.seed + EVAL_SEED_OFFSET
@@ -57,8 +56,6 @@ class Evaluator:
 
     def run(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Evaluate the engines' current policy; returns the metrics and the per-prompt rows of eval.jsonl."""
-        from mpo.trainer.collect import _sampling_seed, plain
-
         e, k = self.config.eval, self.k
         started = time.perf_counter()
         # As the rollouts: calls of rollout.prompts_per_call prompts' k samples, scored as they land.

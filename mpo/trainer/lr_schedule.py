@@ -15,6 +15,8 @@ parameter groups exempt biases and norms.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -24,23 +26,15 @@ def optimizer_settings(schedule: Any, *, lr: float) -> dict[str, float]:
             "adam_beta1": schedule.adam_beta1, "adam_beta2": schedule.adam_beta2, "adam_eps": schedule.adam_eps}
 
 
-class _Groups:
-    """An optimizer stand-in for lr_at: megatron's scheduler only sets and reads its param groups."""
-
-    def __init__(self) -> None:
-        self.param_groups = [{}]
-
-
 def lr_at(schedule: Any, step: int) -> float:
     """The policy's lr at RL step `step` under ScheduleSection `schedule`."""
-    return LrSchedule(_Groups(), schedule, lr=schedule.lr).set_step(step)
+    groups = SimpleNamespace(param_groups=[{}])  # an optimizer stand-in: megatron's scheduler only uses its groups
+    return LrSchedule(groups, schedule, lr=schedule.lr).set_step(step)
 
 
 def steps_change_line(saved: dict, schedule: Any, step: int) -> str | None:
     """One line when a run resumed at `step` now runs to another `schedule.steps` than its checkpoint's config
     (`saved`, its schedule section) and its lr schedule depends on the steps (decay after warmup); None otherwise."""
-    import dataclasses
-
     old_steps = saved.get("steps")
     if not isinstance(old_steps, int) or old_steps == schedule.steps or schedule.lr_decay == "constant":
         return None

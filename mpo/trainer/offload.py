@@ -79,8 +79,7 @@ class TrainerOffload:
         self._host_bytes = 0
         self._hosts: dict[int, torch.Tensor] = {}  # uint8 host buffer per storage, made at its first offload
         self.offloaded = False
-        self.offload_s = 0.0
-        self.reload_s = 0.0
+        self.offload_s = self.reload_s = 0.0
 
     # -- collection ----------------------------------------------------------------------------------------------
     def _collect(self) -> dict[int, _Storage]:

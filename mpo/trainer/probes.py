@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mpo.models.context_parallel import padded_width
 from mpo.models.forward import MicroBatch, run_microbatches
 from mpo.parallel.collectives import broadcast_object
 
@@ -16,8 +17,6 @@ def trainer_probe_logprobs(trainer, probes: list[list[int]]) -> list[list[float]
     by_length: dict[int, list[int]] = {}
     for j, probe in enumerate(probes):
         by_length.setdefault(len(probe), []).append(j)
-    from mpo.models.context_parallel import padded_width
-
     scored: list[list[float] | None] = [None] * len(probes)
     with torch.no_grad():
         for length, rows in by_length.items():

@@ -23,6 +23,7 @@ RolloutFailed) travels with its error, so rank 0 stops the run with its one line
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -93,10 +94,8 @@ class _Link:
                 raise self.closed
             key = next(self._ids)
             self._pending[key] = box
-        try:
+        with contextlib.suppress(OSError):  # the pipe is closing: the reader answers every pending call
             self._send(("call", key, method, args))
-        except OSError:
-            pass  # the pipe is closing: the reader answers every pending call
         box[0].wait()
         if box[1]:
             return box[2]
@@ -245,10 +244,8 @@ class ProducerProcess:
             return
         self._closing = True
         if self._exitcode() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self._link.notify("stop")
-            except OSError:
-                pass
             if self._exitcode(timeout_s) is None:
                 log.warning("rollout producer %d did not stop in %.0f s; killing it", self.pid, timeout_s)
                 self.process.kill()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mpo.config import TrainConfig
 from mpo.data.retirement import PromptRetirement
 from mpo.trainer.collect import Collector
+from mpo.trainer.tasks import make_task
 
 if TYPE_CHECKING:
     from mpo.trainer.producer import ProducerProcess
@@ -20,8 +21,6 @@ class Rollouts:
     process once `hand_over` runs. `collect` / `samples_log` / `state_dict` are whichever of the two owns them now."""
 
     def __init__(self, config: TrainConfig, *, rank: int, clock, context_length: int, advantages) -> None:
-        from mpo.trainer.tasks import make_task
-
         self.task = make_task(config, rank=rank)
         retire = config.data.retire_pass_rate
         self.collector = Collector(config, self.task, clock=clock,  # rank 0 samples, retires, keeps the set

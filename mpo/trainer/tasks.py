@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mpo.config import TrainConfig
+from mpo.data.retirement import prompt_key
 from mpo.data.task_spec import parse_task
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,6 @@ class TextRun:
         (`round_` > 0) included, moves the checkpointed position on."""
         if retirement is None:
             return self.data.next_prompts(count)
-        from mpo.data.retirement import prompt_key
-
         chosen: list = []
         for _ in range(retirement.max_draw_factor):
             chosen += [p for p in self.data.next_prompts(count - len(chosen)) if prompt_key(p) not in retirement.retired]
