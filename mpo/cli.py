@@ -1,10 +1,5 @@
-"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan`, `mpo export`, `mpo plot`.
-
-`mpo plot RUN` writes RUN/metrics.png from RUN/metrics.jsonl (mpo.trainer.plot); `mpo train` writes it after a
-successful run.
-
-`mpo plan --config FILE [--gpu-mem-gib 79.6]` prints the GPU memory plan (mpo.memory_plan) and exits 2 when a role
-does not fit; `mpo check-config` prints it too (on stderr) for configs with SGLang engines.
+"""The `mpo` command: `mpo train`, `mpo demo`, `mpo bench`, `mpo check-config`, `mpo plan` (mpo.memory_plan),
+`mpo export`, `mpo plot` (mpo.trainer.plot; `mpo train` writes the plot after a successful run).
 
 `mpo train --config FILE [section.field=value ...]` validates the whole config first (a bad field fails here, before
 any process starts, with one line naming it), then starts the trainer ranks of this node with torchrun. Multi-node
@@ -40,28 +35,25 @@ def resolve_config(config_path: str | None, overrides: list[str]):
 def run_local(config_path: str | None, overrides: list[str], *, plot: bool = True) -> int:
     """Validate, write the resolved config into the run directory, start world_size ranks here with torchrun; after a
     successful run, write RUN/metrics.png (`plot`; the demo writes its own)."""
-    config, text = resolve_config(config_path, overrides)
+    import yaml
+
+    from mpo.config import to_dict
     from mpo.memory_plan import check_fits_here
 
+    config, _ = resolve_config(config_path, overrides)
     check_fits_here(config)  # before any rank tries to build a model this machine cannot hold
     out_dir = Path(config.logging.out_dir)
     lock = lock_run_dir(out_dir)  # held until torchrun returns; first, so a refused run writes nothing here
     try:
         from mpo.model_import import ensure_converted
 
-        converted = ensure_converted(config)  # model.hf_dir alone: its weights, converted once (never random ones)
-        if converted is not config:
-            import yaml
-
-            from mpo.config import to_dict
-
-            config, text = converted, yaml.safe_dump(to_dict(converted), sort_keys=False)
+        config = ensure_converted(config)  # model.hf_dir alone: its weights, converted once (never random ones)
         from mpo.prestart import before_start
 
         before_start(config)  # files and engines a rank would trip on, in one line each
         resolved = out_dir / "config.yaml"
         with writing(resolved):
-            resolved.write_text(text)
+            resolved.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))  # what every rank reads
         # mpo.torchrun: torchrun that dies with this process, its ranks with it, and reports a full disk in one line.
         # --standalone: torchrun's store binds a port the OS picks (port 0) and the ranks rendezvous on that store. A
         # port picked here and bound a few seconds later, after torchrun's imports, could be taken meanwhile by

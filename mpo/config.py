@@ -275,8 +275,8 @@ class RewardSection:
 
     Attributes:
         fn: a registered reward (mpo.rewards: math, reasoning_gym, toy) or a plug-in "module:function" or
-            "path/to/file.py:function" (mpo.plugins) with the signature (completion: str, answer, metadata: dict) -> float. None: the task's own (reasoning_gym tasks
-            use their scorer, files use math).
+            "path/to/file.py:function" (mpo.plugins) with the signature (completion: str, answer, metadata: dict) ->
+            float. None: the task's own (reasoning_gym tasks use their scorer, files use math).
         timeout_s: a verifier slower than this gives 0 and counts in reward_errors (the worker is replaced);
             math-verify bounds its own parse and verify at 5 s each, so keep this above 10.
         workers: processes scoring in parallel.
@@ -305,10 +305,10 @@ class ScheduleSection:
         forward_micro_batch_size: rows per forward of the old-logprob pass (verl's log_prob_micro_batch_size):
             consecutive right-padded micro-batches are joined up to this many rows, so the fixed cost of a forward
             is paid once per group (each row's log-probs are its own micro-batch's, to float rounding: a GEMM over
-            more rows may add in another order, <= 5e-7 measured). The memory plan counts
-            it as a training micro-batch of that size (an upper bound: the pass keeps no activations). null:
-            micro_batch_size. Unused with packing (its micro-batches are sized by tokens) and under pipeline
-            parallelism (megatron's stage buffers take one shape per pass).
+            more rows may add in another order, <= 5e-7 measured). The memory plan counts it as a training
+            micro-batch of that size (an upper bound: the pass keeps no activations). null: micro_batch_size. Unused
+            with packing (its micro-batches are sized by tokens) and under pipeline parallelism (megatron's stage
+            buffers take one shape per pass).
         lr: Adam learning rate (the peak, after warmup).
         clip_grad: gradient-norm clip.
         lr_warmup_steps: RL steps of linear warmup from 0 to lr (0: none); below `steps` (mpo.trainer.lr_schedule).

@@ -42,40 +42,32 @@ def child_env() -> dict[str, str]:
     return {PARENT_ENV: f"{os.getpid()}:{how}"}
 
 
-def set_parent_death_signal() -> bool:
-    """SIGKILL this process when its parent thread exits (Linux; it survives exec). False where unsupported."""
+def _prctl(option: int, value: int) -> bool:
+    """prctl(option, value) on Linux; False where unsupported or refused."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def set_parent_death_signal() -> bool:
+    """SIGKILL this process when its parent thread exits (Linux; it survives exec). False where unsupported."""
+    return _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def set_child_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux): a process started below it whose parent
     exits is re-parented here instead of to init, even after it called setsid(), so it stays in this process's tree
     for `kill_descendants`. The caller must reap them (os.waitpid). False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _process_table() -> dict[int, tuple[int, int, str]]:
     """pid -> (parent pid, start time in clock ticks, state letter) of every process /proc shows."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = _stat(int(entry))
-        if stat is not None:
-            table[int(entry)] = stat
-    return table
+    stats = ((int(entry), _stat(int(entry))) for entry in os.listdir("/proc") if entry.isdigit())
+    return {pid: stat for pid, stat in stats if stat is not None}
 
 
 def _stat(pid: int) -> tuple[int, int, str] | None:
@@ -185,10 +177,9 @@ def freeze_startup_heap() -> None:
     """Call once start-up is done, before a process's steady loop (a trainer rank's steps, an engine's serving):
     collect once, then move every object alive now to the permanent generation (gc.freeze). Python's full
     collections traverse every tracked object: in a rank or an engine that is megatron's and torch's module graph and
-    all start-up made, ~0.19 s per full collection on the demo's tiny model (measured with gc.callbacks over 20 demo
-    steps) and more with a bigger model, stalling whichever phase it lands in (here the rollout's HTTP and JSON
-    decode, 9 ms a step on average) at a different moment on every rank. Frozen objects are never collected, so the
-    garbage start-up left in reference cycles (a checkpoint load's temporaries) is collected first."""
+    all start-up made, a stall in whichever phase it lands in, at a different moment on every rank. Frozen objects are
+    never collected, so the garbage start-up left in reference cycles (a checkpoint load's temporaries) is collected
+    first."""
     gc.collect()
     gc.freeze()
 

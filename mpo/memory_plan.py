@@ -59,7 +59,8 @@ latent cache, replicated over TP).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 from mpo.models.builder import padded_vocab_size
 from mpo.models.config import MoEModelConfig
@@ -318,19 +319,18 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
         microbatches = max(1, -(-rows * seq // (dp * config.schedule.updates_per_step * act_seq)))
     roles = []
     best: RoleMemory | None = None
+    # megatron shards dense state over DP x CP
+    sharded = dict(bf16=bf16, data_parallel=dp * par.context_parallel, expert_data_parallel=edp,
+                   distributed_optimizer=distributed)
     for rank in range(par.pipeline_parallel):
         items: dict[str, int] = {}
-        policy = model_memory(stage_params(m, par, rank), bf16=bf16, fp32_head=config.model.fp32_lm_head,
-                              data_parallel=dp * par.context_parallel, expert_data_parallel=edp,
-                              distributed_optimizer=distributed)  # megatron shards dense state over DP x CP
+        policy = model_memory(stage_params(m, par, rank), fp32_head=config.model.fp32_lm_head, **sharded)
         items.update({"policy params": policy.params, "policy grads": policy.grads,
                       "policy optimizer": policy.optimizer})
         if config.algorithm.kl_coef > 0:
             items["KL reference weights"] = policy.params
         if critic:
-            value = model_memory(stage_params(m, par, rank, value_head=True), bf16=bf16, fp32_head=True,
-                                 data_parallel=dp * par.context_parallel, expert_data_parallel=edp,
-                                 distributed_optimizer=distributed)  # megatron shards dense state over DP x CP
+            value = model_memory(stage_params(m, par, rank, value_head=True), fp32_head=True, **sharded)
             items.update({"critic params": value.params, "critic grads": value.grads,
                           "critic optimizer": value.optimizer})
         items["activations"] = activation_bytes(m, par, rank, seq_len=act_seq, micro_batch_size=act_rows,
@@ -410,7 +410,6 @@ def gpu_totals(config, gpus_per_node: int = 8) -> str:
 def longest_trainer_row(config, inputs: PlanInputs = PlanInputs(), *, limit: int = 1 << 20) -> int:
     """The longest training row (tokens) with which every trainer stage still fits on `inputs.gpu_mem_gib`, by
     bisection over the plan (engines not considered: their KV cache is sized separately); 0 when none fits."""
-    from dataclasses import replace
 
     def trainer_fits(seq: int) -> bool:
         return all(r.fits for r in plan_memory(config, replace(inputs, seq_len=seq)) if r.role.startswith("trainer"))
@@ -442,17 +441,9 @@ def model_state_bytes(config) -> int:
     optimizer state of the policy (critic, KL reference) from plan_memory, without activations or the CUDA reserve,
     and with the distributed optimizer's sharding whatever the config says, so that a run refused by
     check_fits_here could not have fit."""
-    from dataclasses import replace
-
     config = replace(config, parallel=replace(config.parallel, distributed_optimizer=True))
     trainer = plan_memory(config)[0]
     return sum(v for k, v in trainer.items.items() if k != "activations" and not k.startswith("reserve"))
-
-
-def _host_memory() -> int:
-    import os
-
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | None = None) -> None:
@@ -478,7 +469,7 @@ def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | N
                               f"{per_rank / GIB:,.1f} GiB of parameters, gradients and optimizer state, the GPU has "
                               f"{gpu_bytes / GIB:,.1f} GiB ({shape}; `mpo plan` shows the whole estimate)")
         return
-    capacity = host_bytes if host_bytes is not None else _host_memory()
+    capacity = host_bytes if host_bytes is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     r = config.rollout
     engines = r.num_engines if r.engine == "mpo" and not r.urls else 0
     dtype = config.engine_dtype
@@ -537,8 +528,7 @@ class SyncShape:
         return "\n".join([
             f"weight sync (sync.transport={self.transport}): {self.senders} sender(s), one per pipeline stage, "
             f"{'alone' if self.senders == 1 else 'pushing at once' if self.at_once else 'taking turns'}, to "
-            f"{self.engines} engine(s) of "
-            f"TP{self.engine_tp}",
+            f"{self.engines} engine(s) of TP{self.engine_tp}",
             f"  groups per engine GPU: {self.groups_per_engine_gpu}"
             + (" (one per sender)" if self.groups_per_engine_gpu else " (no process group)"),
             f"  per sync: {sum(self.stage_buckets)} buckets, {self.calls_per_sync} {calls}; GiB per stage: {stages}",
@@ -597,7 +587,6 @@ def sync_shape(config, link_gb_s: float = SYNC_LINK_GB_S) -> SyncShape:
     busiest = max(range(pp), key=lambda s: seconds[s])
     return SyncShape(transport=transport, senders=pp, at_once=at_once, engines=engines, engine_tp=tp,
                      groups_per_engine_gpu=via.groups_per_engine_gpu(pp), call_unit=via.call_unit,
-                     stage_bytes=stage_bytes,
-                     stage_buckets=stage_buckets, calls_per_sync=sum(calls),
+                     stage_bytes=stage_bytes, stage_buckets=stage_buckets, calls_per_sync=sum(calls),
                      link_bytes=int(stage_bytes[busiest] * copies),
                      estimate_s=max(seconds) if at_once else sum(seconds), link_gb_s=link_gb_s, nodes=nodes)

@@ -16,10 +16,10 @@ the Python API (`mpo train` also sets PYTHONWARNINGS=ignore for its ranks; the l
 - torch's distributed-checkpoint notices on megatron's calls: "torch.distributed is disabled ... assuming the intent
   is to load in a single process" (checkpoints_tools and scripts reading a checkpoint without a process group, on
   purpose), "The argument order of load has been changed" (megatron's call), and the FutureWarning "Please use
-  DTensor instead and we are deprecating ShardedTensor" (megatron's checkpoint format) -- 19 of `checkpoints_tools
-  verify`'s 31 lines before issue #49; at TP2 megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA scheduling hint
-  for overlapped tensor-parallel communication: nothing to do on a CPU, and on a GPU its absence costs overlap, not
-  correctness) and torch's FutureWarning on megatron's `all_gather_into_tensor` call.
+  DTensor instead and we are deprecating ShardedTensor" (megatron's checkpoint format); at TP2 megatron's
+  CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA scheduling hint for overlapped tensor-parallel communication: nothing to
+  do on a CPU, and on a GPU its absence costs overlap, not correctness) and torch's FutureWarning on megatron's
+  `all_gather_into_tensor` call.
 Filtered by message, as UserWarnings (FutureWarnings for FUTURE_WARNINGS) only: any other warning still shows.
 """
 

@@ -40,6 +40,7 @@ def resolve_rollout_correction(kind: str | None, mode: str) -> str:
 def validate(config: TrainConfig) -> None:
     """Cross-field checks, all before any process starts."""
     from mpo.algorithms import CorrectionConfig, get_loss, loss_names, make_loss_config
+    from mpo.algorithms.advantage_registry import get_advantage
     from mpo.algorithms.kl import resolve_kl_estimator
     from mpo.algorithms.step_advantages import AdvantageConfig
     from mpo.models.config import PRESETS
@@ -100,7 +101,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("model.random_init=true with model.mcore_dir set: a run starts from one of them; unset one")
     if m.hf_dir is None and m.preset not in PRESETS:
         raise ConfigError(f"model.preset={_show(m.preset)}; valid values: {', '.join(PRESETS)}")
-    if r.samples_per_prompt < 2 and _advantage_needs_groups(a.advantage):
+    if r.samples_per_prompt < 2 and get_advantage(a.advantage).needs_groups:  # validated above
         raise ConfigError(f"rollout.samples_per_prompt={r.samples_per_prompt}: algorithm.advantage={a.advantage!r} "
                           f"takes its baseline from the prompt's group, which needs >= 2")
     if a.dynamic_sampling and r.samples_per_prompt < 2:
@@ -122,7 +123,6 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"parallel: {exc}") from None
 
 
-
 def _typed_loss_args(loss: str, loss_args: dict) -> dict:
     """loss_args coerced to the loss config's field types, so `{eps_high: abc}` fails naming the field."""
     from mpo.algorithms import get_loss
@@ -130,11 +130,3 @@ def _typed_loss_args(loss: str, loss_args: dict) -> dict:
     hints = typing.get_type_hints(get_loss(loss).config_cls)
     return {key: _coerce(value, hints[key], f"algorithm.loss_args.{key}") if key in hints else value
             for key, value in loss_args.items()}
-
-
-
-def _advantage_needs_groups(name: str) -> bool:
-    """Whether estimator `name` (already validated) takes its baseline from the prompt's group of responses."""
-    from mpo.algorithms.advantage_registry import get_advantage
-
-    return get_advantage(name).needs_groups

@@ -116,7 +116,6 @@ def check_mcore_dir(config: TrainConfig, model_cfg) -> None:
                           f"{source} ({', '.join(expected)}): point model.mcore_dir at this model's conversion")
 
 
-
 def model_config(config: TrainConfig):
     """The MoEModelConfig the run trains (from the HF config.json when model.hf_dir is set)."""
     from mpo.models.config import from_hf_config, preset

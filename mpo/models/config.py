@@ -6,11 +6,8 @@ megatron-core TransformerConfig.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -152,14 +149,11 @@ _HF_NUMBER_FIELDS = ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "rou
 
 
 def _check_hf_field_types(cfg: Mapping[str, Any]) -> None:
-    for key in _HF_INT_FIELDS:
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"config.json {key}={value!r}: expected an integer")
-    for key in _HF_NUMBER_FIELDS:
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"config.json {key}={value!r}: expected a number")
+    for keys, types, expected in ((_HF_INT_FIELDS, int, "an integer"), (_HF_NUMBER_FIELDS, (int, float), "a number")):
+        for key in keys:
+            value = cfg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+                raise ValueError(f"config.json {key}={value!r}: expected {expected}")
 
 
 def from_hf_config(hf: Mapping[str, Any] | Any) -> MoEModelConfig:

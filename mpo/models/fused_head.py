@@ -86,16 +86,9 @@ class _FusedHeadLogProbEntropy(torch.autograd.Function):
 def fused_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
                         tp_group: dist.ProcessGroup | None = None,
                         chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(labels) and entropies under logits = hidden @ weight.T, in fp32 (fp64 for fp64 inputs).
-
-    Args:
-        hidden: [..., H] the head's input (already gathered over the sequence-parallel region).
-        weight: [V_local, H] this rank's vocab slice of the head (rank r holds ids [r*V_local, (r+1)*V_local)).
-        labels: [...] global token ids to score.
-        vocab_size: the real vocabulary; padded ids at or above it are excluded from the softmax.
-        tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
-        chunk_tokens: tokens per chunk; bounds the working memory (None: CHUNK_ELEMENTS // V_local).
-    """
+    """log p(labels) and entropies under logits = hidden @ weight.T, in fp32 (fp64 for fp64 inputs): `hidden` [..., H]
+    is the head's input (already gathered over the sequence-parallel region), `weight` [V_local, H] this rank's vocab
+    slice of the head; the other arguments are mpo.models.logprobs.vocab_parallel_logprobs's."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on leading dims")
     if weight.shape[-1] != hidden.shape[-1]:

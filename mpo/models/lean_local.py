@@ -5,9 +5,7 @@ matmul inside a custom autograd Function with a Python backward (`LinearWithGrad
 between two more custom Functions for the tensor-parallel copy and reduce, all of which are identities when the
 layer's tensor-parallel group has one rank; and its SequentialMLP runs each expert as its own MLP module, two such
 linears each. On a small model the plumbing, not the arithmetic, is the cost: the CPU demo's model runs 73 linears
-per forward, 64 of them expert linears on ~150 tokens each. Measured on one 64 x 9 micro-batch of it (1 thread,
-median of 20): forward 10.7 -> 8.9 ms and forward+backward 23.0 -> 20.2 ms with the plain linears; with the grouped
-experts on top forward+backward 20.1 -> 17.4 ms.
+per forward, 64 of them expert linears on ~150 tokens each (timings: docs/measurements.md).
 
 * `LeanColumnParallelLinear` / `LeanRowParallelLinear` are megatron's classes (the same parameters, state dict,
   sharded state dict and construction) whose forward is `F.linear` (bias added after it, as megatron adds it) when

@@ -105,7 +105,6 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         g_logp = grad_logp.reshape(-1).to(lse_all.dtype) if grad_logp is not None else torch.zeros_like(lse_all)
         g_ent = grad_entropy.reshape(-1).to(lse_all.dtype) if grad_entropy is not None else torch.zeros_like(lse_all)
         grad = torch.zeros_like(flat)
-        chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
         for start in range(0, flat.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
             x = flat[chunk, :valid].to(lse_all.dtype, copy=True)

@@ -33,13 +33,10 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     """In-place all-reduce of `tensor` over `group`, on the backend's device; returns `tensor`."""
     if one_rank(group):  # every op of one rank's tensor is the tensor itself
         return tensor
-    device = comm_device(group)
-    if tensor.device == device:
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
-    moved = tensor.to(device)
+    moved = tensor.to(comm_device(group))  # `tensor` itself when it is on that device already
     dist.all_reduce(moved, op=op, group=group)
-    tensor.copy_(moved)
+    if moved is not tensor:
+        tensor.copy_(moved)
     return tensor
 
 

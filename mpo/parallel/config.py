@@ -55,19 +55,14 @@ class ParallelConfig:
             raise LayoutError(f"parallel.distributed_timeout_s={self.distributed_timeout_s!r} must be > 0")
         if self.expert_tensor_parallel is not None and self.expert_tensor_parallel < 1:
             raise LayoutError(f"parallel.expert_tensor_parallel={self.expert_tensor_parallel!r} must be >= 1 or None")
-        for name in ("num_layers_in_first_stage", "num_layers_in_last_stage"):
+        for name, least in (("num_layers_in_first_stage", 1), ("num_layers_in_last_stage", 1),
+                            ("virtual_pipeline_parallel", 2)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise LayoutError(f"parallel.{name}={value!r}; valid values: null or an integer >= 1")
+            if value is not None and (not isinstance(value, int) or value < least):
+                raise LayoutError(f"parallel.{name}={value!r}; valid values: null or an integer >= {least}")
             if value is not None and self.pipeline_parallel < 2:
                 raise LayoutError(f"parallel.{name}={value} needs pipeline_parallel >= 2 (it is "
                                   f"{self.pipeline_parallel}), or leave it unset (null)")
-        vpp = self.virtual_pipeline_parallel
-        if vpp is not None and (not isinstance(vpp, int) or vpp < 2):
-            raise LayoutError(f"parallel.virtual_pipeline_parallel={vpp!r}; valid values: null or an integer >= 2")
-        if vpp is not None and self.pipeline_parallel < 2:
-            raise LayoutError(f"parallel.virtual_pipeline_parallel={vpp} needs pipeline_parallel >= 2 (it is "
-                              f"{self.pipeline_parallel}), or leave it unset (null)")
 
     @property
     def etp(self) -> int:

@@ -78,13 +78,9 @@ class Shim:
                 self.apply()
 
 
-def _module(name: str) -> types.ModuleType:
-    return importlib.import_module(name)
-
-
 # --- rng ---------------------------------------------------------------------------------------------------------
 def _build_rng() -> list[_Patch]:
-    random = _module("megatron.core.tensor_parallel.random")
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
 
     def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
         return torch.get_rng_state()
@@ -166,7 +162,7 @@ _CUDA_FACTORY_MODULES = (
 
 def _build_cuda_factories() -> list[_Patch]:
     proxy = _CpuDeviceTorch()
-    return [_Patch(_module(name), "torch", proxy) for name in _CUDA_FACTORY_MODULES]
+    return [_Patch(importlib.import_module(name), "torch", proxy) for name in _CUDA_FACTORY_MODULES]
 
 
 # --- alltoall ----------------------------------------------------------------------------------------------------
@@ -196,7 +192,7 @@ class _NoStream:
 
 
 def _build_alltoall() -> list[_Patch]:
-    dispatcher = _module("megatron.core.transformer.moe.token_dispatcher").MoEAlltoAllTokenDispatcher
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher").MoEAlltoAllTokenDispatcher
 
     def dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
         # The CUDA version copies split sizes to the host on a side stream at cuda_dtoh_point and waits for that
@@ -217,7 +213,7 @@ def _build_alltoall() -> list[_Patch]:
 
 # --- norm_sp -----------------------------------------------------------------------------------------------------
 def _build_norm_sp() -> list[_Patch]:
-    torch_norm = _module("megatron.core.transformer.torch_norm")
+    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
@@ -240,7 +236,7 @@ def _build_norm_sp() -> list[_Patch]:
 
 # --- uneven_gloo -------------------------------------------------------------------------------------------------
 def _build_uneven_gloo() -> list[_Patch]:
-    mappings = _module("megatron.core.tensor_parallel.mappings")
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     gather_orig = mappings._gather_along_first_dim
     reduce_scatter_orig = mappings._reduce_scatter_along_first_dim
 
@@ -304,8 +300,8 @@ def _build_ckpt_exchange() -> list[_Patch]:
     # Fully parallel checkpoint loading (FullyParallelLoadStrategyWrapper) reads each replicated shard on one rank and
     # broadcasts it: the exchange stages tensors on CUDA (`device="cuda"` factories, ShardedTensor.init_data("cuda"),
     # `tensor.cuda()`). On CPU the tensors stay where they are.
-    exchange = _module("megatron.core.dist_checkpointing.exchange_utils")
-    mapping = _module("megatron.core.dist_checkpointing.mapping")
+    exchange = importlib.import_module("megatron.core.dist_checkpointing.exchange_utils")
+    mapping = importlib.import_module("megatron.core.dist_checkpointing.mapping")
     original_broadcast = exchange.exchange_loaded_tensors_broadcast
     original_init = mapping.ShardedTensor.init_data
 
@@ -330,7 +326,7 @@ def _build_adam_step_state() -> list[_Patch]:
     # tensor. Loading a 'fully_reshardable' checkpoint restores that step from the param groups first, then copies each
     # state tensor it has into every tensor of the parameter's state, `step` included, which the checkpoint's per-param
     # tensors do not have (KeyError 'step'). Keep the restored step: copy it onto itself.
-    distrib = _module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
     original = distrib._set_main_param_and_optimizer_states
 
     def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
@@ -368,7 +364,7 @@ def _build_adam_step_state() -> list[_Patch]:
 def _build_cp_rope() -> list[_Patch]:
     # Under context parallelism the rotary embedding picks this rank's two chunks with an index tensor moved to CUDA
     # (`.cuda(non_blocking=True)` from pinned memory). The same selection with the index on the embedding's device.
-    rope = _module("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    rope = importlib.import_module("megatron.core.models.common.embeddings.rotary_pos_embedding")
 
     def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
         if cp_group is None:

@@ -109,8 +109,8 @@ def skip_torch_compile_without_gpu() -> None:
     """Without a GPU, switch torch.compile off (TORCHDYNAMO_DISABLE=1, torch's own switch) for this process and the
     processes it starts; call before megatron-core is imported. megatron wraps its fused activations in
     torch.compile when imported (megatron.core.jit), and building those wrappers imports and configures inductor:
-    ~1.3 s of CPU time in every rank and engine (measured: importing megatron.core 4.8 -> 3.5 s of CPU), for kernels
-    the CPU path never calls (its fusions are off; see mpo.models.builder). A value already set is kept."""
+    seconds of CPU time in every rank and engine for kernels the CPU path never calls (its fusions are off; see
+    mpo.models.builder). A value already set is kept."""
     if "TORCHDYNAMO_DISABLE" not in os.environ and not torch.cuda.is_available():
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
 

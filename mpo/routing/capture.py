@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -208,8 +208,6 @@ class RoutingHooks:
         config = gpt.config
         if config.moe_router_fusion:
             raise ValueError("routing: moe_router_fusion=True bypasses megatron's replay slot; disable it")
-        # Context parallelism: each CP rank routes its 2 of 2 x CP chunks of every row (mpo.models.context_parallel);
-        # replay reads those positions of the whole-row records, captures are gathered back over CP into whole rows
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group()
@@ -373,12 +371,12 @@ class RoutingHooks:
         return host_copy(wire.to(x.dtype))
 
 
+@dataclass(eq=False)  # a handle: hashed and compared by identity
 class SessionResult:
     """Filled when the session exits: ``records[i]`` is micro-batch i's :class:`MicroBatchRouting`."""
 
-    def __init__(self, hooks: RoutingHooks) -> None:
-        self.hooks = hooks
-        self.records: list[MicroBatchRouting] = []
+    hooks: RoutingHooks
+    records: list[MicroBatchRouting] = field(default_factory=list)
 
 
 def attach_routing_hooks(model: torch.nn.Module) -> RoutingHooks:

@@ -38,7 +38,6 @@ class Family:
         transformer_kwargs: MoEModelConfig -> TransformerConfig arguments beyond the common ones the builder sets.
         mapping: (MoEModelConfig, spec) -> the HF <-> megatron ModelMapping (its ParamRule table).
         presets: named MoEModelConfigs of this family (tests, demos, benchmarks).
-        mla: the TransformerConfig is megatron's MLATransformerConfig.
     """
 
     architecture: str
@@ -48,7 +47,6 @@ class Family:
     transformer_kwargs: Callable[["MoEModelConfig"], dict[str, Any]]
     mapping: Callable[..., "ModelMapping"]
     presets: dict[str, "MoEModelConfig"] = field(default_factory=dict)
-    mla: bool = False
 
 
 def _adapt_family(name: str, obj: Any) -> Family:

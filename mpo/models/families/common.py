@@ -1,5 +1,6 @@
 """What several families share: the sigmoid router's TransformerConfig arguments and the ParamRules of leading dense
-layers, routed experts with an expert-biased router, and a shared expert (DeepSeek-V3 and GLM-4.5 alike)."""
+layers, routed experts with an expert-biased router, and a shared expert (DeepSeek-V3 and GLM-4.5 alike), and of the
+final norm and LM head (every family)."""
 
 from __future__ import annotations
 

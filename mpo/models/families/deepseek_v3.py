@@ -176,5 +176,5 @@ PRESETS: dict[str, MoEModelConfig] = {
 }
 
 FAMILY = Family(architecture=ARCHITECTURE, model_type="deepseek_v3", from_hf=from_hf, to_hf=to_hf,
-                transformer_kwargs=transformer_kwargs, mapping=mapping, presets=PRESETS, mla=True)
+                transformer_kwargs=transformer_kwargs, mapping=mapping, presets=PRESETS)
 FAMILIES.register(FAMILY.architecture, FAMILY)

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 from mpo.models.config import MoEModelConfig, from_hf_common
 from mpo.models.families import FAMILIES, Family
+from mpo.models.families.common import head_rules
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -78,10 +79,8 @@ def mapping(cfg: MoEModelConfig, *, spec: str = "both"):
                   (expert + "gate_proj.weight", expert + "up_proj.weight"), ((I, H), (I, H)), (2 * I, H), "gate_up"),
         ParamRule(d + "mlp.experts.experts.linear_fc2.weight", "expert", (expert + "down_proj.weight",), ((H, I),),
                   (H, I)),
-        ParamRule("decoder.final_layernorm.weight", "model", ("model.norm.weight",), ((H,),), (H,)),
+        *head_rules(cfg),
     ]
-    if not cfg.tie_word_embeddings:
-        rules.append(ParamRule("output_layer.weight", "model", ("lm_head.weight",), ((V, H),), (Vp, H), "vocab"))
     info = ArchInfo(num_layers=L, num_experts=E, vocab_size=V, padded_vocab_size=Vp, stacked=True,
                     num_query_groups=ng, heads_per_group=nh // ng, head_dim=hd, moe_layers=tuple(range(L)),
                     architecture=ARCHITECTURE)
