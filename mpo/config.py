@@ -628,18 +628,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def read_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Read YAML (optional), apply overrides and build the config: the data alone, each field coerced but nothing
     checked across fields (mpo.config_checks.load_config, the loader every entry point uses, resolves and checks)."""
-    data: dict = {}
-    if path is not None:
-        data = _read_yaml(Path(path))
+    data = _read_yaml(Path(path)) if path is not None else {}
     return _build(TrainConfig, apply_overrides(data, list(overrides)), "")
 
 
 def resolve_replay(mode: str, router_in_front: bool) -> str:
     """algorithm.replay as a run uses it when unset: none on-policy; off-policy the routes a sample was generated with
     (r3), or the old forward's (r2) where a router in front of the engines drops them."""
-    if mode == "sync":
-        return "none"
-    return "r2" if router_in_front else "r3"
+    return "none" if mode == "sync" else "r2" if router_in_front else "r3"
 
 
 def _read_yaml(path: Path) -> dict:

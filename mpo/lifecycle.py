@@ -64,12 +64,6 @@ def set_child_subreaper() -> bool:
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def _process_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, start time in clock ticks, state letter) of every process /proc shows."""
-    stats = ((int(entry), _stat(int(entry))) for entry in os.listdir("/proc") if entry.isdigit())
-    return {pid: stat for pid, stat in stats if stat is not None}
-
-
 def _stat(pid: int) -> tuple[int, int, str] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -81,9 +75,11 @@ def _stat(pid: int) -> tuple[int, int, str] | None:
 
 def descendants(root: int) -> dict[int, int]:
     """The live (not zombie) processes below `root`: pid -> start time (which tells a reused pid apart)."""
-    children: dict[int, list[tuple[int, int, str]]] = {}
-    for pid, (ppid, start, state) in _process_table().items():
-        children.setdefault(ppid, []).append((pid, start, state))
+    children: dict[int, list[tuple[int, int, str]]] = {}  # parent pid -> (pid, start time, state) of /proc's processes
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        stat = _stat(pid)
+        if stat is not None:
+            children.setdefault(stat[0], []).append((pid, *stat[1:]))
     found, todo = {}, [root]
     while todo:
         for pid, start, state in children.get(todo.pop(), ()):

@@ -76,14 +76,6 @@ def is_asset(path: Path) -> bool:
             and path.stat().st_size < _MAX_ASSET_BYTES)
 
 
-def copy_hf_assets(hf_dir: Path, dst: Path) -> None:
-    """`hf_dir`'s asset files (is_asset) into `dst` (created when there is any)."""
-    for path in sorted(hf_dir.iterdir()):
-        if is_asset(path):
-            dst.mkdir(exist_ok=True)
-            shutil.copy2(path, dst / path.name)
-
-
 def model_files_source(model: Any) -> tuple[Path | None, Path | None, Path | None]:
     """(HF config file, assets directory or HF folder, kind) for a ModelSection: from `mcore_dir` when it carries them,
     else from `hf_dir`; (None, None, None) for a preset model. The third item is the HF folder when the assets are
@@ -109,8 +101,10 @@ def copy_model_files(model: Any, dst: Path) -> None:
     shutil.copy2(config, dst / HF_CONFIG_NAME)
     if assets is not None:
         shutil.copytree(assets, dst / HF_ASSETS_DIR)
-    elif hf_dir is not None:
-        copy_hf_assets(hf_dir, dst / HF_ASSETS_DIR)
+    elif hf_dir is not None:  # its asset files, into hf_assets/ (created when there is any)
+        for path in filter(is_asset, sorted(hf_dir.iterdir())):
+            (dst / HF_ASSETS_DIR).mkdir(exist_ok=True)
+            shutil.copy2(path, dst / HF_ASSETS_DIR / path.name)
 
 
 def resolve_mcore_dir(path: str | Path) -> Path:

@@ -16,11 +16,6 @@ from pathlib import Path
 from types import ModuleType
 
 
-def is_file_target(module_part: str) -> bool:
-    """`module_part` names a Python file rather than a module."""
-    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
-
-
 def _load_file(kind: str, name: str, path_text: str) -> ModuleType:
     path = Path(path_text).expanduser()
     if not path.is_absolute():
@@ -49,16 +44,14 @@ def _load_file(kind: str, name: str, path_text: str) -> ModuleType:
 def _import_module(kind: str, name: str, module_name: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
+    except ImportError as e:
         top, cwd = module_name.split(".")[0], os.getcwd()
         beside = os.path.exists(os.path.join(cwd, top)) or os.path.exists(os.path.join(cwd, top + ".py"))
         # Only the plug-in's own module, found in the current directory, is retried from there: an import that
         # fails inside the plug-in is the plug-in's error and is reported as it is.
-        if e.name == top and beside and cwd not in sys.path:
+        if isinstance(e, ModuleNotFoundError) and e.name == top and beside and cwd not in sys.path:
             sys.path.append(cwd)
             return _import_module(kind, name, module_name)
-        raise ValueError(f"{kind} {name!r}: cannot import module {module_name!r}: {e}") from None
-    except ImportError as e:
         raise ValueError(f"{kind} {name!r}: cannot import module {module_name!r}: {e}") from None
 
 
@@ -66,7 +59,7 @@ def resolve_plugin(kind: str, name: str, target: str) -> object:
     """The object `target` ("module:attr" or "path/to/file.py:attr", attr may be dotted) names; ValueError naming
     the `kind` and the user's `name` when the module or file does not load or lacks the attribute."""
     module_part, _, attr = target.rpartition(":")
-    if is_file_target(module_part):
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:  # a Python file, not a module
         module = _load_file(kind, name, module_part)
     else:
         module = _import_module(kind, name, module_part)

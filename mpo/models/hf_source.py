@@ -30,17 +30,12 @@ _FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_
 
 
 class ConversionError(Exception):
-    """A checkpoint cannot be converted: unsupported architecture, missing shard or tensor, shape mismatch.
-
-    The message is one line and names the file and the tensor involved.
-    """
+    """A checkpoint cannot be converted: unsupported architecture, missing shard or tensor, shape mismatch. The
+    message is one line and names the file and the tensor involved."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None) -> None:
-        parts = [message]
-        if file is not None:
-            parts.append(f"file={file}")
-        if tensor is not None:
-            parts.append(f"tensor={tensor}")
+        parts = [message, *(f"{key}={value}" for key, value in (("file", file), ("tensor", tensor))
+                            if value is not None)]
         super().__init__(" | ".join(parts).replace("\n", " "))
         self.file = file
         self.tensor = tensor
@@ -106,14 +101,13 @@ class HFCheckpoint:
                                       file=str(index_path))
             weight_map = dict(weight_map)
             for shard in sorted(set(weight_map.values())):
+                if _inside(shard) and (directory / shard).is_file():
+                    continue
+                tensor = next(name for name, s in weight_map.items() if s == shard)
                 if not _inside(shard):
-                    tensor = next(name for name, s in weight_map.items() if s == shard)
                     raise ConversionError(f"shard {shard[:100]!r} named in the index is not a file name inside the HF "
                                           "directory", file=str(index_path), tensor=tensor)
-                if not (directory / shard).is_file():
-                    tensor = next(name for name, s in weight_map.items() if s == shard)
-                    raise ConversionError("shard named in the index is missing", file=str(directory / shard),
-                                          tensor=tensor)
+                raise ConversionError("shard named in the index is missing", file=str(directory / shard), tensor=tensor)
         elif (directory / SINGLE_NAME).is_file():
             with _open_safetensors(directory / SINGLE_NAME) as handle:
                 weight_map = {name: SINGLE_NAME for name in handle.keys()}
@@ -196,10 +190,7 @@ class HFCheckpoint:
 
         Raises ConversionError naming the file and tensor if it is missing or its shape is not `shape`.
         """
-        if name in self.weight_map:
-            tensor = self._read_stored(name)
-        else:
-            tensor = self._read_from_fused(name)
+        tensor = self._read_stored(name) if name in self.weight_map else self._read_from_fused(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise ConversionError(f"shape mismatch: checkpoint has {tuple(tensor.shape)}, config implies "
                                   f"{tuple(shape)}", file=self.file_of(name), tensor=name)
@@ -256,15 +247,8 @@ class HFCheckpoint:
 
     def consumed_names(self, per_expert_names: set[str]) -> set[str]:
         """Stored names covered by a set of requested names (fused tensors count when any slice was read)."""
-        covered = set()
-        for name in per_expert_names:
-            if name in self.weight_map:
-                covered.add(name)
-                continue
-            match = _PER_EXPERT.match(name)
-            if match:
-                covered.add(_fused(match))
-        return covered
+        covered = {name for name in per_expert_names if name in self.weight_map}
+        return covered | {_fused(match) for name in per_expert_names - covered if (match := _PER_EXPERT.match(name))}
 
 
 def _fused(match: re.Match) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,7 @@ def block_diagonal_causal(cu_seqlens: Tensor, length: int) -> Tensor:
     return ((seq[:, None] != seq[None, :]) | future)[None, None]
 
 
-def _dot_product_attention() -> type:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    return DotProductAttention
-
-
-class SdpaAttention(_dot_product_attention()):
+class SdpaAttention(DotProductAttention):
     """megatron's local DotProductAttention computed by torch SDPA (see the module docstring)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -119,8 +114,6 @@ def unsupported(config: Any, dropout: float, window_size: Any) -> str | None:
 def use_sdpa_attention(spec: Any) -> int:
     """Swap megatron's local DotProductAttention for SdpaAttention in a layer or block spec (in place); returns how
     many layers were swapped (MLA's local core attention, mpo.models.mla_local, is left as it is)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     swapped = 0
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = getattr(layer.submodules, "self_attention", None)

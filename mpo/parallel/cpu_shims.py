@@ -407,14 +407,9 @@ SHIMS: dict[str, Shim] = {
 }
 
 
-def cpu_shims_needed() -> bool:
-    """The one switch: shims are for hosts without CUDA."""
-    return not torch.cuda.is_available()
-
-
 def apply_cpu_shims() -> list[str]:
     """Apply every shim if CUDA is absent (idempotent). Returns the names of the shims now applied."""
-    if not cpu_shims_needed():
+    if torch.cuda.is_available():  # the one switch: shims are for hosts without CUDA
         return []
     for shim in SHIMS.values():
         shim.apply()

@@ -15,21 +15,10 @@ layer numbers)::
     replay_forced_metrics(cur.records, valid, prefix="update_replay", pp_group=pp_group)
 """
 
-from mpo.routing.alignment import (
-    RolloutRoutes,
-    align_to_scored_tokens,
-    decode_sglang_routed_experts,
-    encode_sglang_routed_experts,
-    place_rollout_routes,
-    routes_from_record,
-)
+from mpo.routing.alignment import (RolloutRoutes, align_to_scored_tokens, decode_sglang_routed_experts,
+                                   encode_sglang_routed_experts, place_rollout_routes, routes_from_record)
 from mpo.routing.capture import CaptureConfig, RoutingHooks, SessionResult, attach_routing_hooks
-from mpo.routing.metrics import (
-    agreement_metrics,
-    replay_forced_metrics,
-    router_shift_metrics,
-    valid_input_positions,
-)
+from mpo.routing.metrics import agreement_metrics, replay_forced_metrics, router_shift_metrics, valid_input_positions
 from mpo.routing.records import MicroBatchRouting, index_dtype
 from mpo.routing.rspo import current_logp_at_old, router_logp_pairs, router_shift
 
@@ -37,6 +26,5 @@ __all__ = [
     "CaptureConfig", "MicroBatchRouting", "RolloutRoutes", "RoutingHooks", "SessionResult", "agreement_metrics",
     "align_to_scored_tokens", "attach_routing_hooks", "current_logp_at_old", "decode_sglang_routed_experts",
     "encode_sglang_routed_experts", "index_dtype", "place_rollout_routes", "replay_forced_metrics",
-    "router_logp_pairs", "router_shift",
-    "router_shift_metrics", "routes_from_record", "valid_input_positions",
+    "router_logp_pairs", "router_shift", "router_shift_metrics", "routes_from_record", "valid_input_positions",
 ]

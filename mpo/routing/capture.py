@@ -80,8 +80,6 @@ class _RouterTap:
         self.logits: Tensor | None = None  # [tokens, E] of the current routing call
         self.local_seq_batch: tuple[int, int] = (0, 0)
         self.backward_fifo: deque[Tensor] = deque()
-        # megatron's RouterReplay API mirrors: kept so code that inspects router.router_replay does not break.
-        self.router_replay_action = None
 
     # --- the protocol of megatron's RouterReplay.get_replay_topk -------------------------------------------------
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups=None, group_topk=None,
