@@ -472,9 +472,7 @@ def check_fits_here(config, *, host_bytes: int | None = None, gpu_bytes: int | N
     capacity = host_bytes if host_bytes is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     r = config.rollout
     engines = r.num_engines if r.engine == "mpo" and not r.urls else 0
-    dtype = config.engine_dtype
-    whole = stage_params(m, ParallelConfig(), 0)
-    per_engine = whole.total * (2 if dtype == "bf16" else 4)
+    per_engine = stage_params(m, ParallelConfig(), 0).total * (2 if config.engine_dtype == "bf16" else 4)  # whole model
     need = config.world_size * per_rank + engines * per_engine
     if need > capacity:
         raise ConfigError(f"the model does not fit in this host's memory: {config.world_size} trainer ranks x "

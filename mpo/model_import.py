@@ -58,8 +58,7 @@ def refuse_without_weights(config: TrainConfig, *, where: str) -> None:
 
 
 def _source_stamp(hf_dir: Path) -> dict:
-    files = sorted(p for p in hf_dir.iterdir()
-                   if p.is_file() and (p.suffix in (".safetensors", ".json")))
+    files = sorted(p for p in hf_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
     return {"hf_dir": str(hf_dir.resolve()),
             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 

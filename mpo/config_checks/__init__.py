@@ -56,9 +56,8 @@ def validate(config: TrainConfig) -> None:
     elif a.loss not in loss_names():
         raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}, or a plug-in "
                           "'module:function' / 'path/to/file.py:function'")
-    loss_args = _typed_loss_args(a.loss, a.loss_args)
     try:
-        make_loss_config(a.loss, **loss_args)
+        make_loss_config(a.loss, **_typed_loss_args(a.loss, a.loss_args))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"algorithm.loss_args: {exc}") from None
     try:
@@ -70,7 +69,7 @@ def validate(config: TrainConfig) -> None:
     if a.replay == "r3" and r.router_in_front:
         raise ConfigError("algorithm.replay='r3' needs routed experts from the engines, but rollout.router_in_front="
                           "true: the PyPI sglang-router drops return_routed_experts (sglang#20696)")
-    from mpo.weight_sync.transports import check_transport
+    from mpo.weight_sync.transports import check_transport, transport_class
 
     try:
         check_transport(config.sync.transport, r.engine)
@@ -88,8 +87,6 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"rollout.colocate=true needs schedule.mode='sync' (got {config.schedule.mode!r}): colocated "
                           f"engines hand their memory to the trainer, so they cannot generate while it trains")
     if r.colocate:  # engines on the trainer's GPUs: the transport must reach every one
-        from mpo.weight_sync.transports import transport_class
-
         try:
             transport_class(config.sync.transport).check_colocated(r.engine)
         except ValueError as exc:

@@ -44,11 +44,6 @@ def main_shards(model: torch.nn.Module) -> list:
     return shards
 
 
-def _local_shards(model: torch.nn.Module) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
-    return [(item.key, tuple(item.global_shape), tuple(item.global_offset), item.data.detach().to("cpu", copy=True))
-            for item in main_shards(model)]
-
-
 def gather_full_state(model: torch.nn.Module, *, grads: bool = False, dst: int = 0,
                       group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor] | None:
     """Full tensors of the model (or of its gradients, with grads=True) on rank `dst`; None on other ranks.
@@ -57,7 +52,8 @@ def gather_full_state(model: torch.nn.Module, *, grads: bool = False, dst: int =
     every shard through one rank with all_gather_object.
     """
     with _params_hold_grads(model) if grads else contextlib.nullcontext():
-        shards = _local_shards(model)
+        shards = [(item.key, tuple(item.global_shape), tuple(item.global_offset),
+                   item.data.detach().to("cpu", copy=True)) for item in main_shards(model)]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         gathered: list = [None] * world

@@ -67,8 +67,7 @@ def decode_sglang_routed_experts(encoded: str, num_tokens: int, num_layers: int,
                                  start_len: int = 0) -> RolloutRoutes:
     """SGLang's base64 little-endian int32 ``routed_experts`` string -> :class:`RolloutRoutes` (the wire format
     itself lives in mpo.rollout.protocol)."""
-    rows = num_tokens - 1 - start_len
-    flat = decode_routed_experts(encoded, rows=rows, num_layers=num_layers, topk=topk)
+    flat = decode_routed_experts(encoded, rows=num_tokens - 1 - start_len, num_layers=num_layers, topk=topk)
     return RolloutRoutes(torch.from_numpy(flat), num_tokens, start_len)
 
 

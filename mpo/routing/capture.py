@@ -111,8 +111,7 @@ class _Session:
         self.seen = [-1] * len(hooks.chunks)  # last micro-batch each model chunk started
         self.shapes: list[tuple[int, ...]] = []  # [b, s] of each micro-batch
         self.calls: dict[tuple[int, int], int] = {}  # (micro-batch, layer) -> routing calls outside recompute
-        # raw captures: (micro-batch, layer) -> (indices [tokens, K], logp, logp_at, natural (each or None),
-        # (s_local, b))
+        # (micro-batch, layer) -> raw capture: indices [tokens, K], optional logp, logp_at and natural, (s_local, b)
         self.raw: dict[tuple[int, int], tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
                                               tuple[int, int]]] = {}
 

@@ -52,9 +52,7 @@ def agreement_metrics(reference: Sequence[MicroBatchRouting], other: Sequence[Mi
     """
     layers = reference[0].layers
     num_layers = num_layers or max(layers)
-    n = torch.zeros(len(layers), dtype=torch.float64)
-    exact = torch.zeros_like(n)
-    overlap = torch.zeros_like(n)
+    n, exact, overlap = (torch.zeros(len(layers), dtype=torch.float64) for _ in range(3))
     changed_tokens = counted_tokens = 0.0
     for ref, oth, ok in zip(reference, other, valid, strict=True):
         # records live on the host between uses (mpo.routing.records.host_copy): one micro-batch at a time on the
@@ -110,8 +108,7 @@ def router_shift_metrics(old: Sequence[MicroBatchRouting], new: Sequence[MicroBa
     """Mean |log p_new - log p_old| of the router at the old top-K experts, per layer and overall."""
     layers = old[0].layers
     num_layers = num_layers or max(layers)
-    n = torch.zeros(len(layers), dtype=torch.float64)
-    total = torch.zeros_like(n)
+    n, total = (torch.zeros(len(layers), dtype=torch.float64) for _ in range(2))
     for o, c, ok in zip(old, new, valid, strict=True):
         o, c = o.to(ok.device), c.to(ok.device)  # host records, one micro-batch at a time on the device
         delta = (current_logp_at_old(o, c).double() - o.logp.double()).abs().mean(-1)  # [b, s, L]
