@@ -113,13 +113,9 @@ def _kill_exactly(pid: int, start: int) -> None:
 
 
 def _reap_children() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    with contextlib.suppress(ChildProcessError):  # no child left
+        while os.waitpid(-1, os.WNOHANG)[0] != 0:  # 0: children remain, none exited
+            pass
 
 
 def kill_descendants(timeout_s: float = 5.0) -> list[int]:
@@ -301,14 +297,10 @@ def stop_rank_with_one_line(message: str) -> None:
 
     Under torchrun the line goes into the rank's error file (TORCHELASTIC_ERROR_FILE): `mpo.torchrun` prints the
     first such line once for the whole job instead of torchrun's report and one traceback per rank."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    written = False
-    if error_file:
-        with contextlib.suppress(OSError):  # its directory may be on the full disk too
-            with open(error_file, "w") as f:
-                json.dump({"message": _ONE_LINE_PREFIX + message, "timestamp": str(int(time.time()))}, f)
-            written = True
-    if not written:
+    try:
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": _ONE_LINE_PREFIX + message, "timestamp": str(int(time.time()))}, f)
+    except (KeyError, OSError):  # not under torchrun, or its directory is on the full disk too
         print(_ONE_LINE_PREFIX + message, file=sys.stderr, flush=True)
     os._exit(REPORTED_FAILURE_EXIT)  # no atexit, no destroy_process_group waiting on peers that are gone
 

@@ -173,15 +173,6 @@ def _safe_filesystem_reader(checkpoint_dir: str | Path, cache_metadata: bool = F
     return SafeFileSystemReader(checkpoint_dir)
 
 
-def _install_into_megatron() -> None:
-    """megatron builds its reader in one function, imported into two modules: both names get the safe reader."""
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-
-    torch_strategy._get_filesystem_reader = _safe_filesystem_reader
-    serialization._get_filesystem_reader = _safe_filesystem_reader
-
-
 def load_sharded(sharded_state_dict: dict, checkpoint_dir: str | Path, *, strategy: Any = None) -> dict:
     """megatron's `dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`, reading only data from the files.
     `strategy`: a megatron load strategy built on torch_dist's (e.g. FullyParallelLoadStrategyWrapper); its reads go
@@ -190,10 +181,14 @@ def load_sharded(sharded_state_dict: dict, checkpoint_dir: str | Path, *, strate
     Raises CheckpointFileError (one line, names the file) for unsafe or corrupt metadata and stored objects.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    _install_into_megatron()
+    # megatron builds its reader in one function, imported into two modules: both names get the safe reader
+    torch_strategy._get_filesystem_reader = _safe_filesystem_reader
+    serialization._get_filesystem_reader = _safe_filesystem_reader
     if not (Path(checkpoint_dir) / METADATA_FILE).is_file():
         raise CheckpointFileError("not a torch_dist checkpoint (no .metadata)", checkpoint_dir)
     # Read once up front: inside DCP a refused .metadata is logged with a traceback and retried as rank-local files.

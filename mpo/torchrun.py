@@ -44,12 +44,11 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     line = None
-    interrupted = False
     try:
         torchrun_main(argv)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or a kill: the ranks were stopped; `mpo` says so
-        interrupted = True
         held.clear()
+        return 130
     except ChildFailedError as exc:
         reported = sorted((f.timestamp, rank, f.message) for rank, f in exc.failures.items()
                           if one_line_failure(f.message))
@@ -62,8 +61,6 @@ def main(argv: list[str]) -> int:
         if line is None:  # not a one-line failure: torchrun's own report, as it would have printed it
             for record in held:
                 logging.getLogger(record.name).handle(record)
-    if interrupted:
-        return 130
     if line is not None:
         print(line, file=sys.stderr, flush=True)
         return 1

@@ -52,9 +52,8 @@ def attach_value_head(model: torch.nn.Module) -> bool:
         gpt.share_embeddings_and_output_weights = False
         if not getattr(gpt, "post_process", False):
             continue
-        device = next(gpt.parameters()).device
         gpt.output_layer = ValueHead(gpt.config.hidden_size, sequence_parallel=bool(gpt.config.sequence_parallel),
-                                     device=device)
+                                     device=next(gpt.parameters()).device)
         found = True
     return found
 

@@ -92,9 +92,8 @@ def initialize_parallel(parallel: ParallelConfig, *, rank: int | None = None, wo
     # watchdog. On CPU the world group already is gloo. Ranks waiting for rank 0's rollouts (longer than timeout_s at
     # 32k tokens) do not wait in a receive of this group: they poll rank 0's announcements and heartbeat on the job's
     # store (mpo.trainer.distribute.RolloutWait) and receive once the samples are sent.
-    object_group = None
-    if device.is_gpu and world_size > 1:
-        object_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    object_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                    if device.is_gpu and world_size > 1 else None)
     return ParallelContext(rank, world_size, local_rank, parallel, device, shims, object_group)
 
 

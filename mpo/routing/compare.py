@@ -179,10 +179,9 @@ def compare_replay_modes(cfg: CompareConfig = CompareConfig()) -> dict[str, dict
         agree_ro = agreement_metrics(r3, natural(old.records), valid, prefix="rollout_vs_old")
         agree_ou = agreement_metrics(natural(old.records), natural(upd.records), valid, prefix="old_vs_update")
         shift = router_shift_metrics(old.records, upd.records, valid, prefix="old_vs_update")
-        forced = {**replay_forced_metrics(old.records, valid, prefix="old_replay"),
-                  **replay_forced_metrics(upd.records, valid, prefix="update_replay")}
-        row["old_replay/forced_frac"] = forced.get("old_replay/forced_frac", 0.0)
-        row["update_replay/forced_frac"] = forced.get("update_replay/forced_frac", 0.0)
+        for prefix, records in (("old_replay", old.records), ("update_replay", upd.records)):
+            forced = replay_forced_metrics(records, valid, prefix=prefix)
+            row[f"{prefix}/forced_frac"] = forced.get(f"{prefix}/forced_frac", 0.0)
         for metrics in (agree_ro, agree_ou, shift):
             row.update({k: v for k, v in metrics.items() if "/layer" not in k and not k.endswith("/tokens")})
         report[mode] = row

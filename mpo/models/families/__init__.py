@@ -77,14 +77,9 @@ def family_of(architecture: str) -> Family:
 
 def family_for_hf(cfg: Mapping[str, Any]) -> Family | None:
     """The family of an HF config.json dict, by `architectures[0]` or else `model_type`; None if none matches."""
-    arch = (cfg.get("architectures") or [None])[0]
-    for fam in families().values():
-        if arch == fam.architecture:
-            return fam
-    for fam in families().values():
-        if cfg.get("model_type") == fam.model_type:
-            return fam
-    return None
+    arch, model_type = (cfg.get("architectures") or [None])[0], cfg.get("model_type")
+    by_architecture = next((fam for fam in families().values() if arch == fam.architecture), None)
+    return by_architecture or next((fam for fam in families().values() if model_type == fam.model_type), None)
 
 
 def all_presets() -> dict[str, "MoEModelConfig"]:
