@@ -222,14 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "check-config":
             config, text = resolve_config(args.config, args.overrides)
-            if config.rollout.engine != "sglang":  # a CPU run: the GPU plan does not apply, this host's memory does
+            cpu_run = config.rollout.engine != "sglang"  # the GPU plan does not apply, this host's memory does
+            if cpu_run:
                 from mpo.memory_plan import check_fits_here
 
                 check_fits_here(config)
             print(text, end="")
-            if config.rollout.engine != "sglang":
-                return 0
-            return memory_plan(config, gpu_mem_gib=_gpu_mem_gib(args), out=sys.stderr)
+            return 0 if cpu_run else memory_plan(config, gpu_mem_gib=_gpu_mem_gib(args), out=sys.stderr)
         if args.command == "plan":
             config, _ = resolve_config(args.config, args.overrides)
             return memory_plan(config, gpu_mem_gib=_gpu_mem_gib(args), seq_len=args.seq_len,

@@ -131,11 +131,8 @@ def stage_params(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, *, v
                  ) -> StageParams:
     """Elements on one rank of pipeline stage `pp_rank` (all its virtual chunks); `value_head`: a critic (the LM
     head replaced by hidden -> 1 with a bias)."""
-    stages = parallel.stage_layers(m.num_layers)
-    dense = expert = head = 0
-    for layer in (i for chunk in stages[pp_rank] for i in chunk):
-        part = _layer(m, layer, parallel)
-        dense, expert = dense + part.dense, expert + part.expert
+    parts = [_layer(m, i, parallel) for chunk in parallel.stage_layers(m.num_layers)[pp_rank] for i in chunk]
+    dense, expert, head = sum(part.dense for part in parts), sum(part.expert for part in parts), 0
     vocab = padded_vocab_size(m.vocab_size, parallel.tensor_parallel) * m.hidden_size // parallel.tensor_parallel
     last = pp_rank == parallel.pipeline_parallel - 1
     if pp_rank == 0:
@@ -317,7 +314,6 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
         shape = f"packed, {act_seq} tokens per micro-batch"
         # one row of the budget per micro-batch; a sample longer than the budget is a micro-batch of its own
         microbatches = max(1, -(-rows * seq // (dp * config.schedule.updates_per_step * act_seq)))
-    roles = []
     best: RoleMemory | None = None
     # megatron shards dense state over DP x CP
     sharded = dict(bf16=bf16, data_parallel=dp * par.context_parallel, expert_data_parallel=edp,
@@ -360,7 +356,7 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
                           + (f"; routing records on the host: {host_routing / GIB:.2f} GiB" if host_routing else ""))
         if best is None or role.total > best.total:
             best = role
-    roles.append(best)
+    roles = [best]
     if r.engine == "sglang" and not r.urls:
         roles.append(engine_memory(m, r.tensor_parallel, capacity, seq,
                                    inputs.engine_mem_fraction if inputs.engine_mem_fraction is not None else 0.85))
@@ -369,12 +365,8 @@ def plan_memory(config, inputs: PlanInputs = PlanInputs()) -> list[RoleMemory]:
 
 def engine_memory(m: MoEModelConfig, tp: int, capacity: int, seq_len: int, mem_fraction: float) -> RoleMemory:
     """One SGLang engine GPU: bf16 weights / TP and the KV cache SGLang makes of the rest of its share."""
-    h, v = m.hidden_size, m.vocab_size
-    total = 2 * v * h  # embedding and LM head
-    parallel = ParallelConfig()
-    for layer in range(m.num_layers):
-        part = _layer(m, layer, parallel)
-        total += part.dense + part.expert
+    parts = [_layer(m, layer, ParallelConfig()) for layer in range(m.num_layers)]
+    total = 2 * m.vocab_size * m.hidden_size + sum(part.dense + part.expert for part in parts)  # + embedding, LM head
     weights = 2 * total // tp
     if m.multi_latent_attention:
         per_token = m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
@@ -431,8 +423,7 @@ def format_plan(roles: list[RoleMemory]) -> str:
         lines.append(f"{role.role}: {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB: {role.verdict}")
         if role.note:
             lines.append(f"  ({role.note})")
-        for name, value in role.items.items():
-            lines.append(f"  {name:40s}{value / GIB:10.2f} GiB")
+        lines += [f"  {name:40s}{value / GIB:10.2f} GiB" for name, value in role.items.items()]
     return "\n".join(lines)
 
 

@@ -206,11 +206,9 @@ def _build_chunk(model: MoEModelConfig, parallel: ParallelConfig, device: Device
         gpt.cuda(device.device)
     else:  # torch's CPU softmax is ~9x slower below 16 positions: the demo's and the tests' lengths
         pad_short_causal_softmax(gpt)
-    result: torch.nn.Module = gpt
     head = gpt.output_layer.weight if gpt.post_process and gpt.output_layer.weight is not None else None
     fp32_head_weight = head.detach().clone() if precision.fp32_lm_head and head is not None else None
-    if precision.dtype == "bf16" and wrap_float16:
-        result = Float16Module(config, gpt)
+    result = Float16Module(config, gpt) if precision.dtype == "bf16" and wrap_float16 else gpt
     if precision.fp32_lm_head:
         apply_fp32_lm_head(result)
         if fp32_head_weight is not None:  # undo Float16Module's rounding of the head's initial weights

@@ -223,10 +223,7 @@ class ModelMapping:
             tensor = _lookup(full_state, unit)
             if tensor is None:
                 raise ConversionError("megatron state lacks a tensor", tensor=unit.keys[0])
-            if unit.rule.kind == "vocab":
-                yield from self.to_hf(unit, tensor)
-            else:
-                yield from self.to_hf(unit, tensor[unit.index] if unit.index else tensor)
+            yield from self.to_hf(unit, tensor[unit.index] if unit.index else tensor)
 
     def hf_names(self) -> set[str]:
         return {name for unit in self.units() for name in unit.hf_names}

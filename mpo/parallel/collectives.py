@@ -14,17 +14,9 @@ import torch
 import torch.distributed as dist
 
 
-def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device a tensor must live on for `group`'s backend: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def one_rank(group: dist.ProcessGroup | None = None) -> bool:
     """`group` (default: the world) has a single rank: its collectives are identities, and the callers skip them
-    (each is a round through gloo or NCCL, 0.1-0.3 ms with an object's pickling: a dozen per step of a one-rank
-    run)."""
+    (each is a round through gloo or NCCL, 0.1-0.3 ms with an object's pickling: a dozen per step of a one-rank run)."""
     return dist.get_world_size(group) == 1
 
 
@@ -33,7 +25,8 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     """In-place all-reduce of `tensor` over `group`, on the backend's device; returns `tensor`."""
     if one_rank(group):  # every op of one rank's tensor is the tensor itself
         return tensor
-    moved = tensor.to(comm_device(group))  # `tensor` itself when it is on that device already
+    nccl = dist.get_backend(group) == "nccl"  # NCCL reduces tensors on the current CUDA device, gloo on the CPU
+    moved = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")  # `tensor` if there already
     dist.all_reduce(moved, op=op, group=group)
     if moved is not tensor:
         tensor.copy_(moved)

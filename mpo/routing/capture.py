@@ -296,15 +296,12 @@ class RoutingHooks:
         state = _Session(self, config, replay, gather_at, backward)
         result = SessionResult(self)
         self.session_state = state
-        ok = False
         try:
             yield result
-            ok = True
         finally:
             self.session_state = None
-            if ok:
-                self._check_consumed(state)
-                result.records = self._finalize(state)
+        self._check_consumed(state)  # only after a pass that did not raise
+        result.records = self._finalize(state)
 
     def _check_consumed(self, state: _Session) -> None:
         n = state.num_microbatches

@@ -90,9 +90,7 @@ def _policy_batch(loss: str, logp_new, logp_old, chunk, router=None):
     from mpo.algorithms import PolicyBatch
     from mpo.algorithms.registry import get_loss
 
-    kwargs = {}
-    if get_loss(loss).router_shift:
-        kwargs = dict(router_logp_new=router[0], router_logp_old=router[1])
+    kwargs = dict(router_logp_new=router[0], router_logp_old=router[1]) if get_loss(loss).router_shift else {}
     return PolicyBatch(logp_new=logp_new, logp_old=logp_old, advantages=chunk["adv"], mask=chunk["mask"], **kwargs)
 
 
@@ -193,10 +191,9 @@ def compare_replay_modes(cfg: CompareConfig = CompareConfig()) -> dict[str, dict
 def format_report(report: dict[str, dict[str, float]]) -> str:
     keys = list(next(iter(report.values())))
     width = max(len(k) for k in keys)
-    lines = [f"{'metric':{width}s} " + " ".join(f"{m:>12s}" for m in report)]
-    for key in keys:
-        lines.append(f"{key:{width}s} " + " ".join(f"{report[m][key]:12.6g}" for m in report))
-    return "\n".join(lines)
+    header = f"{'metric':{width}s} " + " ".join(f"{m:>12s}" for m in report)
+    rows = (f"{key:{width}s} " + " ".join(f"{report[m][key]:12.6g}" for m in report) for key in keys)
+    return "\n".join([header, *rows])
 
 
 def main(argv: list[str] | None = None) -> int:

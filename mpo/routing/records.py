@@ -99,10 +99,9 @@ class MicroBatchRouting:
     def join(records: "list[MicroBatchRouting]", width: int) -> "MicroBatchRouting":
         """Replay inputs of several micro-batches as one (their rows in order), positions padded to `width` with -1
         (no record: routed naturally, as padding is)."""
-        first = records[0]
         padded = [torch.nn.functional.pad(r.indices, (0, 0, 0, 0, 0, width - r.indices.shape[1]), value=-1)
                   for r in records]
-        return MicroBatchRouting(first.layers, torch.cat(padded))
+        return MicroBatchRouting(records[0].layers, torch.cat(padded))
 
     def natural_choice(self) -> "MicroBatchRouting":
         """The router's own top-K as a record (``indices`` themselves when nothing was replayed)."""

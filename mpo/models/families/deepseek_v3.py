@@ -122,8 +122,7 @@ def mapping(cfg: MoEModelConfig, *, spec: str = "both"):
     nh, V = cfg.num_attention_heads, cfg.vocab_size
     nope, rope, vd, kv_lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     Vp = padded_vocab_size(V, 1)
-    layer = "model.layers.{layer}."
-    d = "decoder.layers.{layer}."
+    layer, d = "model.layers.{layer}.", "decoder.layers.{layer}."
     a = d + "self_attention."
     rules = [
         ParamRule("embedding.word_embeddings.weight", "model", ("model.embed_tokens.weight",), ((V, H),), (Vp, H),

@@ -90,8 +90,7 @@ def mapping(cfg: MoEModelConfig, *, spec: str = "both"):
     H, L, E = cfg.hidden_size, cfg.num_layers, cfg.num_experts
     nh, ng, hd, V = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim, cfg.vocab_size
     Vp = padded_vocab_size(V, 1)
-    layer = "model.layers.{layer}."
-    d = "decoder.layers.{layer}."
+    layer, d = "model.layers.{layer}.", "decoder.layers.{layer}."
     a = d + "self_attention."
     rules = [
         ParamRule("embedding.word_embeddings.weight", "model", ("model.embed_tokens.weight",), ((V, H),), (Vp, H),
