@@ -169,9 +169,9 @@ def freeze_startup_heap() -> None:
     """Call once start-up is done, before a process's steady loop (a trainer rank's steps, an engine's serving):
     collect once, then move every object alive now to the permanent generation (gc.freeze). Python's full
     collections traverse every tracked object: in a rank or an engine that is megatron's and torch's module graph and
-    all start-up made, a stall in whichever phase it lands in, at a different moment on every rank. Frozen objects are
-    never collected, so the garbage start-up left in reference cycles (a checkpoint load's temporaries) is collected
-    first."""
+    all start-up made, so each full collection stalls whichever phase it lands in, at a different moment on every rank
+    (docs/measurements.md). Frozen objects are never collected, so the garbage start-up left in reference cycles (a
+    checkpoint load's temporaries) is collected first."""
     gc.collect()
     gc.freeze()
 
