@@ -166,8 +166,7 @@ def model_memory(p: StageParams, *, bf16: bool, fp32_head: bool, data_parallel: 
     head_bytes = 4 if (fp32_head or not bf16) else 2
     params = body * (2 if bf16 else 4) + p.head * head_bytes
     grads = 4 * p.total
-    master = 4 if bf16 else 0  # an fp32 copy of every bf16 parameter
-    per_dense = 8 + master
+    per_dense = 8 + (4 if bf16 else 0)  # Adam's m and v, and an fp32 master copy of every bf16 parameter
     per_head = 8 + (4 if head_bytes == 2 else 0)
     dp, edp = (data_parallel, expert_data_parallel) if distributed_optimizer else (1, 1)
     optimizer = p.dense * per_dense / dp + p.expert * per_dense / edp + p.head * per_head / dp
@@ -193,8 +192,7 @@ def activation_bytes(m: MoEModelConfig, parallel: ParallelConfig, pp_rank: int, 
             mlp += 4 * (m.moe_shared_expert_intermediate_size or 0)
         return attention + mlp
 
-    chunks = parallel.stage_layers(m.num_layers)[pp_rank]
-    layers = [i for chunk in chunks for i in chunk]
+    layers = [i for chunk in parallel.stage_layers(m.num_layers)[pp_rank] for i in chunk]
     per_layer = [2 * tokens * layer_elements(i) for i in layers]
     kept = [2 * tokens * h] * len(layers) if recompute else per_layer
     pp, rank, vpp = parallel.pipeline_parallel, pp_rank, parallel.vpp

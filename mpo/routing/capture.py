@@ -208,11 +208,9 @@ class RoutingHooks:
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group()
-        self.gpt = gpt
         self.recompute = config.recompute_granularity == "full"
-        self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
-        self.index_dtype = index_dtype(self.num_experts)
+        self.index_dtype = index_dtype(config.num_moe_experts)
         self.device = next(gpt.parameters()).device
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -331,8 +329,7 @@ class RoutingHooks:
                 empty = torch.empty((b, s, 0, self.topk), dtype=self.index_dtype)
                 logp = empty.float() if state.config.record_logprobs and self.router_logprobs else None
                 at = empty.float() if state.gather_at is not None and self.router_logprobs else None
-                out.append(MicroBatchRouting((), empty, logp, at,
-                                             empty if state.replay is not None else None))
+                out.append(MicroBatchRouting((), empty, logp, at, empty if state.replay is not None else None))
             return out
         for mb in range(state.num_microbatches):
             parts = [state.raw[(mb, layer)] for layer in self.layers]
