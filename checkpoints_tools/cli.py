@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "verify":
+            from checkpoints_tools.verify import DEFAULT_TOLERANCE, verify
+
+            report = verify(args.hf_dir, args.mcore_dir, tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp,
+                            pp_first=args.pp_first, pp_last=args.pp_last, vpp=args.vpp,
+                            tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE)
+            print("\n".join(report.lines()))
+            return 0 if report.passed else EXIT_OUT_OF_TOLERANCE
         if args.command == "hf-to-mcore":
             import torch
 
@@ -95,24 +103,14 @@ def main(argv: list[str] | None = None) -> int:
             dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
             report = hf_to_mcore(args.hf_dir, args.out_dir, spec=args.spec, dtype=dtype,
                                  show_progress=not args.no_progress)
-            print(f"hf-to-mcore: {report.architecture}, {report.tensors} HF tensors, {report.bytes / 2**20:.1f} MiB "
-                  f"in {report.seconds:.1f}s -> {args.out_dir}")
-            return 0
-        if args.command == "mcore-to-hf":
+        else:
             from checkpoints_tools.convert import mcore_to_hf
 
             report = mcore_to_hf(args.mcore_dir, args.out_dir, hf_config=args.hf_config,
                                  max_shard_bytes=int(args.max_shard_gb * 2**30), show_progress=not args.no_progress)
-            print(f"mcore-to-hf: {report.architecture}, {report.tensors} HF tensors, {report.bytes / 2**20:.1f} MiB "
-                  f"in {report.seconds:.1f}s -> {args.out_dir}")
-            return 0
-        from checkpoints_tools.verify import DEFAULT_TOLERANCE, verify
-
-        report = verify(args.hf_dir, args.mcore_dir, tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp,
-                        pp_first=args.pp_first, pp_last=args.pp_last, vpp=args.vpp,
-                        tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE)
-        print("\n".join(report.lines()))
-        return 0 if report.passed else EXIT_OUT_OF_TOLERANCE
+        print(f"{args.command}: {report.architecture}, {report.tensors} HF tensors, {report.bytes / 2**20:.1f} MiB "
+              f"in {report.seconds:.1f}s -> {args.out_dir}")
+        return 0
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

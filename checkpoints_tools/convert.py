@@ -75,12 +75,8 @@ def _check_coverage(source: HFCheckpoint, mapping: ModelMapping) -> tuple[str, .
             unused.append(name)
     if unused:
         raise ConversionError(f"{len(unused)} checkpoint tensor(s) have no megatron counterpart for "
-                              f"{mapping_arch(mapping)}", file=source.file_of(unused[0]), tensor=unused[0])
+                              f"{mapping.info.architecture}", file=source.file_of(unused[0]), tensor=unused[0])
     return tuple(skipped)
-
-
-def mapping_arch(mapping: ModelMapping) -> str:
-    return mapping.info.architecture
 
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, spec: Spec = "both", dtype: torch.dtype | None = None,
@@ -119,14 +115,11 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, spec: Spec = "both",
             next(bar, None)
             (tmp / HF_CONFIG_NAME).write_text(json.dumps(source.config, indent=2) + "\n")
             _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
-            report = ConversionReport("hf-to-mcore", model_config.architecture, len(mapping.hf_names()),
-                                      written[0], time.perf_counter() - start, skipped)
             info = {"source": str(hf_dir), "spec": spec, "model_config": asdict(model_config),
                     "vocab_rows": mapping.info.padded_vocab_size, "skipped_tensors": len(skipped)}
             (tmp / CONVERSION_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    report = ConversionReport(report.direction, report.architecture, report.tensors, report.bytes,
-                              time.perf_counter() - start, skipped)
-    return report
+    return ConversionReport("hf-to-mcore", model_config.architecture, len(mapping.hf_names()), written[0],
+                            time.perf_counter() - start, skipped)
 
 
 def _stored_dtype(source: HFCheckpoint, name: str) -> torch.dtype:

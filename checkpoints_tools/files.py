@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -78,10 +78,8 @@ def target_lock(target: Path) -> Iterator[None]:
         os.write(fd, str(os.getpid()).encode())
         yield
     finally:
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(lock_path)  # while still holding the lock: a waiter that opened it retries (above)
-        except FileNotFoundError:
-            pass
         os.close(fd)
 
 

@@ -1,65 +1,14 @@
-"""Streaming writer of Hugging Face safetensors shards + `model.safetensors.index.json`.
-
-Tensors are appended one at a time; a shard is flushed when adding the next tensor would exceed `max_shard_bytes`,
-so memory holds at most one shard. Shard file names need the final count, so shards are renamed at `close()`.
-"""
+"""Streaming writer of Hugging Face safetensors shards + `model.safetensors.index.json`."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from mpo.models.hf_source import INDEX_NAME
-
-
-class ShardedSafetensorsWriter:
-    """Collects (name, tensor) pairs into size-bounded safetensors shards inside `directory`."""
-
-    def __init__(self, directory: Path, max_shard_bytes: int = 2 << 30) -> None:
-        self.directory = directory
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
-        self.total_parameters = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        if name in self._pending or any(name in shard for shard in self._shards):
-            raise ValueError(f"tensor {name} written twice")
-        self._pending[name] = tensor.detach().contiguous()
-        self._pending_bytes += size
-        self.total_bytes += size
-        self.total_parameters += tensor.numel()
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self._pending:
-            return
-        number = len(self._shards) + 1
-        save_file(self._pending, str(self.directory / f"shard-{number:05d}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
-
-    def close(self) -> None:
-        """Flush, give shards their final names and write the index."""
-        self._flush()
-        count = len(self._shards)
-        weight_map = {}
-        for number, names in enumerate(self._shards, 1):
-            final = f"model-{number:05d}-of-{count:05d}.safetensors"
-            (self.directory / f"shard-{number:05d}.tmp").rename(self.directory / final)
-            weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
 
 _SAFETENSORS_CODES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
 
@@ -77,7 +26,7 @@ class StreamingSafetensorsWriter:
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -89,22 +38,20 @@ class StreamingSafetensorsWriter:
         self._file = None
         self._shard_index = -1
         self._left_in_shard = 0
-        self.total_bytes = sum(_numel(s) * torch.empty((), dtype=d).element_size() for _, s, d in self._order)
-        self.total_parameters = sum(_numel(s) for _, s, _ in self._order)
+        self.total_bytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, s, d in self._order)
+        self.total_parameters = sum(math.prod(s) for _, s, _ in self._order)
         count = len(shards)
         self.file_names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
     def _open_next_shard(self) -> None:
-        import json as _json
-
         self._shard_index += 1
         entries, offset, header = self._shards[self._shard_index], 0, {"__metadata__": {"format": "pt"}}
         for name, shape, dtype in entries:
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             header[name] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
-        encoded = _json.dumps(header, separators=(",", ":")).encode()
+        encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
         self._file = open(self.directory / self.file_names[self._shard_index], "wb")
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
@@ -130,10 +77,3 @@ class StreamingSafetensorsWriter:
         index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out

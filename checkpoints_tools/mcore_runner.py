@@ -94,9 +94,7 @@ def run_rank(mcore_dir: str, prompts: list[list[int]], layout: dict, out_file: s
                for i, parts in routing.items()}
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, routing)
-    all_routing = {}
-    for part in gathered:
-        all_routing.update(part)
+    all_routing = {layer: topk for part in gathered for layer, topk in part.items()}
 
     payload = None
     if results:

@@ -11,6 +11,7 @@ Engines outlive the trainer on their node until trainer node 0 writes the done m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -107,22 +108,16 @@ class Agent:
         live = [r for r in self.running if r.popen.poll() is None]
         for r in self.running:
             # Also the groups of leaders that already died: their children (SGLang schedulers...) may live on.
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(r.popen.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
         deadline = time.monotonic() + grace_s
         for r in live:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 r.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for r in self.running:
             # Children of an exited leader may still run in its group: kill the group regardless.
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(r.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             r.popen.wait()
 
     # -- run markers -------------------------------------------------------------------------------------------------

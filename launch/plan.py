@@ -226,22 +226,14 @@ def trainer_layout(config: TrainConfig, allocation: Allocation, trainer_nodes: i
     return nnodes, _split_evenly(world, nnodes)
 
 
-def _engine_nodes(trainer_nodes: int, nnodes: int) -> tuple[list[int], str]:
-    if trainer_nodes < nnodes:
-        return list(range(trainer_nodes, nnodes)), "disaggregated"
-    return list(range(nnodes - 1, -1, -1)), "colocated"
-
-
 def _environment(gpus: int, *, trainer: bool) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    if gpus and not trainer:
-        return env
-    if gpus:
+    if gpus and trainer:
         # Megatron's TP/SP communication overlap needs ordered kernel launch; NCCL errors should abort, not hang.
         env.update({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
-    else:
+    elif not gpus:
         # Several CPU "ranks" share a node's cores; more threads only oversubscribe.
-        env.update({"OMP_NUM_THREADS": "1"})
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
@@ -270,7 +262,10 @@ def make_plan(config: TrainConfig, allocation: Allocation, options: LaunchOption
     urls: list[str] = []
     placement = "external"
     if not r.urls:
-        candidates, placement = _engine_nodes(trainer_nodes, nnodes)
+        if trainer_nodes < nnodes:  # the nodes after the trainer's
+            candidates, placement = list(range(trainer_nodes, nnodes)), "disaggregated"
+        else:  # the trainer's nodes, from the last: node 0 carries the fewest engines
+            candidates, placement = list(range(nnodes - 1, -1, -1)), "colocated"
         gpus_per_engine = r.tensor_parallel if r.engine == "sglang" else 0
         if r.engine == "sglang" and not gpus:
             raise PlanError("rollout.engine='sglang' needs GPU nodes (--gpus-per-node, or a SLURM GPU allocation)")

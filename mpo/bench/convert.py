@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -96,25 +97,21 @@ def _config(size_gb: float) -> dict:
 
 
 def _generate(directory: Path, config: dict) -> tuple[int, int]:
-    """Random bf16 tensors, one shard per layer; returns (total bytes, largest tensor bytes)."""
-    from checkpoints_tools.hf_writer import ShardedSafetensorsWriter
+    """Random bf16 tensors in shards of at most 256 MiB; returns (total bytes, largest tensor bytes)."""
+    from checkpoints_tools.hf_writer import StreamingSafetensorsWriter
     from mpo.models.hf_mapping import mapping_for, model_config_from_hf
 
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     mapping = mapping_for(model_config_from_hf(config))
-    writer = ShardedSafetensorsWriter(directory, max_shard_bytes=256 << 20)
+    plan = [(name, tuple(shape), torch.bfloat16) for unit in mapping.units()
+            for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)]
+    writer = StreamingSafetensorsWriter(directory, plan, max_shard_bytes=256 << 20)
     gen = torch.Generator().manual_seed(0)
-    largest = 0
-    for unit in mapping.units():
-        for name, shape in zip(unit.hf_names, unit.rule.hf_shapes):
-            tensor = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-            largest = max(largest, tensor.numel() * 2)
-            writer.add(name, tensor)
-        if writer._pending_bytes > writer.max_shard_bytes // 2:
-            writer._flush()  # keep the generator's own memory bounded
+    for name, shape, _ in plan:
+        writer.add(name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
     writer.close()
-    return writer.total_bytes, largest
+    return writer.total_bytes, max(math.prod(shape) * 2 for _, shape, _ in plan)
 
 
 def _run_step(step: str, src: Path, dst: Path) -> dict:

@@ -54,7 +54,6 @@ def _variant(name: str, tokens: int, vocab: int, hidden: int, queue) -> None:
     x = torch.nn.functional.rms_norm(x, (hidden,))
     labels = ids[1:]
     before = _rss_mib()
-    _ = _peak_mib()  # the high-water mark so far belongs to the body
     start = time.perf_counter()
     if name == "fused":
         logp, entropy = fused_head_logprobs(x, head, labels, vocab_size=vocab)

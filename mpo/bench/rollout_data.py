@@ -165,11 +165,8 @@ def share_bytes(samples, stage_layers: int, topk: int, num_experts: int) -> int:
     """A share's bytes in compact form: ids, log-probs and versions at 4 bytes a token, routes of the stage's
     layers at one byte (two above 256 experts) per expert slot."""
     route_item = 1 if num_experts <= 256 else 2
-    total = 0
-    for s in samples:
-        n, gen = len(s.ids), len(s.ids) - s.prompt_len
-        total += 4 * n + 8 * gen + (n - 1) * stage_layers * topk * route_item
-    return total
+    return sum(4 * len(s.ids) + 8 * (len(s.ids) - s.prompt_len) + (len(s.ids) - 1) * stage_layers * topk * route_item
+               for s in samples)
 
 
 def _rank(rank: int, world: int, port: int, engine_port: int, args, out: str) -> None:

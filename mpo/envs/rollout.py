@@ -172,8 +172,7 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
             e.versions += [e.versions[-1] if e.versions else -1] * len(obs)
         stats.time_s += time.perf_counter() - clock
     for e in episodes:
-        if e.state is not None:
-            e.state = None  # the environments are done with; their pickles are not kept
+        e.state = None  # the environments are done with; their pickles are not kept
         stats.turns += e.turns
         stats.errors += e.error
         stats.generated_tokens += int(sum(e.loss_mask))

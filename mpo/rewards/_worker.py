@@ -24,6 +24,7 @@ reward that writes to the protocol itself (it is in this process and can find th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -68,13 +69,10 @@ def write_frame(fd: int, obj) -> None:
 
 
 def _set_death_signal(signum: int) -> None:
-    try:
-        import ctypes
+    import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signum)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -95,11 +93,9 @@ def _exit_as(status: int | None) -> None:
     """Exit as a child that ended with wait `status` did (None: stopped, not the worker's end)."""
     if status is not None and os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        try:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL / SIGSTOP have no handler to reset
             signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
-        except (OSError, ValueError):  # SIGKILL / SIGSTOP have no handler to reset
-            pass
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else 128 + signal.SIGTERM)
@@ -177,10 +173,8 @@ def serve(argv: list[str], load, handle) -> None:
 
     def lose_protocol() -> None:  # in the child of an os.fork() done by the reward
         for fd in (inp, out):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     os.register_at_fork(after_in_child=lose_protocol)
     _limit_memory(max_memory_mb)

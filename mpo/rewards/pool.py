@@ -84,17 +84,12 @@ def _kill(worker: _Worker) -> None:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state): left to the OS, not waited for
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS, do not block the run
-            pass
     for f in (proc.stdin, proc.stdout, proc.stderr):
-        if f is None:
-            continue
-        try:
-            f.close()
-        except OSError:
-            pass
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -102,16 +97,12 @@ def _shutdown(workers: list[_Worker]) -> None:
         if not w.ready:  # still importing the reward: nothing to finish, do not wait for the import
             _kill(w)
             continue
-        try:
+        with contextlib.suppress(OSError):
             w.proc.stdin.close()  # end of input: an idle worker exits by itself
-        except OSError:
-            pass
     end = time.monotonic() + 2.0
     for w in workers:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             w.proc.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
         _kill(w)
     workers.clear()
 
@@ -119,7 +110,7 @@ def _shutdown(workers: list[_Worker]) -> None:
 @dataclass
 class _Batch:
     items: list  # one tuple of call arguments per task (the worker gets (task_id, *item))
-    results: list = field(default_factory=list)  # a failed task's entry is the pool's failure value
+    results: list = field(default_factory=list)  # the failure value until the task succeeds (then it cannot fail)
     errors: int = 0
     failed: set[int] = field(default_factory=set)
 
@@ -242,7 +233,6 @@ class RewardPool:
 
     def _fail(self, batch: _Batch, worker: _Worker, message: str) -> None:
         assert worker.task is not None
-        batch.results[worker.task] = self._failed_value
         batch.failed.add(worker.task)
         batch.errors += 1
         # the batch's lowest-indexed 8, not the first 8 to finish: the log's "first" error is the input's first,
@@ -351,19 +341,14 @@ class RewardPool:
         if not (len(completions) == len(answers) == len(metadatas)):
             raise ValueError(f"score: {len(completions)} completions, {len(answers)} answers, "
                              f"{len(metadatas)} metadatas: the lists must have one entry each")
-        if not self._workers:
-            raise RuntimeError("RewardPool is closed")
         batch = self.run(list(zip(completions, answers, metadatas)), 0.0)
         return batch.results, batch.errors
-
-    _failed_value = 0.0
 
     def run(self, items: list[tuple], failed_value=None) -> _Batch:
         """Call the workers' plug-in once per item (a tuple of arguments); results in input order, `failed_value`
         where the call raised, timed out or crashed its worker (their indices in `failed`)."""
         if not self._workers:
             raise RuntimeError(f"{type(self).__name__} is closed")
-        self._failed_value = failed_value
         batch = _Batch(list(items), results=[failed_value] * len(items))
         self._errors = []
         self._output_left = MAX_OUTPUT_BYTES
