@@ -165,12 +165,10 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
         plan += [(name, shape, stored_dtype) for name, shape in zip(unit.hf_names, unit.rule.hf_shapes)]
     with atomic_directory(out_dir) as tmp:
         writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
-        count = 0
         for unit in progress(units, total=len(units), desc="mcore-to-hf", enabled=show_progress):
             for name, tensor in mapping.to_hf(unit, _read_unit(reader, mapping, unit)):
                 writer.add(name, tensor)
-                count += 1
-        writer.close()
+        writer.close()  # raises unless every tensor of the plan was added, in its order
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         assets = mcore_dir / HF_ASSETS_DIR
         if assets.is_dir():
@@ -179,7 +177,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: str | 
         if not (tmp / "generation_config.json").exists():  # the special tokens as transformers derives them
             generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return ConversionReport("mcore-to-hf", model_config.architecture, count, writer.total_bytes,
+    return ConversionReport("mcore-to-hf", model_config.architecture, len(plan), writer.total_bytes,
                             time.perf_counter() - start)
 
 

@@ -180,10 +180,8 @@ def compare(hf: dict, mcore: dict, layout: dict, tolerance: float = DEFAULT_TOLE
     agreement = {}
     for layer, hf_topk in hf["routing"].items():
         got = mcore["routing"].get(layer)
-        if got is None or got.shape != hf_topk.shape:
-            agreement[layer] = 0.0
-        else:
-            agreement[layer] = (got == hf_topk).all(-1).float().mean().item()
+        same_shape = got is not None and got.shape == hf_topk.shape
+        agreement[layer] = (got == hf_topk).all(-1).float().mean().item() if same_shape else 0.0
     for layer in mcore["routing"]:
         agreement.setdefault(layer, 0.0)  # megatron routes where HF does not: a mapping error
     return VerifyReport(layout, logit_diff, logprob_diff, agreement, tolerance)

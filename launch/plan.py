@@ -182,7 +182,7 @@ class Plan:
 
 # Derived ports stay below 32768, where Linux's default ephemeral range (net.ipv4.ip_local_port_range 32768-60999)
 # starts: a port in it can be handed to any outgoing connection or OS-picked listener on the node between the plan and
-# the engine's bind (CI saw an engine's derived port 44872 taken: "Address already in use", the job lost).
+# the engine's bind ("Address already in use": the job is lost).
 EPHEMERAL_START = 32768
 MASTER_PORT_BASE, MASTER_PORTS = 20000, 2000
 ENGINE_PORT_BASE, ENGINE_PORT_STRIDE, ENGINES_PER_JOB = 22000, 8, 64  # a job's engines count up from its first port

@@ -4,10 +4,10 @@ mpo: MpoGenerator over EngineModel (the tiny preset, seeded; what `python -m mpo
 batched submit of the demo's rows (`data.prompts_per_step` prompts x `rollout.samples_per_prompt`, the toy task's
 draw, seeded sampling, routed experts on as the demo asks for them), timed from submit to the last response.
 Reference: transformers' Qwen3-MoE holding the same weights (the engine's own HF export), `generate` with a KV cache
-on the same rows (left-padded), same temperature and token budget. Since issue #32 the engine computes with the same
-transformers modeling, so the ratio is the engine's own cost around the forwards: its batch scheduling, each row's
-seeded sampling, the behaviour log-probs and the routes it records, the responses it builds. Both at `--threads` torch threads. Each side runs
-`--reps` batches after one warm-up; the minimum and the median are printed.
+on the same rows (left-padded), same temperature and token budget. The engine computes with the same transformers
+modeling, so the ratio is the engine's own cost around the forwards: its batch scheduling, each row's seeded sampling,
+the behaviour log-probs and the routes it records, the responses it builds. Both at `--threads` torch threads. Each
+side runs `--reps` batches after one warm-up; the minimum and the median are printed.
 
 Last line: `engine-decode mpo_s=<min a> reference_s=<min b> ratio=<a/b>`.
 """

@@ -2,12 +2,11 @@
 Transformer Engine spec, bf16 body, FP32 LM head, megatron DDP + Adam, mpo's micro-batch runner and chunked
 vocab-parallel log-probs) at world size 1 over NCCL.
 
-MFU = model FLOPs of one step / (median step time x peak FLOP/s). Model FLOPs count what the model needs, not what
-the run spends (recomputation is not counted): per token, forward = 2 x the matmul parameters a token goes through
+MFU = model FLOPs of one step / (median step time x peak FLOP/s). Model FLOPs count what the model needs, not what the
+run spends (recomputation is not counted): per token, forward = 2 x the matmul parameters a token goes through
 (attention, router, its top-k experts, LM head; the embedding is a lookup) + causal attention scores and values
-(2 x 2 x seq/2 x heads x head_dim per layer); a training step is 3x the forward (backward = 2x).
-The peak defaults to the H100 SXM dense bf16 figure (989 TFLOP/s); pass --peak-tflops for another GPU.
-The last line printed is the MFU.
+(2 x 2 x seq/2 x heads x head_dim per layer); a training step is 3x the forward (backward = 2x). The peak defaults to
+the H100 SXM dense bf16 figure (989 TFLOP/s); pass --peak-tflops for another GPU. The last line printed is the MFU.
 """
 
 from __future__ import annotations

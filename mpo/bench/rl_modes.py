@@ -9,9 +9,8 @@ Last line: `rl-modes sync_exact=<a> one_step_off_exact=<b> async_exact=<c> async
 mean reward_exact_frac of the last 5 steps; d: async RL steps/s over sync's, both measured in this run).
 
 Each mode is a real `mpo demo` run (torchrun, the demo's gloo rank, the mpo engine). On a 2-core CPU box trainer
-and engine share the cores: with the demo's one rank each can have a core, so overlap pays here (async 1.44x sync's
-steps/s, issue #32); at the old two ranks it bought little. The busy fraction shows what the schedule changes; the
-real throughput gain needs engines on their own devices (GPUs).
+and engine share the cores: with the demo's one rank each can have a core, so overlap pays here. The busy fraction
+shows what the schedule changes; the real throughput gain needs engines on their own devices (GPUs).
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ prompt alone, as a prefill's are); `--wire sglang` makes it answer SGLang's JSON
 Measured (median over --repeats, after one warm-up step):
 * bytes_per_rank_vs_share: the bytes a non-zero rank receives in the distribution (ReceivedBytes), over the bytes
   of that rank's own share in compact form (share_bytes). The worst non-zero rank is reported.
-* route_bytes_per_token: bytes of the engine's responses' routes on the wire, per generated token (the routes cover
-  the prompt's positions too, for R3's replay of them; a call's samples of one prompt send those once:
-  mpo.rollout.frames).
+* route_bytes_per_token: bytes of the engine's responses' routes on the wire, per generated token (the routes cover the
+  prompt's positions too, for R3's replay of them; a call's samples of one prompt send those once: mpo.rollout.frames).
 * rank0_s_per_mtoken: rank 0's CPU seconds (its process, every thread) in collect + distribute, per million generated
   tokens. CPU time, not wall time: the stub engine shares the machine's cores, its time is not rank 0's.
 
@@ -130,11 +129,6 @@ class ReceivedBytes:
         import torch.distributed.distributed_c10d as c10d
 
         self.total = 0
-        me = rank
-
-        def count(tensors) -> None:
-            for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
-                self.total += t.numel() * t.element_size()
 
         def wrap(name: str, receiving):
             original = getattr(c10d, name)
@@ -143,14 +137,14 @@ class ReceivedBytes:
                 out = original(*a, **kw)
                 tensor = receiving(*a, **kw)
                 if tensor is not None:
-                    count(tensor)
+                    self.total += tensor.numel() * tensor.element_size()
                 return out
 
             for module in (c10d, dist):
                 setattr(module, name, wrapped)
 
         def broadcast_recv(tensor, src=None, group=None, async_op=False, group_src=None):
-            s, mine = (group_src, c10d.get_rank(group)) if group_src is not None else (src, me)
+            s, mine = (group_src, c10d.get_rank(group)) if group_src is not None else (src, rank)
             return None if s == mine else tensor
 
         def scatter_recv(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
@@ -268,9 +262,8 @@ def main(argv: list[str]) -> int:
     cpu = statistics.median(r["cpu"] for r in gathered[0])
     wall = statistics.median(r["wall"] for r in gathered[0])
     print(f"{args.samples} samples, {generated:.0f} generated tokens a step (log-uniform "
-          f"{args.min_len}..{args.max_len}), "
-          f"{args.layers} MoE layers, top-{args.topk} of {args.experts}; 4 gloo ranks as DP{world // args.pp} x "
-          f"PP{args.pp}; median of {args.repeats}")
+          f"{args.min_len}..{args.max_len}), {args.layers} MoE layers, top-{args.topk} of {args.experts}; 4 gloo ranks "
+          f"as DP{world // args.pp} x PP{args.pp}; median of {args.repeats}")
     for rank, rows in enumerate(gathered):
         received, share = (statistics.median(r[k] for r in rows) / 1e6 for k in ("received", "share"))
         print(f"  rank {rank}: received {received:9.1f} MB, own share {share:8.1f} MB, "

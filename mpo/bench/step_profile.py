@@ -97,9 +97,7 @@ def run_reference(steps: int, overrides: list[str], threads: int) -> tuple[float
                                   use_cache=True)
         phase["generate"] = time.perf_counter() - t
         t = time.perf_counter()
-        outputs = []
-        for row in full[:, width:].tolist():
-            outputs.append(row[: row.index(eos) + 1] if eos in row else row)
+        outputs = [row[: row.index(eos) + 1] if eos in row else row for row in full[:, width:].tolist()]
         rewards = torch.tensor(task.score([p for p in prompts for _ in range(G)], outputs).rewards)
         grouped = rewards.view(-1, G)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
@@ -145,9 +143,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (step 0 is not counted)")
-    # The reference runs once before mpo's command and once after it, and counts as their mean: on a shared machine
-    # the speed drifts by up to a fifth over a minute, and one short reference run taken in a fast or a slow moment
-    # moved the ratio by as much as everything this bench exists to measure.
+    # The reference runs once before mpo's command and once after it, and counts as their mean: a shared machine's
+    # speed drifts, and one reference run alone moved the ratio by as much as what this bench measures.
     before = run_reference(args.steps, args.overrides, args.threads)
     with tempfile.TemporaryDirectory(prefix="mpo-step-profile-") as tmp:
         mpo_s, phases, wall = run_mpo(args.steps, args.overrides, Path(tmp))

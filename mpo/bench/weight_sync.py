@@ -78,38 +78,46 @@ def _reset_peak() -> bool:
         return False
 
 
+def _rank_streamer(rank: int, world: int, preset: str, layout: tuple[int, int, int], bucket_bytes: int,
+                   shared: bool | None = None):
+    """One trainer rank's model (`preset` at TP,EP,PP `layout`, seed 7, fp32) and its WeightStreamer, one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from mpo.models.builder import PrecisionConfig, build_model, unwrap
+    from mpo.models.config import preset as get_preset
+    from mpo.models.hf_mapping import mapping_for
+    from mpo.parallel import ParallelConfig, initialize_parallel
+    from mpo.weight_sync.gather import WeightStreamer
+
+    tp, ep, pp = layout
+    cfg = get_preset(preset)
+    ctx = initialize_parallel(ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp),
+                              rank=rank, world_size=world, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                              num_attention_heads=cfg.num_attention_heads)
+    gpt = unwrap(build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype="fp32"), seed=7))
+    return gpt, WeightStreamer(gpt, mapping_for(cfg, spec="local"),
+                               stage=parallel_state.get_pipeline_model_parallel_rank(), bucket_bytes=bucket_bytes,
+                               device=ctx.device.device, host_shared_memory=shared)
+
+
 def _sweep_rank(rank: int, world: int, port: int, preset: str, url: str, transport: str, bucket_bytes: int,
                 rounds: int, out: str, layout: tuple[int, int, int], shared: bool) -> None:
     """One trainer rank of a sweep run: build the model at the layout, stream it `rounds` times, record peaks."""
     import json
     import os
 
-    import torch
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from mpo.models.hf_mapping import mapping_for
-    from mpo.models.builder import PrecisionConfig, build_model, unwrap
-    from mpo.models.config import preset as get_preset
-    from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
-    from mpo.weight_sync.gather import WeightStreamer
     from mpo.weight_sync.transports import WeightSync, transport_class
     from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
-    tp, ep, pp = layout
-    parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp)
-    cfg = get_preset(preset)
-    ctx = initialize_parallel(parallel, rank=rank, world_size=world, num_layers=cfg.num_layers,
-                              num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads)
-    gpt = unwrap(build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype="fp32"), seed=7))
-    from megatron.core import parallel_state
-
-    streamer = WeightStreamer(gpt, mapping_for(cfg, spec="local"),
-                              stage=parallel_state.get_pipeline_model_parallel_rank(), bucket_bytes=bucket_bytes,
-                              device=ctx.device.device, host_shared_memory=shared)
+    gpt, streamer = _rank_streamer(rank, world, preset, layout, bucket_bytes, shared)
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport=transport,
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender else None)
     records = []
@@ -211,9 +219,9 @@ def sweep(args) -> int:
         for preset in sizes:
             runs[preset] = _sweep_run(preset, args, Path(tmp))
     gather = "gloo" if args.gloo_gather else "shared-memory slots"
-    print(f"streaming sync, 4 gloo ranks at TP,EP,PP={args.layout}, pieces via {gather}, transport "
-          f"{args.transport}, buckets of "
-          f"{args.bucket_mb:g} MiB, {args.rounds} rounds after one warm-up; memcpy {memcpy / 2**20:.0f} MiB/s")
+    print(f"streaming sync, 4 gloo ranks at TP,EP,PP={args.layout}, pieces via {gather}, transport {args.transport}, "
+          f"buckets of {args.bucket_mb:g} MiB, {args.rounds} rounds after one warm-up; "
+          f"memcpy {memcpy / 2**20:.0f} MiB/s")
     print(f"{'preset':16s} {'params':>10s} {'MiB':>8s} {'buckets':>8s} {'push s':>8s} {'total s':>8s} "
           f"{'push MiB/s':>11s} {'peak +MiB/rank (0..3)':>28s}")
     peaks, rates = {}, {}
@@ -266,31 +274,14 @@ def shape_rank(preset: str, url: str, bucket_bytes: int, rounds: int, out: str, 
     import json
     import os
 
-    import torch
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state
-
-    from mpo.models.builder import PrecisionConfig, build_model, unwrap
-    from mpo.models.config import preset as get_preset
-    from mpo.models.hf_mapping import mapping_for
-    from mpo.parallel import ParallelConfig, initialize_parallel
     from mpo.rollout.client import EngineClient
-    from mpo.weight_sync.gather import WeightStreamer
     from mpo.weight_sync.transports import WeightSync
     from mpo.weight_sync.verify import combine_digests, tensor_digest, verify_checksum
 
-    tp, ep, pp = layout
-    cfg = get_preset(preset)
-    ctx = initialize_parallel(ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp),
-                              rank=rank, world_size=world, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
-                              num_attention_heads=cfg.num_attention_heads)
-    gpt = unwrap(build_model(cfg, ctx.parallel, ctx.device, PrecisionConfig(dtype="fp32"), seed=7))
-    streamer = WeightStreamer(gpt, mapping_for(cfg, spec="local"),
-                              stage=parallel_state.get_pipeline_model_parallel_rank(), bucket_bytes=bucket_bytes,
-                              device=ctx.device.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _, streamer = _rank_streamer(rank, world, preset, layout, bucket_bytes)
     # rank 0 opens and closes the session; every sender pushes with its own WeightSync (as the publisher does)
     sync = (WeightSync([EngineClient(url, timeout_s=600)], engine="mpo", transport="distributed",
                        bucket_bytes=bucket_bytes, timeout_s=600) if streamer.is_sender or rank == 0 else None)
@@ -428,8 +419,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layout", default="2,2,1", help="--sweep: TP,EP,PP of the 4 ranks")
     parser.add_argument("--preset", default="tiny", help="engine model preset (names and shapes of the tensors)")
     parser.add_argument("--rounds", type=int, default=None, help="default 5 (--sweep: 3)")
-    parser.add_argument("--bucket-mb", type=float, default=None,
-                        help="default 4 (--sweep: 16)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="default 4 (--sweep: 16)")
     parser.add_argument("--transports", default="tensor,distributed")
     args = parser.parse_args(argv)
     if args.shape:

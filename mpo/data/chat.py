@@ -105,9 +105,6 @@ class PromptEncoder:
         except TemplateSyntaxError as e:
             raise DataError(f"the tokenizer's chat template does not parse: line {e.lineno}: {e.message}") from None
 
-    def _render(self, row: Row) -> str:
-        return self.render_messages(self.messages(row), add_generation_prompt=True, where=row.source)
-
     def render_messages(self, messages: list[dict], *, add_generation_prompt: bool, where: str) -> str:
         """The chat template's text of `messages` (bounded, mpo.data.template); DataError naming `where`."""
         from .template import TemplateLimit
@@ -135,7 +132,8 @@ class PromptEncoder:
 
     def encode(self, row: Row) -> list[int]:
         if self.chat_template:
-            return [int(i) for i in self.tokenizer(self._render(row), add_special_tokens=False)["input_ids"]]
+            text = self.render_messages(self.messages(row), add_generation_prompt=True, where=row.source)
+            return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
         if row.messages is not None and row.prompt is None:
             raise DataError(f"{row.source}: the row has chat messages but the tokenizer has no chat template "
                             "(give a 'prompt' string or a tokenizer with a chat template)")

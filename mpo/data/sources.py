@@ -31,9 +31,8 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 
-from .task_spec import safe_glob
+from .task_spec import DATA_SUFFIXES, safe_glob
 
-SUFFIXES = (".jsonl", ".parquet")
 REASONING_GYM_PREFIX = "reasoning_gym:"
 REASONING_GYM_DEFAULT_SIZE = 10_000
 _SCAN_CHUNK = 1 << 22  # 4 MiB: the jsonl scan's memory is this plus the offsets, whatever the file size
@@ -443,16 +442,16 @@ class ReasoningGymSource:
 def _expand_files(task: str) -> list[str]:
     path = Path(task)
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
         if not files:
             raise DataError(f"{task}: directory has no .jsonl or .parquet files")
         return files
     if path.is_file():
-        if path.suffix not in SUFFIXES:
+        if path.suffix not in DATA_SUFFIXES:
             raise DataError(f"{task}: unsupported file type {path.suffix!r}; valid: .jsonl, .parquet")
         return [task]
     if any(c in task for c in "*?["):
-        files = sorted(f for f in safe_glob(task) if Path(f).suffix in SUFFIXES and os.path.isfile(f))
+        files = sorted(f for f in safe_glob(task) if Path(f).suffix in DATA_SUFFIXES and os.path.isfile(f))
         if not files:
             raise DataError(f"{task}: no .jsonl or .parquet files match the glob")
         return files

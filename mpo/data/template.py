@@ -176,9 +176,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
 
 def _bounded_filter(env: _BoundedSandbox, fn):
-    """`fn` with the bounds checked. Marked pass_context so that the compiler never folds it into a constant (it
-    calls constant filters while compiling, outside the bounds); the context is turned back into what `fn` asked
-    for."""
+    """`fn` with the bounds checked. Marked pass_context so that the compiler never folds it into a constant (it calls
+    constant filters while compiling, outside the bounds); the context is turned back into what `fn` asked for."""
     passes = _PassArg.from_obj(fn)
 
     @pass_context

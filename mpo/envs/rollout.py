@@ -14,9 +14,8 @@ Token accounting of a row (GenerateResult-shaped, so the trainer builds its Samp
     routes every position of its prompt (prefill included), so the rows cover positions 0 .. len-2 and R3 replays
     observation and earlier turns' positions as the engine routed them in that call.
 
-An episode ends when the environment says done, after rollout.max_turns turns, when the context has no room for
-another turn, or when its environment fails (reset, step or an unrenderable observation): reward 0, counted in
-env_errors.
+An episode ends when the environment says done, after rollout.max_turns turns, when the context has no room for another
+turn, or when its environment fails (reset, step or an unrenderable observation): reward 0, counted in env_errors.
 """
 
 from __future__ import annotations
