@@ -69,10 +69,9 @@ def write_torch_dist(directory: Path, chunks: Iterable[ChunkSpec], objects: dict
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    chunk_list = list(chunks)
     by_index: dict[MetadataIndex, ChunkSpec] = {}
     items: list[WriteItem] = []
-    for chunk in chunk_list:
+    for chunk in chunks:
         index = MetadataIndex(chunk.key, torch.Size(chunk.offsets))
         items.append(WriteItem(
             index=index, type=WriteItemType.SHARD,

@@ -112,19 +112,15 @@ def _rank_entry(rank: int, world: int, port: int, args: tuple) -> None:
 
     try:
         run_rank(*args)
+        return
     except (ConversionError, CheckpointFileError) as exc:
         # One line for the parent (which raises it as a ConversionError) instead of a traceback per rank.
-        Path(_error_file(args[3], rank)).write_text(str(exc).replace("\n", " "))
-        os._exit(2)
+        message = str(exc).replace("\n", " ")
     except Exception as exc:  # megatron's own load errors (missing keys, shape mismatch) and anything else
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        Path(_error_file(args[3], rank)).write_text(
-            f"megatron rank {rank} failed: {type(exc).__name__}: {lines[0] if lines else ''}")
-        os._exit(2)
-
-
-def _error_file(out_file: str, rank: int) -> str:
-    return f"{out_file}.error-rank{rank}"
+        message = f"megatron rank {rank} failed: {type(exc).__name__}: {lines[0] if lines else ''}"
+    Path(f"{args[3]}.error-rank{rank}").write_text(message)  # args[3]: the output file (run_rank's out_file)
+    os._exit(2)
 
 
 def world_size_for(tp: int, ep: int, pp: int, etp: int | None) -> int:
@@ -205,17 +201,15 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, ep: int = 
     return compare(hf, mcore, layout, tolerance)
 
 
-# The stage fields of the layout as this CLI's flags, so a layout error names what to change on the command line.
-_FLAGS = {"parallel.num_layers_in_first_stage": "--pp-first", "parallel.num_layers_in_last_stage": "--pp-last",
-          "parallel.virtual_pipeline_parallel": "--vpp", "num_layers_in_first_stage": "--pp-first",
-          "num_layers_in_last_stage": "--pp-last", "virtual_pipeline_parallel": "--vpp"}
+# Layout stage fields (bare or under "parallel.") as this CLI's flags, so a layout error names what to change here.
+_FLAGS = {"num_layers_in_first_stage": "--pp-first", "num_layers_in_last_stage": "--pp-last",
+          "virtual_pipeline_parallel": "--vpp"}
 
 
 def _as_flags(message: str) -> str:
     import re
 
-    pattern = re.compile("|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)))
-    return pattern.sub(lambda m: _FLAGS[m.group(0)], message)
+    return re.sub(r"(?:parallel\.)?(" + "|".join(_FLAGS) + ")", lambda m: _FLAGS[m.group(1)], message)
 
 
 def _torch_dist_dir(mcore_dir: str | Path) -> Path:

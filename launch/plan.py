@@ -175,8 +175,7 @@ class Plan:
         for node in self.nodes:
             lines.append(f"node {node.node_rank} ({node.host}): {node.role}")
             for proc in node.processes:
-                lines.append(f"  [{proc.name}] {proc.shell()}")
-                lines.append(f"      log: {proc.log}")
+                lines += [f"  [{proc.name}] {proc.shell()}", f"      log: {proc.log}"]
         return "\n".join(lines)
 
 

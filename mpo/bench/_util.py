@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 
@@ -16,6 +17,7 @@ def init_single_rank():
 def make_buckets(named: list, bucket_bytes: int) -> list[list]:
     """Consecutive groups of HF-named tensors of at most bucket_bytes each (a larger tensor is a bucket of its own)."""
     buckets: list[list] = []
+    size = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
         if not buckets or size + nbytes > bucket_bytes:
@@ -40,6 +42,26 @@ def push_whole(sync, named: list, version) -> SimpleNamespace:
         sync.end_session()
     seconds, nbytes = time.perf_counter() - started, sum(t.numel() * t.element_size() for _, t in named)
     return SimpleNamespace(seconds=seconds, bytes=nbytes, buckets=len(buckets), bytes_per_s=nbytes / max(seconds, 1e-9))
+
+
+def run_demo(out: Path, steps: int, overrides: list[str], log: Path, who: str) -> tuple[list[dict], float]:
+    """`mpo demo --steps N --out OUT` with progress, TensorBoard, checkpoints and evaluation off, its output in `log`:
+    (its metrics rows of RL steps, its wall seconds). A failed run exits with one line naming `who` and the log."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "mpo.cli", "demo", "--steps", str(steps), "--out", str(out),
+               "logging.progress=false", "logging.tensorboard=false", "logging.checkpoint_every=0", "eval.every=0",
+               *overrides]
+    began = time.perf_counter()
+    with log.open("w") as handle:
+        code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - began
+    if code != 0:
+        raise SystemExit(f"{who}: the demo failed (exit {code}); see {log}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward_mean" in r], wall  # RL steps (a final evaluation row, with eval on, is not one)
 
 
 def in_fresh_processes(target, names: tuple[str, ...], *args) -> dict:

@@ -16,11 +16,8 @@ shows what the schedule changes; the real throughput gain needs engines on their
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -29,17 +26,9 @@ def _mean(values: list[float]) -> float:
 
 
 def run_mode(mode: str, out: Path, steps: int, extra: list[str]) -> dict[str, float]:
-    command = [sys.executable, "-m", "mpo.cli", "demo", "--steps", str(steps), "--out", str(out),
-               "logging.progress=false", "logging.tensorboard=false", "logging.checkpoint_every=0", "eval.every=0",
-               f"schedule.mode={mode}", *extra]
-    began = time.perf_counter()
-    with (out.parent / f"{mode}.log").open("w") as log:
-        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - began
-    if code != 0:
-        raise SystemExit(f"mode {mode}: the demo failed (exit {code}); see {out.parent / f'{mode}.log'}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward_mean" in r]  # RL steps (a final evaluation row, with eval on, is not one)
+    from mpo.bench._util import run_demo
+
+    rows, wall = run_demo(out, steps, [f"schedule.mode={mode}", *extra], out.parent / f"{mode}.log", f"mode {mode}")
     # schedule/step_s: wall time from the previous step's end to this one's (step 0's includes the first rollout)
     step_s = [r["schedule/step_s"] for r in rows[1:]]
     last = rows[-5:]

@@ -20,10 +20,7 @@ Last line: `step-profile mpo_s_per_step=<a> reference_s_per_step=<b> ratio=<a/b>
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,18 +34,11 @@ PHASES = (("collect", 0), ("prompt_draw", 1), ("request_build", 1), ("engine", 1
 
 def run_mpo(steps: int, overrides: list[str], work: Path) -> tuple[float, dict[str, float], float]:
     """(seconds per RL step, mean seconds per phase, wall time of the whole command)."""
-    out = work / "demo"
-    command = [sys.executable, "-m", "mpo.cli", "demo", "--steps", str(steps), "--out", str(out),
-               "logging.progress=false", "logging.tensorboard=false", "logging.checkpoint_every=0", "eval.every=0",
-               "logging.phase_times=true", *overrides]
-    began = time.perf_counter()
-    with (work / "demo.log").open("w") as log:
-        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - began
-    if code != 0:
-        raise SystemExit(f"step_profile: the demo failed (exit {code}); see {work / 'demo.log'}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward_mean" in r][1:]  # RL steps after the first
+    from mpo.bench._util import run_demo
+
+    rows, wall = run_demo(work / "demo", steps, ["logging.phase_times=true", *overrides], work / "demo.log",
+                          "step_profile")
+    rows = rows[1:]  # RL steps after the first
     if not rows:
         raise SystemExit("step_profile: --steps must be at least 2 (step 0 is not counted)")
     phases = {name: statistics.fmean(r.get(f"time/{name}_s", 0.0) for r in rows) for name, _ in PHASES}

@@ -32,8 +32,6 @@ class PromptRetirement:
     """
 
     def __init__(self, threshold: float, max_draw_factor: int = 64) -> None:
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"data.retire_pass_rate={threshold} must be in [0, 1]")
         self.threshold = threshold
         self.max_draw_factor = max_draw_factor
         self.retired: set[str] = set()

@@ -133,15 +133,9 @@ def _make_row(record: Any, keys: Keys, where: str) -> Row:
 
 
 class JsonlSource:
-    """A jsonl file read lazily through a byte-offset index (see the module doc).
-
-    Args:
-        max_row_bytes: longer lines are skipped at the scan and counted in `skipped_long`.
-    """
+    """A jsonl file read lazily through a byte-offset index (see the module doc: `max_row_bytes`, `skipped_long`)."""
 
     def __init__(self, path: str | Path, keys: Keys = Keys(), *, max_row_bytes: int = MAX_ROW_BYTES) -> None:
-        if max_row_bytes < 1:
-            raise ValueError(f"max_row_bytes={max_row_bytes} must be >= 1")
         self.path = str(path)
         self.keys = keys
         self.max_row_bytes = max_row_bytes
@@ -424,7 +418,6 @@ class ReasoningGymSource:
         if params["size"] < 1:
             raise DataError(f"{spec}: option size={params['size']} must be >= 1")
         self.name = name
-        self.spec = spec
         try:
             self.dataset = reasoning_gym.create_dataset(name, size=params["size"], seed=params["seed"])
         except Exception as e:  # the task's own config validation (AssertionError, ValueError, ...)

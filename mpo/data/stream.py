@@ -52,15 +52,10 @@ def epoch_permutation(n: int, seed: int, epoch: int, block_ends: np.ndarray | No
 
 
 class RowStream:
-    """`take(n)` rows in a seeded order, epoch by epoch; `state_dict()` / `load_state_dict()` to resume.
-
-    Args:
-        block_window: for block sources (parquet), how many row groups are shuffled together (see the module doc).
-    """
+    """`take(n)` rows in a seeded order, epoch by epoch; `state_dict()` / `load_state_dict()` to resume. `block_window`:
+    see the module doc."""
 
     def __init__(self, source: RowSource, seed: int, *, block_window: int = DEFAULT_BLOCK_WINDOW) -> None:
-        if block_window < 1:
-            raise ValueError(f"block_window={block_window} must be >= 1")
         self.source = source
         self.seed = int(seed)
         self.block_window = block_window

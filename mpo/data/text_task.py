@@ -42,8 +42,6 @@ class TextTask:
     max_answer_tokens = None  # no task-imposed limit: the generation budget comes from the config
 
     def __init__(self, stream: RowStream, encoder: PromptEncoder, *, max_prompt_tokens: int | None) -> None:
-        if max_prompt_tokens is not None and max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens={max_prompt_tokens} must be >= 1 or None")
         self.stream = stream
         self.encoder = encoder
         self.max_prompt_tokens = max_prompt_tokens

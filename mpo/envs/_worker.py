@@ -16,6 +16,7 @@ import pickle
 import sys
 
 from mpo.data.sources import DataError, _check_text
+from mpo.envs.registry import get_env_class
 from mpo.rewards._worker import check_reward, serve
 
 MAX_MESSAGE_CHARS = 1 << 20  # of one call's messages (roles and contents): an environment's answer is not a document
@@ -75,12 +76,6 @@ def check_reset(messages) -> list[dict]:
     return messages
 
 
-def _load(name: str) -> type:
-    from mpo.envs.registry import get_env_class
-
-    return get_env_class(name)
-
-
 def _handle(cls: type, op: str, *args):
     if op == "reset":
         (row,) = args
@@ -100,4 +95,4 @@ def _handle(cls: type, op: str, *args):
 if __name__ == "__main__":
     if len(sys.argv) > 4:
         _max_state_bytes = int(sys.argv[4])
-    serve(sys.argv[1:4], _load, _handle)
+    serve(sys.argv[1:4], get_env_class, _handle)

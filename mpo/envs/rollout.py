@@ -94,9 +94,8 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
     """`group_size` episodes per prompt; returns (rows, rewards, stats, engine restarts). `generate(requests)` ->
     (results, restarts) runs one batched engine call; `sampling` is each turn's template (its max_new_tokens the
     per-turn budget), `seeds` each episode's first-turn seed."""
-    stats = EnvStats()
     episodes = [Episode(prompt) for prompt in prompts for _ in range(group_size)]
-    stats.episodes = len(episodes)
+    stats = EnvStats(episodes=len(episodes))
     clock = time.perf_counter()
     batch = pool.reset([p.fields if p.fields is not None else {"answer": p.answer} for p in
                         (e.prompt for e in episodes)])

@@ -210,9 +210,5 @@ def _score(fn, completion, answer, metadata) -> float:
     return check_reward(float(fn(completion, answer, metadata)))
 
 
-def main(argv: list[str]) -> None:
-    serve(argv, _load_reward, _score)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    serve(sys.argv[1:], _load_reward, _score)

@@ -123,10 +123,6 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"frame refers to {module}.{name}; only plain data is allowed")
 
 
-def _unpickle_plain(body: bytes):
-    return _PlainUnpickler(io.BytesIO(body)).load()
-
-
 class _Broken(Exception):
     """A worker broke the protocol; the message says how (the call fails, the worker is replaced)."""
 
@@ -165,8 +161,7 @@ class RewardPool:
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         self._start_failures = 0
-        for _ in range(workers):
-            self._workers.append(self._start())
+        self._workers.extend(self._start() for _ in range(workers))
 
     @staticmethod
     def _check_name(fn_name: str) -> None:
@@ -285,8 +280,7 @@ class RewardPool:
             (length,) = _HEADER.unpack(inbox)
             inbox.clear()
             if length > self.max_frame_bytes:
-                self._broken(batch, worker, f"sent a frame of {length} bytes, over the cap of "
-                                            f"{self.max_frame_bytes}")
+                self._broken(batch, worker, f"sent a frame of {length} bytes, over the cap of {self.max_frame_bytes}")
                 return
             worker.frame_len = length
             if length:
@@ -297,7 +291,7 @@ class RewardPool:
         inbox.clear()
         worker.frame_len = None
         try:
-            message = _unpickle_plain(body)
+            message = _PlainUnpickler(io.BytesIO(body)).load()
         except Exception as e:  # noqa: BLE001 - whatever the bytes were, they are not a frame
             self._broken(batch, worker, f"sent an unreadable frame ({type(e).__name__}: {str(e)[:200]})")
             return
