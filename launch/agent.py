@@ -57,9 +57,8 @@ def process_env(spec: Process) -> dict[str, str]:
     OMP_NUM_THREADS=1 unless set: what torchrun sets then anyway, without the banner it prints at the top of the
     trainer's log when it has to (megatron's notices are filtered in the ranks themselves: mpo.quiet)."""
     env = {**os.environ, **spec.env}
-    argv = list(spec.argv)
-    if spec.kind == "trainer" and "--nproc-per-node" in argv[:-1]:
-        per_node = argv[argv.index("--nproc-per-node") + 1]
+    if spec.kind == "trainer" and "--nproc-per-node" in spec.argv[:-1]:
+        per_node = spec.argv[spec.argv.index("--nproc-per-node") + 1]
         if per_node.isdigit() and int(per_node) > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
     return env

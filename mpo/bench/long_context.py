@@ -30,10 +30,6 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _variant(name: str, tokens: int, vocab: int, hidden: int, queue) -> None:
     import torch
 
@@ -62,7 +58,7 @@ def _variant(name: str, tokens: int, vocab: int, hidden: int, queue) -> None:
     loss = -(logp * advantages).mean() - 0.01 * entropy.mean()
     loss.backward()
     elapsed = time.perf_counter() - start
-    peak = _peak_mib() - before
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     queue.put((name, peak, elapsed, logp.detach().tolist(), head.grad.norm().item()))  # plain data: the child exits
 
 

@@ -70,9 +70,7 @@ def safe_glob(pattern: str) -> list[str]:
         body[-1] = r"(?!\.)[^/]*(?:/(?!\.)[^/]*)*/"
     tail = "".join(body)
     tail = tail[:-1] if tail.endswith("/") else tail
-    prefix = "" if not parts[:literal] else re.escape(os.sep.join(parts[:literal]) + os.sep)
-    if parts[:literal] == [""]:  # an absolute pattern like /**/x.jsonl
-        prefix = re.escape(os.sep)
+    prefix = "" if not parts[:literal] else re.escape(os.sep.join(parts[:literal]) + os.sep)  # "/" for /**/x.jsonl
     regex = re.compile(prefix + tail + r"\Z", re.DOTALL)
     if not os.path.isdir(root):
         return []

@@ -61,8 +61,7 @@ class TextTask:
                                     f"(last: {row.source}, {len(ids)} tokens)")
                 continue
             in_a_row = 0
-            out.append(TextPrompt(ids=tuple(ids), answer=row.answer,
-                                  answer_ids=tuple(self.encoder.encode_answer(row)),
+            out.append(TextPrompt(ids=tuple(ids), answer=row.answer, answer_ids=tuple(self.encoder.encode_answer(row)),
                                   metadata=row.metadata, source=row.source, fields=_fields(row)))
         return out
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from mpo.data.sources import DataError
@@ -121,9 +121,8 @@ def run_episodes(prompts: list, group_size: int, *, pool, renderer, generate: Ca
             if room < 1:  # no room for another token: the episode ends here (its last turn was cut by length)
                 e.done = True
                 continue
-            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                    max_new_tokens=min(sampling.max_new_tokens, room),
-                                    stop_token_ids=sampling.stop_token_ids, sampling_seed=turn_seed(seeds[i], turn))
+            params = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room),
+                             sampling_seed=turn_seed(seeds[i], turn))
             requests.append(GenerateRequest(tuple(e.prompt_ids + e.ids), params, return_routed_experts=want_routes))
             asked.append(i)
         if not requests:

@@ -73,8 +73,7 @@ def reasoning_gym_reward(completion: str, answer: Any, metadata: dict) -> float:
         raise ValueError("reasoning_gym reward needs metadata['reasoning_gym'] (the dataset entry, with "
                          "['metadata']['source_dataset']): use it with reasoning_gym:<task> data") from None
     extracted = extract_answer(completion)
-    score = reasoning_gym_scorer(task)(extracted if extracted is not None else completion.strip(), entry)
-    score = float(score)
+    score = float(reasoning_gym_scorer(task)(extracted if extracted is not None else completion.strip(), entry))
     if not math.isfinite(score):
         raise ValueError(f"reasoning_gym task {task!r} scored {score}")
     return score

@@ -45,7 +45,5 @@ def get_reward(name: str) -> RewardFn:
 
 def warm_up(name: str) -> None:
     """Run the registered warm-up of reward `name`, if any (plug-ins have none)."""
-    if name in REWARD_REGISTRY:  # loads the built-ins, which register their warm-ups
-        hook = REWARD_WARMUPS.get(name)
-        if hook is not None:
-            hook()
+    if name in REWARD_REGISTRY and name in REWARD_WARMUPS:  # `in` loads the built-ins, registering their warm-ups
+        REWARD_WARMUPS[name]()
