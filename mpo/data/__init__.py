@@ -1,2 +1,2 @@
 """Prompts: the built-in digit tasks (toy), text prompt sources (jsonl, parquet, reasoning-gym) read lazily, a seeded
-resumable stream over them, tokenizer / chat-template encoding, TextTask, and the legacy regex math verifier."""
+resumable stream over them, tokenizer / chat-template encoding, TextTask, and prompt retirement."""
