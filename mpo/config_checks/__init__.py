@@ -56,8 +56,9 @@ def validate(config: TrainConfig) -> None:
     elif a.loss not in loss_names():
         raise ConfigError(f"algorithm.loss={_show(a.loss)}; valid values: {', '.join(loss_names())}, or a plug-in "
                           "'module:function' / 'path/to/file.py:function'")
+    loss_args = _typed_loss_args(a.loss, a.loss_args)  # outside the try: its ConfigError names the field already
     try:
-        make_loss_config(a.loss, **_typed_loss_args(a.loss, a.loss_args))
+        make_loss_config(a.loss, **loss_args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"algorithm.loss_args: {exc}") from None
     try:
