@@ -38,9 +38,10 @@ def run_local(config_path: str | None, overrides: list[str], *, plot: bool = Tru
     import yaml
 
     from mpo.config import to_dict
+    from mpo.config_checks import load_config
     from mpo.memory_plan import check_fits_here
 
-    config, _ = resolve_config(config_path, overrides)
+    config = load_config(config_path, overrides)  # its YAML is written once conversion has settled model.mcore_dir
     check_fits_here(config)  # before any rank tries to build a model this machine cannot hold
     out_dir = Path(config.logging.out_dir)
     lock = lock_run_dir(out_dir)  # held until torchrun returns; first, so a refused run writes nothing here
